@@ -3,6 +3,8 @@
 // Dims lists follow NumPy: negative dims wrap, duplicates are an error, and an empty list reduces nothing
 // (use sum(a) / mean(a) to reduce everything). Backward formulas broadcast the incoming gradient back to
 // the input's shape as a contiguous tensor.
+#include <cmath>
+
 #include "autograd/node.h"
 #include "autograd/ops.h"
 #include "tensor/cpu/elementwise.h"
