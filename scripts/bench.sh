@@ -11,6 +11,7 @@
 # Environment: DG_JOBS (build jobs, default 2), DG_SKIP_DEPS=1, DG_PYTHON (default /usr/bin/python3: Debian's
 # interpreter, which python3-torch installs into).
 set -euo pipefail
+# shellcheck source=scripts/common.sh
 source "$(dirname "$0")/common.sh"
 
 torch=1
@@ -18,7 +19,7 @@ names=()
 for arg in "$@"; do
   case "$arg" in
     --no-torch) torch=0 ;;
-    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
     -*) dg_die "unknown option $arg (try --help)" ;;
     *) names+=("${arg#bench_}") ;;
   esac

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared helpers for scripts/*.sh. Sourced, never run on its own.
 #
 # Builds go through the presets in CMakePresets.json so that the scripts, CI and a developer typing

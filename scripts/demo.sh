@@ -6,6 +6,7 @@
 #
 # Environment: DG_JOBS (build jobs, default 2), DG_SKIP_DEPS=1 (do not check/install packages).
 set -euo pipefail
+# shellcheck source=scripts/common.sh
 source "$(dirname "$0")/common.sh"
 
 # The program this demo runs; later issues replace it with the distributed jobs.

@@ -70,7 +70,7 @@ dg_deps() {
   "${apt[@]}" install -y --no-install-recommends "${missing[@]}" || return 1
   list=$(dg_missing_packages "${wanted[@]}") || return 1
   if [[ -n "$list" ]]; then
-    echo "[distgrad] deps: still missing after apt-get install:" $list >&2
+    echo "[distgrad] deps: still missing after apt-get install: ${list//$'\n'/ }" >&2
     return 1
   fi
 }
@@ -81,7 +81,7 @@ if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
   for arg in "$@"; do
     case "$arg" in
       --torch) extra+=("${DG_DEPS_TORCH_PACKAGES[@]}") ;;
-      -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+      -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
       -*) echo "deps.sh: unknown option $arg (try --help)" >&2; exit 2 ;;
       *) extra+=("$arg") ;;
     esac

@@ -10,6 +10,7 @@
 #
 # Environment: DG_JOBS (build and test jobs, default 2), DG_SKIP_DEPS=1 (do not check/install packages).
 set -euo pipefail
+# shellcheck source=scripts/common.sh
 source "$(dirname "$0")/common.sh"
 
 preset=ci
@@ -20,7 +21,7 @@ while [[ $# -gt 0 ]]; do
     --slow) slow=1 ;;
     --preset) [[ $# -ge 2 ]] || dg_die "--preset needs a name"; preset=$2; shift ;;
     --preset=*) preset=${1#--preset=} ;;
-    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
     *) ctest_args+=("$1") ;;
   esac
   shift
