@@ -300,6 +300,21 @@ TEST(Conv2d, BadInputs) {
   EXPECT_NE(msg.find("float32 or float64"), std::string::npos) << msg;
 }
 
+TEST(Conv2d, AutoLayoutFollowsTheMeasuredRule) {
+  kernels::Conv2dParams same;
+  same.padding = {1, 1};
+  kernels::Conv2dParams down = same;
+  down.stride = {2, 2};
+  using L = kernels::ConvLayout;
+  EXPECT_EQ(kernels::chooseConvLayout({32, 3, 32, 32}, {64, 3, 3, 3}, same), L::kPlain);
+  EXPECT_EQ(kernels::chooseConvLayout({32, 64, 8, 8}, {64, 64, 3, 3}, same), L::kChannelsLast);
+  EXPECT_EQ(kernels::chooseConvLayout({32, 64, 8, 8}, {128, 64, 3, 3}, down), L::kBlocked);
+  EXPECT_EQ(kernels::chooseConvLayout({32, 256, 2, 2}, {256, 256, 3, 3}, same), L::kBlocked);
+  kernels::Conv2dParams grouped = same;
+  grouped.groups = 64;
+  EXPECT_EQ(kernels::chooseConvLayout({32, 64, 8, 8}, {64, 1, 3, 3}, grouped), L::kBlocked);
+}
+
 TEST(Conv2d, EmptyBatch) {
   Tensor y = conv2d(Tensor::zeros({0, 2, 5, 5}), Tensor::zeros({3, 2, 3, 3}), Tensor::ones({3}));
   EXPECT_EQ(y.shape(), (Shape{0, 3, 3, 3}));
