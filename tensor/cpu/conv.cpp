@@ -222,6 +222,7 @@ struct Operand {
   memory::desc inner;
   bool reordered = false;
   dnnl::reorder reorder;
+  size_t reorderScratchpadBytes = 0;
 };
 
 // A cached pass: primitive + operands (two inputs, one output) + optional bias (input of forward, output
@@ -243,7 +244,7 @@ ThreadBuffers& threadBuffers() {
   return buffers;
 }
 
-using PlanKey = std::array<int64_t, 17>;
+using PlanKey = std::array<int64_t, 18>;
 struct PlanKeyHash {
   size_t operator()(const PlanKey& k) const {
     size_t h = 1469598103934665603ull;
@@ -255,7 +256,7 @@ struct PlanKeyHash {
 PlanKey planKey(const ConvGeometry& g, ConvPass pass, bool bias, ConvLayout layout) {
   return {g.n, g.c, g.h, g.w, g.o, g.kh, g.kw, g.p.stride[0], g.p.stride[1], g.p.padding[0], g.p.padding[1],
           g.p.dilation[0], g.p.dilation[1], g.p.groups, static_cast<int64_t>(pass), bias ? 1 : 0,
-          static_cast<int64_t>(layout)};
+          static_cast<int64_t>(layout), numThreads()};
 }
 
 memory::desc md(const memory::dims& dims, Tag tag) { return memory::desc(dims, memory::data_type::f32, tag); }
@@ -272,8 +273,8 @@ Operand makeOperand(int arg, const memory::desc& plain, const memory::desc& inne
     auto& eng = dnnlEngine();
     auto pd = isInput ? dnnl::reorder::primitive_desc(eng, plain, eng, inner, attr)
                       : dnnl::reorder::primitive_desc(eng, inner, eng, plain, attr);
-    DG_ASSERT(pd.scratchpad_desc().get_size() == 0, "oneDNN reorder unexpectedly needs a scratchpad");
     op.reorder = dnnl::reorder(pd);
+    op.reorderScratchpadBytes = pd.scratchpad_desc().get_size();
   }
   return op;
 }
@@ -365,18 +366,35 @@ ConvLayout resolveLayout(const ConvGeometry& g, ConvLayout requested) {
 ConvPlan& planFor(const ConvGeometry& g, ConvPass pass, bool bias, ConvLayout layout) {
   constexpr size_t kMaxPlans = 512;
   thread_local std::unordered_map<PlanKey, std::unique_ptr<ConvPlan>, PlanKeyHash> cache;
+  // oneDNN sizes its work split and scratchpad for the thread count current at creation: apply ours to this
+  // thread first, and key plans by it so a later setNumThreads gets fresh ones.
+  (void)dnnlStream();
   layout = resolveLayout(g, layout);
   const PlanKey key = planKey(g, pass, bias, layout);
   auto it = cache.find(key);
   if (it != cache.end()) return *it->second;
   if (cache.size() >= kMaxPlans) cache.clear();
+  std::unique_ptr<ConvPlan> plan;
   try {
-    return *cache.emplace(key, createPlan(g, pass, bias, layout)).first->second;
+    plan = createPlan(g, pass, bias, layout);
   } catch (const dnnl::error& e) {
+    // Shapes and options were validated, so oneDNN refusing them is our bug, not the caller's.
     DG_ASSERT(false, "oneDNN could not create a convolution primitive for input ", shapeStr(g.inputShape()),
               " weight ", shapeStr(g.weightShape()), ": ", e.what());
   }
-  return *cache.begin()->second;  // unreachable
+  return *cache.emplace(key, std::move(plan)).first->second;
+}
+
+memory scratchpadMemory(size_t bytes) {
+  const memory::desc scratchMd({static_cast<memory::dim>(bytes)}, memory::data_type::u8, Tag::x);
+  return memory(scratchMd, dnnlEngine(), threadBuffers().scratchpad.ensure(bytes));
+}
+
+// Runs a cached reorder (with its scratchpad, when it needs one).
+void runReorder(const Operand& op, const memory& from, const memory& to) {
+  std::unordered_map<int, memory> args{{DNNL_ARG_FROM, from}, {DNNL_ARG_TO, to}};
+  if (op.reorderScratchpadBytes > 0) args.emplace(DNNL_ARG_SCRATCHPAD, scratchpadMemory(op.reorderScratchpadBytes));
+  op.reorder.execute(dnnlStream(), args);
 }
 
 // Our plain bytes as the memory an operand of `plan` wants: the user memory itself, or a reorder of it
@@ -386,7 +404,7 @@ memory prepareInput(const Operand& op, const void* data, AlignedBuffer& buffer) 
   memory user(op.plain, eng, const_cast<void*>(data));
   if (!op.reordered) return user;
   memory inner(op.inner, eng, buffer.ensure(op.inner.get_size()));
-  op.reorder.execute(dnnlStream(), user, inner);
+  runReorder(op, user, inner);
   return inner;
 }
 
@@ -400,12 +418,9 @@ void execute(ConvPlan& plan, const memory& in0, const memory& in1, void* out, vo
                                        : userOut;
   std::unordered_map<int, memory> args{{plan.in0.arg, in0}, {plan.in1.arg, in1}, {plan.out.arg, innerOut}};
   if (plan.biasArg != 0) args.emplace(plan.biasArg, memory(plan.biasMd, eng, bias));
-  if (plan.scratchpadBytes > 0) {
-    const memory::desc scratchMd({static_cast<memory::dim>(plan.scratchpadBytes)}, memory::data_type::u8, Tag::x);
-    args.emplace(DNNL_ARG_SCRATCHPAD, memory(scratchMd, eng, buffers.scratchpad.ensure(plan.scratchpadBytes)));
-  }
+  if (plan.scratchpadBytes > 0) args.emplace(DNNL_ARG_SCRATCHPAD, scratchpadMemory(plan.scratchpadBytes));
   plan.primitive.execute(stream, args);
-  if (plan.out.reordered) plan.out.reorder.execute(stream, innerOut, userOut);
+  if (plan.out.reordered) runReorder(plan.out, innerOut, userOut);
   stream.wait();
 }
 
