@@ -53,8 +53,10 @@ inline constexpr ConvLayout kDefaultConvLayout = ConvLayout::kAuto;
 //   256 2x2 3x3                 9.7 / 36.6 / 11.1   -> blocked
 //   256->512 2x2 3x3/2         13.5 / 27.4 / 14.2   -> blocked
 //   512 1x1 3x3                14.9 / 82.0 / 14.9   -> blocked
-// Plain is never far ahead except for few input channels, and up to 5x behind elsewhere; channels-last wins
-// for stride-1 spatial kernels on maps of at least 4x4; blocked elsewhere.
+// Plain wins only with few input channels (the stem) and is up to 5x behind elsewhere; channels-last wins
+// for stride-1 spatial kernels on maps of at least 4x4 (~15%); blocked is as good or better elsewhere.
+// Differences under ~5% are within run-to-run noise on the (shared) measuring machine. Grouped convolutions
+// were not measured and use blocked, oneDNN's own preference.
 ConvLayout chooseConvLayout(const Shape& x, const Shape& weight, const Conv2dParams& params);
 
 // Validates x [N,C,H,W], weight [O, C/groups, kH, kW] and the parameters (throwing ValueError naming `op`,
