@@ -80,6 +80,21 @@ for name in "${names[@]}"; do
   if [[ -f "bench/${name}_torch.py" && $torch == 1 ]]; then
     dg_log "run: $python bench/${name}_torch.py"
     "$python" "bench/${name}_torch.py" | tee_json || failed+=("${name}_torch.py")
+    # Same-run ratio distgrad / pytorch for every metric both sides reported (medians).
+    "$python" - "$results" "$name" <<'PY' | tee_json
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+side = {}
+for r in rows:
+    if r.get("bench") == sys.argv[2] and "median" in r and r.get("impl") in ("distgrad", "pytorch"):
+        side[(r["impl"], r["metric"])] = r
+for (impl, metric), ours in side.items():
+    theirs = side.get(("pytorch", metric))
+    if impl == "distgrad" and theirs and theirs["median"]:
+        print(json.dumps({"bench": sys.argv[2], "metric": metric + "_ratio", "unit": "distgrad/pytorch",
+                          "median": round(ours["median"] / theirs["median"], 4), "p10": None, "p90": None,
+                          "n": 1}, separators=(",", ":")))
+PY
   fi
 done
 
