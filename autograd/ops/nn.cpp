@@ -205,9 +205,9 @@ Tensor crossEntropy(const Tensor& logits, const Tensor& targets, Reduction reduc
   kernels::CrossEntropyResult res = kernels::crossEntropy(logits, targets, r);
   return autograd::recordOp(
       "CrossEntropyBackward", {logits}, res.loss,
-      [x = logits.detach(), t = targets.detach(), lse = res.logSumExp, r](const std::vector<Tensor>& g,
-                                                                          const autograd::Node&) {
-        return std::vector<Tensor>{kernels::crossEntropyBackward(g[0], x, t, lse, r)};
+      [x = logits.detach(), t = targets.detach(), saved = kernels::CrossEntropyResult{Tensor(), res.rowMax, res.logSum},
+       r](const std::vector<Tensor>& g, const autograd::Node&) {
+        return std::vector<Tensor>{kernels::crossEntropyBackward(g[0], x, t, saved, r)};
       });
 }
 

@@ -265,7 +265,9 @@ BatchNormGrads batchNormBackward(const Tensor& gradOutput, const Tensor& x, cons
     const bool scale = w.defined();
     // use_shift only matters when its gradient is wanted (the shift does not enter dx).
     const bool shift = need[2];
-    const bool paramGrads = (scale && need[1]) || shift;
+    // oneDNN (2.6, plain layout) has no backward_data with a scale: whenever a flag is set it runs the full
+    // backward, and unwanted parameter gradients land in scratch buffers.
+    const bool paramGrads = scale || shift;
     const auto flags = flagsFor(scale, shift, false);
     dnnl::batch_normalization_forward::desc fwdDesc(dnnl::prop_kind::forward_training, data,
                                                     static_cast<float>(eps), flags);
@@ -285,6 +287,12 @@ BatchNormGrads batchNormBackward(const Tensor& gradOutput, const Tensor& x, cons
     if (paramGrads && scale) {
       gw = r.weight.defined() ? r.weight : Tensor::empty({l.channels}, dtype);
       args.emplace(DNNL_ARG_DIFF_SCALE, wrap(chan, gw));
+    }
+    Tensor shiftInput;
+    if (shift) {
+      // oneDNN's backward asks for the shift although dx does not depend on it: any [C] buffer will do.
+      shiftInput = Tensor::zeros({l.channels}, dtype);
+      args.emplace(DNNL_ARG_SHIFT, wrap(chan, shiftInput));
     }
     if (paramGrads && shift) {
       gb = r.bias;

@@ -48,8 +48,9 @@ void softmaxRows(const T* x, T* y, int64_t rows, int64_t size) {
       sum += e;
     }
     if constexpr (kLog) {
-      const T shift = m + std::log(sum);
-      for (int64_t i = 0; i < size; ++i) out[i] = in[i] - shift;
+      // (x - max) is exact; adding log(sum) to max first would round away small differences of large logits.
+      const T logSum = std::log(sum);
+      for (int64_t i = 0; i < size; ++i) out[i] = (in[i] - m) - logSum;
     } else {
       const T inv = T(1) / sum;
       for (int64_t i = 0; i < size; ++i) out[i] *= inv;
@@ -84,11 +85,11 @@ void softmaxColumns(const T* x, T* y, const Around& a) {
       }
     }
     if constexpr (kLog) {
-      for (int64_t i = 0; i < a.inner; ++i) maxv[i] += std::log(sum[i]);
+      for (int64_t i = 0; i < a.inner; ++i) sum[i] = std::log(sum[i]);
       for (int64_t k = 0; k < a.size; ++k) {
         const T* row = in + k * a.inner;
         T* dst = out + k * a.inner;
-        for (int64_t i = 0; i < a.inner; ++i) dst[i] = row[i] - maxv[i];
+        for (int64_t i = 0; i < a.inner; ++i) dst[i] = (row[i] - maxv[i]) - sum[i];
       }
     } else {
       for (int64_t i = 0; i < a.inner; ++i) sum[i] = T(1) / sum[i];
@@ -211,13 +212,14 @@ CrossEntropyResult crossEntropy(const Tensor& logits, const Tensor& targets, Los
   Tensor t = contiguousOf(targets, DType::kInt64);
   const int64_t n = x.shape()[0], classes = x.shape()[1];
   checkTargets(t.data<int64_t>(), n, classes, op);
-  CrossEntropyResult r{Tensor::empty({n}, dtype), Tensor::empty({n}, dtype)};
+  CrossEntropyResult r{Tensor::empty({n}, dtype), Tensor::empty({n}, dtype), Tensor::empty({n}, dtype)};
   dispatchFloat(dtype, op, [&](auto zero) {
     using T = decltype(zero);
     const T* xp = x.data<T>();
     const int64_t* tp = t.data<int64_t>();
     T* loss = r.loss.data<T>();
-    T* lse = r.logSumExp.data<T>();
+    T* rowMax = r.rowMax.data<T>();
+    T* logSum = r.logSum.data<T>();
     for (int64_t i = 0; i < n; ++i) {
       const T* row = xp + i * classes;
       T m = -std::numeric_limits<T>::infinity();
@@ -226,8 +228,9 @@ CrossEntropyResult crossEntropy(const Tensor& logits, const Tensor& targets, Los
       if (std::isinf(m)) m = m > 0 ? m : T(0);
       T sum = 0;
       for (int64_t c = 0; c < classes; ++c) sum += std::exp(row[c] - m);
-      lse[i] = m + std::log(sum);
-      loss[i] = lse[i] - row[tp[i]];
+      rowMax[i] = m;
+      logSum[i] = std::log(sum);
+      loss[i] = logSum[i] - (row[tp[i]] - m);
     }
   });
   r.loss = reduceLosses(r.loss, reduction);
@@ -235,18 +238,20 @@ CrossEntropyResult crossEntropy(const Tensor& logits, const Tensor& targets, Los
 }
 
 Tensor crossEntropyBackward(const Tensor& gradOutput, const Tensor& logits, const Tensor& targets,
-                            const Tensor& logSumExp, LossReduction reduction) {
+                            const CrossEntropyResult& forward, LossReduction reduction) {
   const DType dtype = logits.dtype();
   Tensor x = contiguousOf(logits, dtype);
   Tensor t = contiguousOf(targets, DType::kInt64);
-  Tensor lse = contiguousOf(logSumExp, dtype);
+  Tensor rowMax = contiguousOf(forward.rowMax, dtype);
+  Tensor logSum = contiguousOf(forward.logSum, dtype);
   Tensor g = contiguousOf(gradOutput, dtype);
   const int64_t n = x.shape()[0], classes = x.shape()[1];
   Tensor dx = Tensor::empty(x.shape(), dtype);
   dispatchFloat(dtype, "crossEntropy backward", [&](auto zero) {
     using T = decltype(zero);
     const T* xp = x.data<T>();
-    const T* lp = lse.data<T>();
+    const T* mp = rowMax.data<T>();
+    const T* lp = logSum.data<T>();
     const int64_t* tp = t.data<int64_t>();
     T* dp = dx.data<T>();
     const LossCoef<T> coef = lossCoef<T>(g, reduction, n);
@@ -254,8 +259,8 @@ Tensor crossEntropyBackward(const Tensor& gradOutput, const Tensor& logits, cons
       const T* row = xp + i * classes;
       T* out = dp + i * classes;
       const T k = coef(i);
-      const T shift = lp[i];
-      for (int64_t c = 0; c < classes; ++c) out[c] = k * std::exp(row[c] - shift);
+      const T m = mp[i], logS = lp[i];
+      for (int64_t c = 0; c < classes; ++c) out[c] = k * std::exp((row[c] - m) - logS);
       out[tp[i]] -= k;
     }
   });

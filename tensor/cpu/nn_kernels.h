@@ -28,8 +28,11 @@ Tensor logSoftmaxBackward(const Tensor& gradOutput, const Tensor& output, int64_
 enum class LossReduction { kNone, kMean, kSum };
 
 struct CrossEntropyResult {
-  Tensor loss;       // [N] for kNone, else a scalar
-  Tensor logSumExp;  // [N], what backward needs besides the logits
+  Tensor loss;    // [N] for kNone, else a scalar
+  // What backward needs besides the logits: logsumexp(logits_n) = rowMax_n + logSum_n, kept apart so that
+  // large logits keep float32 precision (x - rowMax is exact; rowMax + logSum would round).
+  Tensor rowMax;  // [N]
+  Tensor logSum;  // [N], log(sum(exp(logits_n - rowMax_n)))
 };
 // loss_n = logsumexp(logits_n) - logits_n[target_n]: logSoftmax and nllLoss fused (one pass, no [N,C]
 // intermediate). `op` names the calling op in target errors.
@@ -37,7 +40,7 @@ CrossEntropyResult crossEntropy(const Tensor& logits, const Tensor& targets, Los
                                 const char* op = "crossEntropy");
 // d/dlogits = coef_n * (softmax(logits_n) - onehot(target_n)), coef = gradOutput (/ N for kMean).
 Tensor crossEntropyBackward(const Tensor& gradOutput, const Tensor& logits, const Tensor& targets,
-                            const Tensor& logSumExp, LossReduction reduction);
+                            const CrossEntropyResult& forward, LossReduction reduction);
 
 // loss_n = -logProbs_n[target_n]
 Tensor nllLoss(const Tensor& logProbs, const Tensor& targets, LossReduction reduction, const char* op = "nllLoss");
