@@ -1,0 +1,59 @@
+#include "models/optim/sgd.h"
+
+#include <cmath>
+
+namespace distgrad::models::optim {
+namespace {
+
+template <typename T>
+void sgdUpdate(T* __restrict p, const T* __restrict g, T* __restrict buf, int64_t n, bool firstStep,
+               const SgdOptions& o, double learningRate) {
+  const T lr = static_cast<T>(learningRate);
+  const T wd = static_cast<T>(o.weightDecay);
+  const T mom = static_cast<T>(o.momentum);
+  const T keep = static_cast<T>(1.0 - o.dampening);
+  if (buf == nullptr) {  // plain SGD
+    for (int64_t i = 0; i < n; ++i) p[i] -= lr * (g[i] + wd * p[i]);
+    return;
+  }
+  if (firstStep) {  // the buffer starts as the (decayed) gradient itself, without dampening
+    for (int64_t i = 0; i < n; ++i) buf[i] = g[i] + wd * p[i];
+  } else {
+    for (int64_t i = 0; i < n; ++i) buf[i] = mom * buf[i] + keep * (g[i] + wd * p[i]);
+  }
+  if (o.nesterov) {
+    for (int64_t i = 0; i < n; ++i) p[i] -= lr * ((g[i] + wd * p[i]) + mom * buf[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) p[i] -= lr * buf[i];
+  }
+}
+
+}  // namespace
+
+SGD::SGD(std::vector<Tensor> parameters, const SgdOptions& options)
+    : Optimizer(std::move(parameters), options.learningRate, "SGD"), options_(options) {
+  DG_CHECK(std::isfinite(options.momentum) && options.momentum >= 0, "SGD: momentum must be >= 0, got ", options.momentum);
+  DG_CHECK(std::isfinite(options.weightDecay) && options.weightDecay >= 0, "SGD: weightDecay must be >= 0, got ",
+           options.weightDecay);
+  DG_CHECK(options.dampening >= 0 && options.dampening <= 1, "SGD: dampening must be in [0, 1], got ", options.dampening);
+  DG_CHECK(!options.nesterov || (options.momentum > 0 && options.dampening == 0),
+           "SGD: nesterov momentum requires momentum > 0 and dampening == 0, got momentum ", options.momentum,
+           " and dampening ", options.dampening);
+  momentumBuffers_.resize(this->parameters().size());
+}
+
+void SGD::update(size_t index, const Tensor& param, const Tensor& grad) {
+  const int64_t n = param.numel();
+  Tensor& buf = momentumBuffers_[index];
+  const bool useMomentum = options_.momentum != 0;
+  const bool firstStep = useMomentum && !buf.defined();
+  if (firstStep) buf = Tensor::empty(param.shape(), param.dtype());
+  // Note the order: the decayed gradient uses p before this step's update, as in PyTorch.
+  tensor::dispatchFloat(param.dtype(), "SGD::step", [&](auto zero) {
+    using T = decltype(zero);
+    sgdUpdate<T>(param.data<T>(), grad.data<T>(), useMomentum ? buf.data<T>() : nullptr, n, firstStep, options_,
+                 learningRate());
+  });
+}
+
+}  // namespace distgrad::models::optim
