@@ -25,8 +25,8 @@ std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& gradOutputs) {
   DG_ASSERT(gradOutputs.size() == 1, "AccumulateGrad takes one gradient");
   Tensor g = std::move(gradOutputs[0]);
   if (!g.defined()) return {};
-  std::lock_guard<std::mutex> lock(mutex_);
   Tensor leaf(leaf_);
+  std::lock_guard<std::mutex> lock(leaf.ensureAutogradMeta().mutex);
   for (auto& hook : leaf.ensureAutogradMeta().hooks) {
     Tensor replaced = hook(g);
     if (replaced.defined()) g = replaced;
@@ -55,6 +55,7 @@ Edge gradientEdge(const Tensor& t) {
   if (!t.defined() || !t.requiresGrad()) return Edge{};
   auto& meta = t.ensureAutogradMeta();
   if (meta.gradFn) return Edge{meta.gradFn, meta.outputNr};
+  std::lock_guard<std::mutex> lock(meta.mutex);  // one accumulator per leaf, also across threads
   std::shared_ptr<Node> acc = meta.gradAccumulator.lock();
   if (!acc) {
     acc = std::make_shared<AccumulateGrad>(t.implPtr());

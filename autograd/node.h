@@ -95,7 +95,6 @@ class AccumulateGrad final : public Node {
 
  private:
   std::shared_ptr<tensor::TensorImpl> leaf_;
-  std::mutex mutex_;
 };
 
 // The node most ops use: a backward closure that captures what it saved (always detached tensors, so

@@ -13,6 +13,7 @@
 #include <functional>
 #include <initializer_list>
 #include <memory>
+#include <mutex>
 #include <ostream>
 #include <span>
 #include <string>
@@ -35,6 +36,8 @@ struct TensorImpl;
 // Autograd state attached to a tensor. Defined here (plain data) so tensor/ can carry it; only autograd/
 // gives it meaning.
 struct AutogradMeta {
+  // Guards grad and gradAccumulator: concurrent backward passes may share a leaf.
+  std::mutex mutex;
   bool requiresGrad = false;
   bool retainsGrad = false;
   std::shared_ptr<TensorImpl> grad;            // accumulated gradient of a leaf (or retained non-leaf)

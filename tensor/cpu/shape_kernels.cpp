@@ -1,0 +1,165 @@
+#include "tensor/cpu/shape_kernels.h"
+
+#include <cstring>
+
+#include "tensor/cpu/elementwise.h"
+#include "tensor/cpu/strided.h"
+
+namespace distgrad::tensor::kernels {
+namespace {
+
+// Copies with the element's bit pattern (U is an unsigned integer of the element's size), so one loop
+// serves every dtype of that size.
+template <typename U>
+void copyTyped(const Tensor& dst, const Tensor& src, const Shape& srcStrides) {
+  const int64_t isz = static_cast<int64_t>(sizeof(U));
+  Shape dstBytes(dst.dim()), srcBytes(dst.dim());
+  for (int64_t i = 0; i < dst.dim(); ++i) {
+    dstBytes[i] = dst.strides()[i] * isz;
+    srcBytes[i] = srcStrides[i] * isz;
+  }
+  forEachStrided<2>(dst.shape(), {dstBytes, srcBytes},
+                    {static_cast<char*>(dst.rawData()), static_cast<char*>(src.rawData())},
+                    [&](const std::array<char*, 2>& p, const std::array<int64_t, 2>& s, int64_t n) {
+                      U* o = reinterpret_cast<U*>(p[0]);
+                      const U* in = reinterpret_cast<const U*>(p[1]);
+                      const int64_t so = s[0] / isz;
+                      const int64_t si = s[1] / isz;
+                      if (so == 1 && si == 1) {
+                        std::memmove(o, in, static_cast<size_t>(n) * sizeof(U));
+                      } else if (so == 1 && si == 0) {
+                        const U v = *in;
+                        for (int64_t i = 0; i < n; ++i) o[i] = v;
+                      } else if (so == 1) {
+                        for (int64_t i = 0; i < n; ++i) o[i] = in[i * si];
+                      } else {
+                        for (int64_t i = 0; i < n; ++i) o[i * so] = in[i * si];
+                      }
+                    });
+}
+
+}  // namespace
+
+Tensor asStrided(const Tensor& t, const Shape& shape, const Shape& strides, int64_t offset) {
+  return Tensor::fromStorage(t.storage(), shape, strides, offset, t.dtype());
+}
+
+std::optional<Shape> viewStrides(const Shape& oldShape, const Shape& oldStrides, const Shape& newShape) {
+  if (numelOf(oldShape) == 0 || oldShape.empty()) return contiguousStrides(newShape);
+  // Walk both shapes from the right, matching "chunks" of old dims that are contiguous with each other
+  // (the same algorithm as PyTorch's computeStride): a view exists iff every new dim falls inside one chunk.
+  const int64_t newNd = static_cast<int64_t>(newShape.size());
+  Shape newStrides(newShape.size(), 0);
+  int64_t viewD = newNd - 1;
+  int64_t chunkBaseStride = oldStrides.back();
+  int64_t tensorNumel = 1;
+  int64_t viewNumel = 1;
+  for (int64_t tensorD = static_cast<int64_t>(oldShape.size()) - 1; tensorD >= 0; --tensorD) {
+    tensorNumel *= oldShape[tensorD];
+    const bool chunkEnds = tensorD == 0 || (oldShape[tensorD - 1] != 1 &&
+                                            oldStrides[tensorD - 1] != tensorNumel * chunkBaseStride);
+    if (!chunkEnds) continue;
+    while (viewD >= 0 && (viewNumel < tensorNumel || newShape[viewD] == 1)) {
+      newStrides[viewD] = viewNumel * chunkBaseStride;
+      viewNumel *= newShape[viewD];
+      --viewD;
+    }
+    if (viewNumel != tensorNumel) return std::nullopt;
+    if (tensorD > 0) {
+      chunkBaseStride = oldStrides[tensorD - 1];
+      tensorNumel = 1;
+      viewNumel = 1;
+    }
+  }
+  if (viewD != -1) return std::nullopt;
+  return newStrides;
+}
+
+void copyInto(const Tensor& dst, const Tensor& src, const char* op) {
+  requireCpuTensor(dst, op, "destination");
+  requireCpuTensor(src, op, "source");
+  DG_CHECK(dst.dtype() == src.dtype(), op, ": dtype mismatch: destination ", dtypeName(dst.dtype()), ", source ",
+           dtypeName(src.dtype()));
+  DG_CHECK(src.dim() <= dst.dim(), op, ": cannot broadcast ", shapeStr(src.shape()), " to ", shapeStr(dst.shape()));
+  Shape srcStrides(dst.dim(), 0);
+  const int64_t lead = dst.dim() - src.dim();
+  for (int64_t i = 0; i < src.dim(); ++i) {
+    const int64_t s = src.shape()[i];
+    const int64_t d = dst.shape()[lead + i];
+    DG_CHECK(s == d || s == 1, op, ": cannot broadcast ", shapeStr(src.shape()), " to ", shapeStr(dst.shape()));
+    srcStrides[lead + i] = s == 1 ? 0 : src.strides()[i];
+  }
+  if (dst.numel() == 0) return;
+  switch (dst.itemSize()) {
+    case 2: copyTyped<uint16_t>(dst, src, srcStrides); break;
+    case 4: copyTyped<uint32_t>(dst, src, srcStrides); break;
+    case 8: copyTyped<uint64_t>(dst, src, srcStrides); break;
+    default: DG_ASSERT(false, "unsupported item size ", dst.itemSize());
+  }
+}
+
+Tensor contiguous(const Tensor& t) {
+  if (t.isContiguous()) return t;
+  Tensor out = Tensor::empty(t.shape(), t.dtype());
+  copyInto(out, t, "contiguous");
+  return out;
+}
+
+Tensor broadcastTo(const Tensor& t, const Shape& shape, const char* op) {
+  Tensor out = Tensor::empty(shape, t.dtype());
+  copyInto(out, t, op);
+  return out;
+}
+
+Tensor cat(const std::vector<Tensor>& tensors, int64_t dim, const char* op) {
+  DG_CHECK(!tensors.empty(), op, ": expected at least one tensor");
+  const Tensor& first = tensors[0];
+  DG_CHECK(first.defined(), op, ": tensor 0 is undefined");
+  const int64_t nd = first.dim();
+  DG_CHECK(nd > 0, op, ": cannot concatenate 0-d tensors (unsqueeze them or use stack)");
+  DG_ASSERT(dim >= 0 && dim < nd, "cat dim must be wrapped");
+  Shape outShape = first.shape();
+  outShape[dim] = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const Tensor& t = tensors[i];
+    DG_CHECK(t.defined(), op, ": tensor ", i, " is undefined");
+    requireCpuTensor(t, op);
+    DG_CHECK(t.dtype() == first.dtype(), op, ": tensor ", i, " has dtype ", dtypeName(t.dtype()),
+             " but tensor 0 has ", dtypeName(first.dtype()));
+    DG_CHECK(t.dim() == nd, op, ": tensor ", i, " has shape ", shapeStr(t.shape()), " but tensor 0 has shape ",
+             shapeStr(first.shape()), " (ranks differ)");
+    for (int64_t d = 0; d < nd; ++d) {
+      DG_CHECK(d == dim || t.shape()[d] == first.shape()[d], op, ": tensor ", i, " has shape ",
+               shapeStr(t.shape()), " but tensor 0 has shape ", shapeStr(first.shape()),
+               " (sizes must match except in dim ", dim, ")");
+    }
+    outShape[dim] += t.shape()[dim];
+  }
+  Tensor out = Tensor::empty(outShape, first.dtype());
+  int64_t outer = 1, inner = 1;
+  for (int64_t d = 0; d < dim; ++d) outer *= outShape[d];
+  for (int64_t d = dim + 1; d < nd; ++d) inner *= outShape[d];
+  const size_t isz = first.itemSize();
+  const size_t outRowBytes = static_cast<size_t>(outShape[dim] * inner) * isz;
+  int64_t start = 0;
+  for (const Tensor& t : tensors) {
+    const int64_t len = t.shape()[dim];
+    if (len > 0 && t.numel() > 0) {
+      if (t.isContiguous()) {
+        // Each outer index contributes one contiguous block of len*inner elements.
+        const size_t blockBytes = static_cast<size_t>(len * inner) * isz;
+        const char* in = static_cast<const char*>(t.rawData());
+        char* o = static_cast<char*>(out.rawData()) + static_cast<size_t>(start * inner) * isz;
+        for (int64_t i = 0; i < outer; ++i) std::memcpy(o + i * outRowBytes, in + i * blockBytes, blockBytes);
+      } else {
+        Shape strides = out.strides();
+        Tensor dst = asStrided(out, t.shape(), strides, start * out.strides()[dim]);
+        copyInto(dst, t, op);
+      }
+    }
+    start += len;
+  }
+  return out;
+}
+
+}  // namespace distgrad::tensor::kernels

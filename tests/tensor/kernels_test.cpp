@@ -1,0 +1,204 @@
+// Raw CPU kernels (tensor/cpu/{elementwise,reduce,shape_kernels}.h): every fast path is checked against
+// a straightforward reference loop, so a vectorised path can never silently disagree with the generic one.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+
+#include "tensor/cpu/elementwise.h"
+#include "tensor/cpu/reduce.h"
+#include "tensor/cpu/shape_kernels.h"
+#include "tensor/random.h"
+
+namespace distgrad::tensor::kernels {
+namespace {
+
+Tensor randn(const Shape& shape, uint64_t seed, DType dtype = DType::kFloat32) {
+  Generator gen(seed);
+  return normal(shape, 0.0, 1.0, gen, dtype);
+}
+
+// Element of t at the broadcast of multi-index `idx` (idx has outShape's rank).
+double broadcastAt(const Tensor& t, const std::vector<int64_t>& idx) {
+  const size_t lead = idx.size() - static_cast<size_t>(t.dim());
+  int64_t off = t.offset();
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.shape()[d] != 1) off += idx[lead + d] * t.strides()[d];
+  }
+  Tensor one = Tensor::fromStorage(t.storage(), {}, {}, off, t.dtype());
+  return one.item();
+}
+
+// Reference binary op over a broadcast: visits every output index with an odometer.
+std::vector<double> referenceBinary(const Tensor& a, const Tensor& b, const std::function<double(double, double)>& f) {
+  Shape out = broadcastShapes(a.shape(), b.shape(), "ref");
+  std::vector<double> r;
+  std::vector<int64_t> idx(out.size(), 0);
+  for (int64_t n = 0, total = numelOf(out); n < total; ++n) {
+    r.push_back(f(broadcastAt(a, idx), broadcastAt(b, idx)));
+    for (int64_t d = static_cast<int64_t>(out.size()) - 1; d >= 0; --d) {
+      if (++idx[d] < out[d]) break;
+      idx[d] = 0;
+    }
+  }
+  return r;
+}
+
+void expectNear(const std::vector<double>& got, const std::vector<double>& want, double tol) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_NEAR(got[i], want[i], tol * (1 + std::abs(want[i]))) << "element " << i;
+  }
+}
+
+TEST(ElementwiseKernels, EveryPathMatchesReference) {
+  // Shapes chosen to hit: same-shape contiguous, one-element operand on either side, row broadcast,
+  // per-channel broadcast (inner scalar run), column broadcast, both sides broadcast, and odd lengths that
+  // leave a vector remainder.
+  const std::vector<std::pair<Shape, Shape>> cases = {
+      {{67}, {67}},          {{5, 13}, {}},       {{1}, {5, 13}},     {{9, 37}, {37}},
+      {{3, 4, 5, 7}, {1, 4, 1, 1}}, {{9, 37}, {9, 1}}, {{9, 1}, {1, 37}}, {{2, 3, 1}, {3, 17}},
+  };
+  const std::vector<std::pair<BinaryOp, std::function<double(double, double)>>> ops = {
+      {BinaryOp::kAdd, [](double x, double y) { return x + y; }},
+      {BinaryOp::kSub, [](double x, double y) { return x - y; }},
+      {BinaryOp::kMul, [](double x, double y) { return x * y; }},
+      {BinaryOp::kDiv, [](double x, double y) { return x / y; }},
+      {BinaryOp::kMaximum, [](double x, double y) { return std::max(x, y); }},
+      {BinaryOp::kMinimum, [](double x, double y) { return std::min(x, y); }},
+      {BinaryOp::kLt, [](double x, double y) { return x < y ? 1.0 : 0.0; }},
+      {BinaryOp::kGe, [](double x, double y) { return x >= y ? 1.0 : 0.0; }},
+  };
+  for (const auto& [sa, sb] : cases) {
+    Tensor a = randn(sa, 1);
+    Tensor b = randn(sb, 2);
+    for (const auto& [op, f] : ops) {
+      SCOPED_TRACE(std::string(binaryOpName(op)) + " " + shapeStr(sa) + " " + shapeStr(sb));
+      expectNear(binary(op, a, b).toVector<double>(), referenceBinary(a, b, f), 1e-5);
+      expectNear(binary(op, b, a).toVector<double>(), referenceBinary(b, a, f), 1e-5);
+    }
+  }
+}
+
+TEST(ElementwiseKernels, NonContiguousOperands) {
+  Tensor base = randn({6, 10}, 3, DType::kFloat64);
+  Tensor t = asStrided(base, {10, 6}, {1, 10}, 0);   // transpose
+  Tensor s = asStrided(base, {6, 5}, {10, 2}, 1);    // every other column, offset 1
+  Tensor r = randn({6}, 4, DType::kFloat64);
+  auto add = [](double x, double y) { return x + y; };
+  auto mul = [](double x, double y) { return x * y; };
+  expectNear(binary(BinaryOp::kAdd, t, r).toVector<double>(), referenceBinary(t, r, add), 1e-12);
+  expectNear(binary(BinaryOp::kMul, s, asStrided(r, {6, 1}, {1, 1}, 0)).toVector<double>(),
+             referenceBinary(s, asStrided(r, {6, 1}, {1, 1}, 0), mul), 1e-12);
+  Tensor u = unary(UnaryOp::kTanh, s);
+  auto sv = s.toVector<double>();
+  auto uv = u.toVector<double>();
+  for (size_t i = 0; i < sv.size(); ++i) EXPECT_NEAR(uv[i], std::tanh(sv[i]), 1e-15);
+  EXPECT_TRUE(u.isContiguous());
+}
+
+TEST(ElementwiseKernels, BackwardPieces) {
+  Tensor g = Tensor::fromVector<double>({1, 2, 3, 4}, {4});
+  Tensor y = Tensor::fromVector<double>({-1, 0, 0.5, 2}, {4});
+  EXPECT_EQ(reluBackward(g, y).toVector<double>(), (std::vector<double>{0, 0, 3, 4}));
+  EXPECT_EQ(absBackward(g, y).toVector<double>(), (std::vector<double>{-1, 0, 3, 4}));
+  EXPECT_EQ(sigmoidBackward(g, y).toVector<double>(), (std::vector<double>{-2, 0, 0.75, -8}));
+  EXPECT_EQ(tanhBackward(g, y).toVector<double>(), (std::vector<double>{0, 2, 2.25, -12}));
+  EXPECT_EQ(clampBackward(g, y, 0, 1).toVector<double>(), (std::vector<double>{0, 2, 3, 0}));
+  EXPECT_EQ(powBackward(g, y, 2).toVector<double>(), (std::vector<double>{-2, 0, 3, 16}));
+  EXPECT_EQ(powBackward(g, y, 0).toVector<double>(), (std::vector<double>{0, 0, 0, 0}));
+  // gelu'(0) = 0.5
+  EXPECT_NEAR(geluBackward(g, y).toVector<double>()[1], 1.0, 1e-15);
+  EXPECT_THROW(reluBackward(g, Tensor::zeros({3}, DType::kFloat64)), ValueError);
+  Tensor ga, gb;
+  maxMinBackward(Tensor::ones({2, 2}, DType::kFloat64), Tensor::fromVector<double>({1, 5}, {2}),
+                 Tensor::fromVector<double>({2, 5, 0, 7}, {2, 2}), true, &ga, &gb);
+  EXPECT_EQ(ga.toVector<double>(), (std::vector<double>{0, 0.5, 1, 0}));
+  EXPECT_EQ(gb.toVector<double>(), (std::vector<double>{1, 0.5, 0, 1}));
+}
+
+TEST(ReduceKernels, MaxDimMatchesReferenceOnEveryDim) {
+  Tensor x = randn({4, 5, 6}, 9, DType::kFloat64);
+  for (int64_t dim = 0; dim < 3; ++dim) {
+    Tensor v, idx;
+    maxDim(x, dim, false, &v, &idx);
+    auto vv = v.toVector<double>();
+    auto iv = idx.toVector<int64_t>();
+    size_t k = 0;
+    const Shape& s = x.shape();
+    for (int64_t a = 0; a < (dim == 0 ? 1 : s[0]); ++a)
+      for (int64_t b = 0; b < (dim == 1 ? 1 : s[1]); ++b)
+        for (int64_t c = 0; c < (dim == 2 ? 1 : s[2]); ++c, ++k) {
+          double best = -INFINITY;
+          int64_t bestI = -1;
+          for (int64_t r = 0; r < s[dim]; ++r) {
+            const double e = dim == 0 ? x.at({r, b, c}) : dim == 1 ? x.at({a, r, c}) : x.at({a, b, r});
+            if (e > best) {
+              best = e;
+              bestI = r;
+            }
+          }
+          ASSERT_EQ(vv[k], best);
+          ASSERT_EQ(iv[k], bestI);
+        }
+    Tensor back = maxDimBackward(v, idx, x.shape(), dim);
+    EXPECT_NEAR(sumAll(back).item(), sumAll(v).item(), 1e-12);
+  }
+}
+
+TEST(ReduceKernels, SumDimsInt64AndMask) {
+  Tensor i = asStrided(Tensor::arange(12, DType::kInt64), {3, 4}, {4, 1}, 0);
+  EXPECT_EQ(sumDims(i, {true, false}, false).toVector<int64_t>(), (std::vector<int64_t>{12, 15, 18, 21}));
+  EXPECT_EQ(sumDims(i, {false, true}, true).shape(), (Shape{3, 1}));
+  EXPECT_EQ(sumDims(i, {false, false}, false).toVector<int64_t>(), i.toVector<int64_t>());
+  EXPECT_EQ(reductionMask({-1, 0}, 3, "op"), (std::vector<bool>{true, false, true}));
+  EXPECT_THROW(reductionMask({1, 1}, 3, "op"), ValueError);
+  EXPECT_EQ(reducedShape({2, 3, 4}, {true, false, true}, false), (Shape{3}));
+}
+
+TEST(ShapeKernels, ViewStrides) {
+  // contiguous: any reshape is a view
+  EXPECT_EQ(viewStrides({2, 3, 4}, {12, 4, 1}, {6, 4}), (Shape{4, 1}));
+  EXPECT_EQ(viewStrides({2, 3, 4}, {12, 4, 1}, {24}), (Shape{1}));
+  // transposed [3,2] of a [2,3]: merging is impossible, splitting/adding unit dims works
+  EXPECT_FALSE(viewStrides({3, 2}, {1, 3}, {6}).has_value());
+  // (the stride of a size-1 dim is arbitrary; this is the value PyTorch's algorithm picks too)
+  EXPECT_EQ(viewStrides({3, 2}, {1, 3}, {3, 1, 2}), (Shape{1, 6, 3}));
+  // a [4,2] column slice of a [4,6]
+  EXPECT_EQ(viewStrides({4, 2}, {6, 1}, {2, 2, 2}), (Shape{12, 6, 1}));
+  EXPECT_FALSE(viewStrides({4, 2}, {6, 1}, {8}).has_value());
+  // expanded (stride 0) dims can be split but not merged with others
+  EXPECT_EQ(viewStrides({4, 3}, {0, 1}, {2, 2, 3}), (Shape{0, 0, 1}));
+  EXPECT_FALSE(viewStrides({4, 3}, {0, 1}, {12}).has_value());
+  // 0-d and empty
+  EXPECT_EQ(viewStrides({}, {}, {1, 1}), (Shape{1, 1}));
+  EXPECT_EQ(viewStrides({1, 1}, {5, 5}, {}), Shape{});
+  EXPECT_TRUE(viewStrides({0, 3}, {3, 1}, {3, 0}).has_value());
+}
+
+TEST(ShapeKernels, CopyIntoBroadcastAndErrors) {
+  Tensor dst = Tensor::zeros({2, 3});
+  copyInto(dst, Tensor::fromVector({1, 2, 3}, {3}));
+  EXPECT_EQ(dst.toVector<float>(), (std::vector<float>{1, 2, 3, 1, 2, 3}));
+  copyInto(asStrided(dst, {2}, {3}, 0), Tensor::scalar(9));  // write a column through a strided view
+  EXPECT_EQ(dst.toVector<float>(), (std::vector<float>{9, 2, 3, 9, 2, 3}));
+  EXPECT_THROW(copyInto(dst, Tensor::zeros({3}, DType::kFloat64)), ValueError);
+  EXPECT_THROW(copyInto(dst, Tensor::zeros({2})), ValueError);
+  Tensor b = broadcastTo(Tensor::fromVector<int64_t>({4, 5}, {2, 1}), {2, 2});
+  EXPECT_EQ(b.toVector<int64_t>(), (std::vector<int64_t>{4, 4, 5, 5}));
+  Tensor h = broadcastTo(Tensor::fromVector({0.5f}, {1}).toDType(DType::kFloat16), {3});
+  EXPECT_EQ(h.dtype(), DType::kFloat16);
+  EXPECT_EQ(h.toVector<float>(), (std::vector<float>{0.5f, 0.5f, 0.5f}));
+}
+
+TEST(ShapeKernels, CatMixedLayouts) {
+  Tensor a = Tensor::fromVector({1, 2, 3, 4}, {2, 2});
+  Tensor t = asStrided(a, {2, 2}, {1, 2}, 0);  // transpose of a
+  Tensor c = cat({a, t, Tensor::zeros({2, 0})}, 1);
+  EXPECT_EQ(c.shape(), (Shape{2, 4}));
+  EXPECT_EQ(c.toVector<float>(), (std::vector<float>{1, 2, 1, 3, 3, 4, 2, 4}));
+  EXPECT_EQ(cat({a, t}, 0).toVector<float>(), (std::vector<float>{1, 2, 3, 4, 1, 3, 2, 4}));
+}
+
+}  // namespace
+}  // namespace distgrad::tensor::kernels
