@@ -40,7 +40,9 @@ void expectBitIdentical(const StateDict& a, const StateDict& b) {
     EXPECT_EQ(t.shape(), u.shape()) << name;
     Tensor tc = t.cloneData();
     ASSERT_EQ(tc.nbytes(), u.nbytes()) << name;
-    if (tc.nbytes() > 0) EXPECT_EQ(std::memcmp(tc.rawData(), u.rawData(), tc.nbytes()), 0) << name;
+    if (tc.nbytes() > 0) {
+      EXPECT_EQ(std::memcmp(tc.rawData(), u.rawData(), tc.nbytes()), 0) << name;
+    }
   }
 }
 

@@ -20,7 +20,7 @@ Tensor param(std::vector<float> values) {
 
 // Runs `steps` updates with the same gradient `g` each step, returning the parameter after each step.
 template <typename Opt>
-std::vector<std::vector<float>> run(Opt& opt, const Tensor& p, const std::vector<std::vector<float>>& grads) {
+std::vector<std::vector<float>> run(Opt& opt, Tensor p, const std::vector<std::vector<float>>& grads) {
   std::vector<std::vector<float>> out;
   for (const auto& g : grads) {
     p.setGrad(Tensor::fromVector(g, p.shape()));
