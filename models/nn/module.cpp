@@ -50,6 +50,15 @@ std::vector<Tensor> Module::buffers() const {
 
 std::vector<std::pair<std::string, std::shared_ptr<Module>>> Module::namedChildren() const { return children_; }
 
+std::vector<std::pair<std::string, std::shared_ptr<Module>>> Module::namedModules() const {
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> out;
+  for (const auto& [name, child] : children_) {
+    out.emplace_back(name, child);
+    for (auto& [sub, module] : child->namedModules()) out.emplace_back(name + "." + sub, std::move(module));
+  }
+  return out;
+}
+
 std::vector<std::shared_ptr<Module>> Module::children() const {
   std::vector<std::shared_ptr<Module>> out;
   out.reserve(children_.size());

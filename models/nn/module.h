@@ -44,6 +44,9 @@ class Module {
   std::vector<std::pair<std::string, Tensor>> namedBuffers() const;
   // Direct children only.
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> namedChildren() const;
+  // Every descendant (not this module itself), depth-first in registration order, with dotted names
+  // ("layer1", "layer1.0", "layer1.0.conv1", ...).
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> namedModules() const;
   std::vector<std::shared_ptr<Module>> children() const;
   // Total number of parameter elements.
   int64_t numParameters() const;

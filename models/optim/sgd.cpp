@@ -5,27 +5,36 @@
 namespace distgrad::models::optim {
 namespace {
 
+// One fused pass per parameter (the update is memory-bound: every extra pass costs a full re-read). The
+// branches are template parameters so each variant is a straight loop the compiler vectorises.
+template <typename T, bool kMomentum, bool kFirstStep, bool kNesterov>
+void sgdLoop(T* __restrict p, const T* __restrict g, T* __restrict buf, int64_t n, T lr, T wd, T mom, T keep) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T d = g[i] + wd * p[i];
+    if constexpr (!kMomentum) {
+      p[i] -= lr * d;
+    } else {
+      // The buffer starts as the (decayed) gradient itself, without dampening (PyTorch).
+      const T b = kFirstStep ? d : mom * buf[i] + keep * d;
+      buf[i] = b;
+      p[i] -= lr * (kNesterov ? d + mom * b : b);
+    }
+  }
+}
+
 template <typename T>
-void sgdUpdate(T* __restrict p, const T* __restrict g, T* __restrict buf, int64_t n, bool firstStep,
-               const SgdOptions& o, double learningRate) {
+void sgdUpdate(T* p, const T* g, T* buf, int64_t n, bool firstStep, const SgdOptions& o, double learningRate) {
   const T lr = static_cast<T>(learningRate);
   const T wd = static_cast<T>(o.weightDecay);
   const T mom = static_cast<T>(o.momentum);
   const T keep = static_cast<T>(1.0 - o.dampening);
-  if (buf == nullptr) {  // plain SGD
-    for (int64_t i = 0; i < n; ++i) p[i] -= lr * (g[i] + wd * p[i]);
-    return;
+  if (buf == nullptr) return sgdLoop<T, false, false, false>(p, g, buf, n, lr, wd, mom, keep);
+  if (firstStep) {
+    return o.nesterov ? sgdLoop<T, true, true, true>(p, g, buf, n, lr, wd, mom, keep)
+                      : sgdLoop<T, true, true, false>(p, g, buf, n, lr, wd, mom, keep);
   }
-  if (firstStep) {  // the buffer starts as the (decayed) gradient itself, without dampening
-    for (int64_t i = 0; i < n; ++i) buf[i] = g[i] + wd * p[i];
-  } else {
-    for (int64_t i = 0; i < n; ++i) buf[i] = mom * buf[i] + keep * (g[i] + wd * p[i]);
-  }
-  if (o.nesterov) {
-    for (int64_t i = 0; i < n; ++i) p[i] -= lr * ((g[i] + wd * p[i]) + mom * buf[i]);
-  } else {
-    for (int64_t i = 0; i < n; ++i) p[i] -= lr * buf[i];
-  }
+  return o.nesterov ? sgdLoop<T, true, false, true>(p, g, buf, n, lr, wd, mom, keep)
+                    : sgdLoop<T, true, false, false>(p, g, buf, n, lr, wd, mom, keep);
 }
 
 }  // namespace

@@ -81,6 +81,9 @@ TEST(Module, NamesOrderAndEnumeration) {
   EXPECT_THROW(model[2], ValueError);
   ASSERT_EQ(model.namedChildren().size(), 2u);
   EXPECT_EQ(model.namedChildren()[1].first, "head");
+  std::vector<std::string> modules;
+  for (const auto& [name, m] : model.namedModules()) modules.push_back(name + ":" + m->typeName());
+  EXPECT_EQ(modules, (std::vector<std::string>{"0:Block", "0.inner:Linear", "0.norm:BatchNorm2d", "head:Linear"}));
 }
 
 TEST(Module, SharedModuleParametersListedOnce) {

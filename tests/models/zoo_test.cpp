@@ -93,6 +93,13 @@ TEST(ResNet, MatchesTorchvisionCountsAndNames) {
   }
   EXPECT_EQ(s.at("layer2.0.conv2.weight").shape(), (Shape{128, 128, 3, 3}));
   EXPECT_EQ(s.at("fc.weight").shape(), (Shape{1000, 2048}));
+  int convs = 0, norms = 0;
+  for (const auto& [name, m] : r50->namedModules()) {
+    convs += m->typeName() == "Conv2d";
+    norms += m->typeName() == "BatchNorm2d";
+  }
+  EXPECT_EQ(convs, 53);  // 1 stem + 16 blocks x 3 + 4 downsample
+  EXPECT_EQ(norms, 53);
   EXPECT_FALSE(r18->stateDict().contains("layer1.0.downsample.0.weight"));
   EXPECT_TRUE(r18->stateDict().contains("layer2.0.downsample.0.weight"));
 }
