@@ -97,6 +97,31 @@ void Adam::update(size_t index, const Tensor& param, const Tensor& grad) {
   });
 }
 
+std::vector<Optimizer::StateField> Adam::stateFields() const {
+  std::vector<StateField> fields{{"step", true}, {"exp_avg", false}, {"exp_avg_sq", false}};
+  if (options_.amsgrad) fields.push_back({"max_exp_avg_sq", false});
+  return fields;
+}
+
+Tensor Adam::getState(size_t index, const std::string& field) const {
+  const State& st = state_[index];
+  if (st.step == 0) return Tensor();
+  if (field == "step") return Tensor::scalar(static_cast<double>(st.step), DType::kInt64);
+  if (field == "exp_avg") return st.expAvg;
+  if (field == "exp_avg_sq") return st.expAvgSq;
+  DG_ASSERT(field == "max_exp_avg_sq", "unknown Adam state field ", field);
+  return st.maxExpAvgSq;
+}
+
+void Adam::setState(size_t index, const std::string& field, const Tensor& value) {
+  State& st = state_[index];
+  if (field == "step") st.step = static_cast<int64_t>(value.item());
+  else if (field == "exp_avg") st.expAvg = value;
+  else if (field == "exp_avg_sq") st.expAvgSq = value;
+  else if (field == "max_exp_avg_sq") st.maxExpAvgSq = value;
+  else DG_ASSERT(false, "unknown Adam state field ", field);
+}
+
 AdamW::AdamW(std::vector<Tensor> parameters, const AdamWOptions& options)
     : Adam(std::move(parameters), fromAdamW(options), true, "AdamW") {}
 

@@ -41,6 +41,10 @@ class Adam : public Optimizer {
  protected:
   Adam(std::vector<Tensor> parameters, const AdamOptions& options, bool decoupledWeightDecay, std::string name);
   void update(size_t index, const Tensor& param, const Tensor& grad) override;
+  std::vector<StateField> stateFields() const override;
+  Tensor getState(size_t index, const std::string& field) const override;
+  void setState(size_t index, const std::string& field, const Tensor& value) override;
+  void resetState(size_t index) override { state_[index] = State{}; }
 
  private:
   struct State {

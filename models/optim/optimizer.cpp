@@ -1,6 +1,7 @@
 #include "models/optim/optimizer.h"
 
 #include <cmath>
+#include <sstream>
 #include <unordered_set>
 
 #include "autograd/grad_mode.h"
@@ -64,6 +65,79 @@ void Optimizer::zeroGrad() {
   for (auto& p : parameters_) {
     if (p.grad().defined()) p.setGrad(Tensor());
   }
+}
+
+StateDict Optimizer::stateDict() const {
+  StateDict out;
+  out.insert("learning_rate", Tensor::scalar(learningRate_, DType::kFloat64));
+  out.insert("step_count", Tensor::scalar(static_cast<double>(stepCount_), DType::kInt64));
+  const auto fields = stateFields();
+  for (size_t i = 0; i < parameters_.size(); ++i) {
+    if (fields.empty() || !getState(i, fields.front().name).defined()) continue;
+    for (const auto& f : fields) {
+      Tensor value = getState(i, f.name);
+      DG_ASSERT(value.defined(), name_, ": parameter ", i, " has state but no '", f.name, "'");
+      out.insert(std::to_string(i) + "." + f.name, value.cloneData());
+    }
+  }
+  return out;
+}
+
+void Optimizer::loadStateDict(const StateDict& state) {
+  auto fail = [&](const std::string& why) { throw ValueError(name_ + "::loadStateDict: " + why); };
+  const Tensor* lr = state.find("learning_rate");
+  const Tensor* steps = state.find("step_count");
+  if (lr == nullptr || steps == nullptr) fail("missing 'learning_rate' or 'step_count' (not an optimizer state?)");
+  if (lr->numel() != 1 || lr->dtype() != DType::kFloat64 || steps->numel() != 1 || steps->dtype() != DType::kInt64) {
+    fail("'learning_rate' must be a float64 scalar and 'step_count' an int64 scalar");
+  }
+  const double newLr = lr->item();
+  if (!std::isfinite(newLr) || newLr < 0) fail("invalid learning rate " + std::to_string(newLr));
+
+  const auto fields = stateFields();
+  std::unordered_set<std::string> expected{"learning_rate", "step_count"};
+  std::vector<bool> hasState(parameters_.size(), false);
+  for (size_t i = 0; i < parameters_.size(); ++i) {
+    size_t present = 0;
+    for (const auto& f : fields) {
+      const std::string key = std::to_string(i) + "." + f.name;
+      expected.insert(key);
+      const Tensor* t = state.find(key);
+      if (t == nullptr) continue;
+      ++present;
+      const Tensor& p = parameters_[i];
+      if (f.isStepCounter) {
+        if (t->numel() != 1 || t->dtype() != DType::kInt64 || t->item() < 1) {
+          fail("'" + key + "' must be an int64 scalar >= 1");
+        }
+      } else if (t->shape() != p.shape() || t->dtype() != p.dtype()) {
+        fail("'" + key + "' is " + tensor::dtypeName(t->dtype()) + " " + tensor::shapeStr(t->shape()) +
+             " but parameter " + std::to_string(i) + " is " + tensor::dtypeName(p.dtype()) + " " +
+             tensor::shapeStr(p.shape()));
+      }
+    }
+    if (present != 0 && present != fields.size()) {
+      fail("parameter " + std::to_string(i) + " has only part of its state (" + std::to_string(present) + " of " +
+           std::to_string(fields.size()) + " fields)");
+    }
+    hasState[i] = present != 0;
+  }
+  std::ostringstream unexpected;
+  for (const auto& [key, value] : state) {
+    if (!expected.count(key)) unexpected << (unexpected.tellp() > 0 ? ", '" : "'") << key << "'";
+  }
+  if (unexpected.tellp() > 0) {
+    fail("unexpected keys " + unexpected.str() + " (state of a different optimizer or parameter list?)");
+  }
+
+  // Everything validated: install.
+  for (size_t i = 0; i < parameters_.size(); ++i) {
+    resetState(i);
+    if (!hasState[i]) continue;
+    for (const auto& f : fields) setState(i, f.name, state.at(std::to_string(i) + "." + f.name).cloneData());
+  }
+  learningRate_ = newLr;
+  stepCount_ = static_cast<int64_t>(steps->item());
 }
 
 }  // namespace distgrad::models::optim

@@ -65,4 +65,19 @@ void SGD::update(size_t index, const Tensor& param, const Tensor& grad) {
   });
 }
 
+std::vector<Optimizer::StateField> SGD::stateFields() const {
+  if (options_.momentum == 0) return {};
+  return {{"momentum_buffer", false}};
+}
+
+Tensor SGD::getState(size_t index, const std::string& field) const {
+  DG_ASSERT(field == "momentum_buffer", "unknown SGD state field ", field);
+  return momentumBuffers_[index];
+}
+
+void SGD::setState(size_t index, const std::string& field, const Tensor& value) {
+  DG_ASSERT(field == "momentum_buffer", "unknown SGD state field ", field);
+  momentumBuffers_[index] = value;
+}
+
 }  // namespace distgrad::models::optim

@@ -27,6 +27,10 @@ class SGD : public Optimizer {
 
  protected:
   void update(size_t index, const Tensor& param, const Tensor& grad) override;
+  std::vector<StateField> stateFields() const override;
+  Tensor getState(size_t index, const std::string& field) const override;
+  void setState(size_t index, const std::string& field, const Tensor& value) override;
+  void resetState(size_t index) override { momentumBuffers_[index] = Tensor(); }
 
  private:
   SgdOptions options_;

@@ -4,10 +4,12 @@
 
 #include <cmath>
 
+#include "models/checkpoint.h"
 #include "models/optim/adam.h"
 #include "models/optim/clip_grad.h"
 #include "models/optim/lr_scheduler.h"
 #include "models/optim/sgd.h"
+#include "test_util.h"
 
 namespace distgrad::models::optim {
 namespace {
@@ -288,6 +290,97 @@ TEST(ClipGrad, ScalesToMaxNorm) {
   EXPECT_NEAR(clipGradNorm({a, b}, 10.0), 1.0, 1e-5);
   expectNear(b.grad().toVector<float>(), {0.8}, 1e-5);
   EXPECT_THROW(clipGradNorm({a}, 0.0), ValueError);
+}
+
+// ---------------------------------------------------------------- optimizer state (resume)
+
+// Trains `a` for two steps, moves its state (through a checkpoint file) into `b`, which optimises a copy of
+// the same parameters, then checks a further step keeps both in lockstep.
+template <typename Opt, typename Options>
+void expectResumable(const Options& options) {
+  testing::TempDir dir;
+  Tensor pa = param({1.0f, -2.0f, 0.5f});
+  Tensor pb = param({0.0f, 0.0f, 0.0f});
+  Tensor qa = param({3.0f});
+  Tensor qb = param({0.0f});
+  Opt a({pa, qa}, options);
+  const std::vector<std::vector<float>> gs{{0.5f, 1.0f, -0.25f}, {-1.0f, 2.0f, 0.1f}, {0.3f, -0.2f, 0.7f}};
+  a.step({Tensor::fromVector(gs[0], {3}), Tensor()});  // q has no state yet after this step
+  a.step({Tensor::fromVector(gs[1], {3}), Tensor::fromVector({1.0f}, {1})});
+  a.setLearningRate(0.05);
+  writeCheckpoint(a.stateDict(), dir.file("opt.ckpt"));
+
+  Opt b({pb, qb}, options);
+  pb.copyFrom(pa);
+  qb.copyFrom(qa);
+  b.loadStateDict(readCheckpoint(dir.file("opt.ckpt")));
+  EXPECT_DOUBLE_EQ(b.learningRate(), 0.05);
+  EXPECT_EQ(b.stepCount(), 2);
+  a.step({Tensor::fromVector(gs[2], {3}), Tensor::fromVector({-1.0f}, {1})});
+  b.step({Tensor::fromVector(gs[2], {3}), Tensor::fromVector({-1.0f}, {1})});
+  EXPECT_EQ(pa.toVector<float>(), pb.toVector<float>());
+  EXPECT_EQ(qa.toVector<float>(), qb.toVector<float>());
+}
+
+TEST(OptimizerState, SgdMomentumResumes) {
+  expectResumable<SGD>(SgdOptions{.learningRate = 0.1, .momentum = 0.9, .nesterov = true});
+}
+
+TEST(OptimizerState, AdamResumes) { expectResumable<Adam>(AdamOptions{.learningRate = 0.1, .amsgrad = true}); }
+
+TEST(OptimizerState, AdamWResumes) { expectResumable<AdamW>(AdamWOptions{.learningRate = 0.1}); }
+
+TEST(OptimizerState, KeysAndValues) {
+  Tensor p = param({1.0f, 2.0f});
+  Tensor q = param({1.0f});
+  Adam opt({p, q}, {.learningRate = 0.1});
+  opt.step({Tensor::fromVector({0.5f, 1.0f}, {2}), Tensor()});
+  StateDict s = opt.stateDict();
+  EXPECT_EQ(s.keys(), (std::vector<std::string>{"learning_rate", "step_count", "0.step", "0.exp_avg", "0.exp_avg_sq"}));
+  EXPECT_EQ(s.at("0.step").item(), 1.0);
+  expectNear(s.at("0.exp_avg").toVector<float>(), {0.05, 0.1});
+  // The state dict holds copies: stepping again does not change it.
+  opt.step({Tensor::fromVector({0.5f, 1.0f}, {2}), Tensor()});
+  expectNear(s.at("0.exp_avg").toVector<float>(), {0.05, 0.1});
+  SGD plain({p}, {.learningRate = 0.1});
+  EXPECT_EQ(plain.stateDict().keys(), (std::vector<std::string>{"learning_rate", "step_count"}));
+}
+
+TEST(OptimizerState, LoadErrorsChangeNothing) {
+  Tensor p = param({1.0f, 2.0f});
+  SGD sgd({p}, {.learningRate = 0.1, .momentum = 0.9});
+  Adam adam({p}, {.learningRate = 0.1});
+  adam.step({Tensor::fromVector({0.5f, 1.0f}, {2})});
+  sgd.step({Tensor::fromVector({0.5f, 1.0f}, {2})});
+  const auto before = sgd.momentumBuffer(0).toVector<float>();
+  auto errorOf = [&](const StateDict& s) {
+    try {
+      sgd.loadStateDict(s);
+    } catch (const ValueError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  std::string err = errorOf(adam.stateDict());
+  EXPECT_NE(err.find("unexpected keys '0.step'"), std::string::npos) << err;
+  StateDict wrongShape;
+  wrongShape.insert("learning_rate", Tensor::scalar(0.1, DType::kFloat64));
+  wrongShape.insert("step_count", Tensor::scalar(1, DType::kInt64));
+  wrongShape.insert("0.momentum_buffer", Tensor::zeros({3}));
+  err = errorOf(wrongShape);
+  EXPECT_NE(err.find("'0.momentum_buffer' is float32 [3] but parameter 0 is float32 [2]"), std::string::npos) << err;
+  err = errorOf(StateDict{});
+  EXPECT_NE(err.find("missing 'learning_rate'"), std::string::npos) << err;
+  StateDict partial = adam.stateDict();
+  Adam other({p}, {.learningRate = 0.1});
+  StateDict onlySome;
+  for (const auto& [k, v] : partial) {
+    if (k != "0.exp_avg_sq") onlySome.insert(k, v);
+  }
+  EXPECT_THROW(other.loadStateDict(onlySome), ValueError);
+  EXPECT_EQ(other.parameterStep(0), 0);
+  EXPECT_EQ(sgd.momentumBuffer(0).toVector<float>(), before);
+  EXPECT_DOUBLE_EQ(sgd.learningRate(), 0.1);
 }
 
 }  // namespace

@@ -34,6 +34,8 @@ struct ZooCase {
   bool bottleneck;
   ResNetStem stem;
 };
+// Without this, gtest prints the struct's raw bytes, padding included.
+void PrintTo(const ZooCase& c, std::ostream* os) { *os << c.name; }
 
 class ResNetShapes : public ::testing::TestWithParam<ZooCase> {};
 
