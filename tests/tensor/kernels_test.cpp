@@ -4,8 +4,10 @@
 
 #include <cmath>
 #include <functional>
+#include <limits>
 
 #include "tensor/cpu/elementwise.h"
+#include "tensor/cpu/elementwise_math.h"
 #include "tensor/cpu/reduce.h"
 #include "tensor/cpu/shape_kernels.h"
 #include "tensor/random.h"
@@ -115,6 +117,46 @@ TEST(ElementwiseKernels, BackwardPieces) {
                  Tensor::fromVector<double>({2, 5, 0, 7}, {2, 2}), true, &ga, &gb);
   EXPECT_EQ(ga.toVector<double>(), (std::vector<double>{0, 0.5, 1, 0}));
   EXPECT_EQ(gb.toVector<double>(), (std::vector<double>{1, 0.5, 0, 1}));
+}
+
+TEST(VecMath, ExpTanhSigmoidAccuracyAndSpecialValues) {
+  double worstExp = 0, worstTanh = 0, worstSigmoid = 0;
+  const int kSamples = 1 << 18;
+  for (int i = 0; i <= kSamples; ++i) {
+    const float x = -87.0f + 175.5f * static_cast<float>(i) / kSamples;
+    const double e = std::exp(static_cast<double>(x));
+    worstExp = std::max(worstExp, std::abs(vecmath::expf(x) - e) / e);
+    const float t = x / 8;  // tanh and sigmoid saturate quickly: sample [-11, 11] densely
+    const double th = std::tanh(static_cast<double>(t));
+    worstTanh = std::max(worstTanh, std::abs(vecmath::tanhf(t) - th) / std::max(std::abs(th), 1e-30));
+    const double sg = 1 / (1 + std::exp(-static_cast<double>(t)));
+    worstSigmoid = std::max(worstSigmoid, std::abs(vecmath::sigmoidf(t) - sg) / sg);
+  }
+  EXPECT_LT(worstExp, 2e-7);
+  EXPECT_LT(worstTanh, 4e-7);
+  EXPECT_LT(worstSigmoid, 4e-7);
+  // tiny arguments keep full relative accuracy (no cancellation)
+  EXPECT_FLOAT_EQ(vecmath::tanhf(1e-6f), 1e-6f);
+  EXPECT_FLOAT_EQ(vecmath::tanhf(-3e-20f), -3e-20f);
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_EQ(vecmath::expf(0.0f), 1.0f);
+  EXPECT_EQ(vecmath::expf(89.0f), inf);
+  EXPECT_EQ(vecmath::expf(inf), inf);
+  EXPECT_EQ(vecmath::expf(-100.0f), 0.0f);
+  EXPECT_EQ(vecmath::expf(-inf), 0.0f);
+  EXPECT_TRUE(std::isnan(vecmath::expf(nan)));
+  EXPECT_NEAR(vecmath::expf(88.7f) / std::exp(static_cast<double>(88.7f)), 1.0, 2e-7);  // n = 128 path
+  EXPECT_EQ(vecmath::tanhf(50.0f), 1.0f);
+  EXPECT_EQ(vecmath::tanhf(-inf), -1.0f);
+  EXPECT_TRUE(std::isnan(vecmath::tanhf(nan)));
+  EXPECT_EQ(vecmath::sigmoidf(-200.0f), 0.0f);
+  EXPECT_EQ(vecmath::sigmoidf(200.0f), 1.0f);
+  EXPECT_TRUE(std::isnan(vecmath::sigmoidf(nan)));
+  // the tensor kernels use them for float32
+  Tensor x = Tensor::fromVector({-1.0f, 0.5f, 3.0f}, {3});
+  auto ex = unary(UnaryOp::kExp, x).toVector<double>();
+  for (int i = 0; i < 3; ++i) EXPECT_NEAR(ex[i], std::exp(x.toVector<double>()[i]), 1e-6 * ex[i]);
 }
 
 TEST(ReduceKernels, MaxDimMatchesReferenceOnEveryDim) {
