@@ -188,6 +188,50 @@ TEST(ReduceKernels, MaxDimMatchesReferenceOnEveryDim) {
   }
 }
 
+TEST(ReduceKernels, ArgmaxRunsWithTiesNaNAndInfinity) {
+  // Long rows take the two-pass vectorised path; NaN/inf anywhere (also in the tail) fall back exactly.
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int64_t n : {5, 16, 37, 64}) {
+    for (int64_t at : {int64_t{0}, n / 2, n - 1}) {
+      SCOPED_TRACE("n=" + std::to_string(n) + " at=" + std::to_string(at));
+      std::vector<float> v(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) v[i] = static_cast<float>((i * 7) % 11) - 20.0f;
+      auto run = [&](const std::vector<float>& vals) {
+        Tensor t = Tensor::fromVector(vals, {1, n});
+        Tensor value, index;
+        maxDim(t, 1, false, &value, &index);
+        return std::make_pair(value.item(), index.toVector<int64_t>()[0]);
+      };
+      auto w = v;
+      w[at] = 5;  // unique maximum
+      EXPECT_EQ(run(w), std::make_pair(5.0, at));
+      w[(at + n / 3 + 1) % n] = 5;  // tie: first occurrence
+      EXPECT_EQ(run(w).second, std::min(at, (at + n / 3 + 1) % n));
+      w = v;
+      w[at] = inf;
+      EXPECT_EQ(run(w), std::make_pair(static_cast<double>(inf), at));
+      w = v;
+      w[at] = nan;
+      if (n - 1 - at != at) w[n - 1 - at] = 100;
+      auto r = run(w);
+      EXPECT_TRUE(std::isnan(r.first));
+      EXPECT_EQ(r.second, at);
+    }
+  }
+  // all equal
+  Tensor same = Tensor::full({2, 40}, 3.0);
+  Tensor value, index;
+  maxDim(same, 1, false, &value, &index);
+  EXPECT_EQ(index.toVector<int64_t>(), (std::vector<int64_t>{0, 0}));
+  // int64 rows
+  std::vector<int64_t> iv(50);
+  for (int64_t i = 0; i < 50; ++i) iv[i] = (i * 13) % 50;
+  maxDim(Tensor::fromVector(iv, {50}), 0, false, &value, &index);
+  EXPECT_EQ(value.toVector<int64_t>()[0], 49);
+  EXPECT_EQ(iv[static_cast<size_t>(index.toVector<int64_t>()[0])], 49);
+}
+
 TEST(ReduceKernels, SumDimsInt64AndMask) {
   Tensor i = asStrided(Tensor::arange(12, DType::kInt64), {3, 4}, {4, 1}, 0);
   EXPECT_EQ(sumDims(i, {true, false}, false).toVector<int64_t>(), (std::vector<int64_t>{12, 15, 18, 21}));
@@ -231,6 +275,35 @@ TEST(ShapeKernels, CopyIntoBroadcastAndErrors) {
   Tensor h = broadcastTo(Tensor::fromVector({0.5f}, {1}).toDType(DType::kFloat16), {3});
   EXPECT_EQ(h.dtype(), DType::kFloat16);
   EXPECT_EQ(h.toVector<float>(), (std::vector<float>{0.5f, 0.5f, 0.5f}));
+}
+
+TEST(ShapeKernels, TransposedCopiesMatchElementwiseReference) {
+  // Shapes around the 32-wide tiles (odd remainders), with and without leading batch dims, every dtype size.
+  const std::vector<std::pair<Shape, std::vector<int64_t>>> cases = {
+      {{37, 70}, {1, 0}},           {{8, 8}, {1, 0}},         {{3, 33, 65}, {0, 2, 1}},
+      {{2, 5, 9, 40}, {0, 2, 3, 1}},  // NCHW -> NHWC
+      {{2, 40, 5, 9}, {0, 3, 1, 2}},  // NHWC -> NCHW
+      {{4, 50, 3}, {2, 1, 0}},
+  };
+  for (const auto& [shape, perm] : cases) {
+    for (DType dt : {DType::kFloat32, DType::kFloat64, DType::kFloat16}) {
+      SCOPED_TRACE(shapeStr(shape) + " " + dtypeName(dt));
+      Tensor base = Tensor::arange(numelOf(shape), DType::kFloat64);
+      base = asStrided(base, shape, contiguousStrides(shape), 0).toDType(dt);
+      Shape pShape(perm.size()), pStrides(perm.size());
+      for (size_t i = 0; i < perm.size(); ++i) {
+        pShape[i] = shape[perm[i]];
+        pStrides[i] = base.strides()[perm[i]];
+      }
+      Tensor view = asStrided(base, pShape, pStrides, 0);
+      Tensor c = contiguous(view);
+      ASSERT_TRUE(c.isContiguous());
+      // reference: Tensor::copyFrom's per-element conversion path (float64 destination)
+      Tensor ref = Tensor::empty(pShape, DType::kFloat64);
+      ref.copyFrom(view);
+      ASSERT_EQ(c.toVector<double>(), ref.toVector<double>());
+    }
+  }
 }
 
 TEST(ShapeKernels, CatMixedLayouts) {
