@@ -1,5 +1,6 @@
 // conv2d (autograd/ops.h) and its backward formula. The math is in tensor/cpu/conv.h: oneDNN primitives for
-// float32, reference loops for float64. The weight and bias gradients come from one backward-weights pass.
+// float32, reference loops for float64. Backward runs as one kernel call so the gradient is reordered once
+// for both the backward-data and backward-weights passes, and the bias gradient comes out of the latter.
 #include "autograd/node.h"
 #include "autograd/ops.h"
 #include "tensor/cpu/conv.h"
@@ -25,17 +26,9 @@ Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, const C
       "Conv2dBackward", {x, weight, bias}, out,
       [sx = x.detach(), sw = weight.detach(), params, hasBias = bias.defined()](const std::vector<Tensor>& grads,
                                                                               const autograd::Node& self) {
-        Tensor dx, dw, db;
-        if (self.needsInputGrad(0)) dx = kernels::conv2dBackwardInput(grads[0], sw, sx.shape(), params);
-        const bool wantBias = hasBias && self.needsInputGrad(2);
-        if (self.needsInputGrad(1)) {
-          auto [gw, gb] = kernels::conv2dBackwardWeight(grads[0], sx, sw.shape(), params, wantBias);
-          dw = gw;
-          db = gb;
-        } else if (wantBias) {
-          db = kernels::conv2dBackwardBias(grads[0]);
-        }
-        return std::vector<Tensor>{dx, dw, db};
+        kernels::Conv2dGrads g = kernels::conv2dBackward(grads[0], sx, sw, params, self.needsInputGrad(0),
+                                                         self.needsInputGrad(1), hasBias && self.needsInputGrad(2));
+        return std::vector<Tensor>{g.input, g.weight, g.bias};
       });
 }
 

@@ -1,6 +1,6 @@
-// Differentiable neural-network ops of autograd/ops.h (conv2d lives with the other oneDNN-backed linear
-// algebra): pooling, batch norm, softmax family, losses, dropout and embedding. Each op validates its
-// arguments, calls the raw kernels in tensor/cpu/ and records its backward formula.
+// Differentiable neural-network ops of autograd/ops.h other than conv2d (autograd/ops/conv.cpp): pooling,
+// batch norm, softmax family, losses, dropout and embedding. Each op validates its arguments, calls the raw
+// kernels in tensor/cpu/ and records its backward formula.
 #include <cmath>
 
 #include "autograd/node.h"
@@ -72,6 +72,8 @@ void checkClassification(const Tensor& input, const Tensor& targets, const char*
   checkFloat(input, op, inputName);
   DG_CHECK(targets.dtype() == DType::kInt64, op, ": targets must be int64 class indices, got ",
            dtypeName(targets.dtype()));
+  DG_CHECK(targets.device().isCpu(), op, ": targets are on ", targets.device().str(),
+           "; only CPU tensors are supported");
   DG_CHECK(targets.dim() == 1 && targets.size(0) == input.size(0), op, ": expected targets of shape [",
            input.size(0), "] to match ", inputName, " ", shapeStr(input.shape()), ", got ", shapeStr(targets.shape()));
   DG_CHECK(input.size(1) >= 1, op, ": ", inputName, " has no classes (shape ", shapeStr(input.shape()), ")");
@@ -263,6 +265,8 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
   DG_CHECK(weight.dim() == 2, "embedding: expected weight of rank 2 [V, D], got shape ", shapeStr(weight.shape()));
   checkFloat(weight, "embedding", "weight");
   DG_CHECK(indices.dtype() == DType::kInt64, "embedding: indices must be int64, got ", dtypeName(indices.dtype()));
+  DG_CHECK(indices.device().isCpu(), "embedding: indices are on ", indices.device().str(),
+           "; only CPU tensors are supported");
   Tensor out = kernels::embedding(weight, indices);
   return autograd::recordOp(
       "EmbeddingBackward", {weight}, out,

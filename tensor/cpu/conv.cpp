@@ -222,6 +222,7 @@ struct Operand {
   memory::desc inner;
   bool reordered = false;
   dnnl::reorder reorder;
+  size_t reorderScratchpadBytes = 0;
 };
 
 // A cached pass: primitive + operands (two inputs, one output) + optional bias (input of forward, output
@@ -243,7 +244,7 @@ ThreadBuffers& threadBuffers() {
   return buffers;
 }
 
-using PlanKey = std::array<int64_t, 17>;
+using PlanKey = std::array<int64_t, 18>;
 struct PlanKeyHash {
   size_t operator()(const PlanKey& k) const {
     size_t h = 1469598103934665603ull;
@@ -255,7 +256,7 @@ struct PlanKeyHash {
 PlanKey planKey(const ConvGeometry& g, ConvPass pass, bool bias, ConvLayout layout) {
   return {g.n, g.c, g.h, g.w, g.o, g.kh, g.kw, g.p.stride[0], g.p.stride[1], g.p.padding[0], g.p.padding[1],
           g.p.dilation[0], g.p.dilation[1], g.p.groups, static_cast<int64_t>(pass), bias ? 1 : 0,
-          static_cast<int64_t>(layout)};
+          static_cast<int64_t>(layout), numThreads()};
 }
 
 memory::desc md(const memory::dims& dims, Tag tag) { return memory::desc(dims, memory::data_type::f32, tag); }
@@ -272,8 +273,8 @@ Operand makeOperand(int arg, const memory::desc& plain, const memory::desc& inne
     auto& eng = dnnlEngine();
     auto pd = isInput ? dnnl::reorder::primitive_desc(eng, plain, eng, inner, attr)
                       : dnnl::reorder::primitive_desc(eng, inner, eng, plain, attr);
-    DG_ASSERT(pd.scratchpad_desc().get_size() == 0, "oneDNN reorder unexpectedly needs a scratchpad");
     op.reorder = dnnl::reorder(pd);
+    op.reorderScratchpadBytes = pd.scratchpad_desc().get_size();
   }
   return op;
 }
@@ -348,60 +349,88 @@ std::unique_ptr<ConvPlan> createPlan(const ConvGeometry& g, ConvPass pass, bool 
   return plan;
 }
 
+// The measured rule documented at chooseConvLayout (conv.h).
+ConvLayout resolveLayout(const ConvGeometry& g, ConvLayout requested) {
+  if (requested != ConvLayout::kAuto) return requested;
+  // Grouped and depthwise convolutions were not part of the measurements; oneDNN's own choice (blocked).
+  if (g.p.groups > 1) return ConvLayout::kBlocked;
+  if (g.c < 16) return ConvLayout::kPlain;
+  const bool spatialKernel = g.kh > 1 || g.kw > 1;
+  const bool unitStride = g.p.stride[0] == 1 && g.p.stride[1] == 1;
+  if (spatialKernel && unitStride && g.oh >= 4 && g.ow >= 4) return ConvLayout::kChannelsLast;
+  return ConvLayout::kBlocked;
+}
+
 // Per-thread plan cache. A training loop touches a few dozen distinct layers; the cap only guards against
 // unbounded growth when shapes keep changing (e.g. variable batch sizes), by starting over.
 ConvPlan& planFor(const ConvGeometry& g, ConvPass pass, bool bias, ConvLayout layout) {
   constexpr size_t kMaxPlans = 512;
   thread_local std::unordered_map<PlanKey, std::unique_ptr<ConvPlan>, PlanKeyHash> cache;
+  // oneDNN sizes its work split and scratchpad for the thread count current at creation: apply ours to this
+  // thread first, and key plans by it so a later setNumThreads gets fresh ones.
+  (void)dnnlStream();
+  layout = resolveLayout(g, layout);
   const PlanKey key = planKey(g, pass, bias, layout);
   auto it = cache.find(key);
   if (it != cache.end()) return *it->second;
   if (cache.size() >= kMaxPlans) cache.clear();
+  std::unique_ptr<ConvPlan> plan;
   try {
-    return *cache.emplace(key, createPlan(g, pass, bias, layout)).first->second;
+    plan = createPlan(g, pass, bias, layout);
   } catch (const dnnl::error& e) {
+    // Shapes and options were validated, so oneDNN refusing them is our bug, not the caller's.
     DG_ASSERT(false, "oneDNN could not create a convolution primitive for input ", shapeStr(g.inputShape()),
               " weight ", shapeStr(g.weightShape()), ": ", e.what());
   }
-  return *cache.begin()->second;  // unreachable
+  return *cache.emplace(key, std::move(plan)).first->second;
 }
 
-void runPlan(ConvPlan& plan, const void* in0, const void* in1, void* out, void* bias) {
+memory scratchpadMemory(size_t bytes) {
+  const memory::desc scratchMd({static_cast<memory::dim>(bytes)}, memory::data_type::u8, Tag::x);
+  return memory(scratchMd, dnnlEngine(), threadBuffers().scratchpad.ensure(bytes));
+}
+
+// Runs a cached reorder (with its scratchpad, when it needs one).
+void runReorder(const Operand& op, const memory& from, const memory& to) {
+  std::unordered_map<int, memory> args{{DNNL_ARG_FROM, from}, {DNNL_ARG_TO, to}};
+  if (op.reorderScratchpadBytes > 0) args.emplace(DNNL_ARG_SCRATCHPAD, scratchpadMemory(op.reorderScratchpadBytes));
+  op.reorder.execute(dnnlStream(), args);
+}
+
+// Our plain bytes as the memory an operand of `plan` wants: the user memory itself, or a reorder of it
+// into `buffer`.
+memory prepareInput(const Operand& op, const void* data, AlignedBuffer& buffer) {
+  auto& eng = dnnlEngine();
+  memory user(op.plain, eng, const_cast<void*>(data));
+  if (!op.reordered) return user;
+  memory inner(op.inner, eng, buffer.ensure(op.inner.get_size()));
+  runReorder(op, user, inner);
+  return inner;
+}
+
+// Runs the primitive on prepared inputs and leaves the result in our plain `out` bytes.
+void execute(ConvPlan& plan, const memory& in0, const memory& in1, void* out, void* bias) {
   auto& eng = dnnlEngine();
   auto& stream = dnnlStream();
   ThreadBuffers& buffers = threadBuffers();
-  void* scratch = buffers.scratchpad.ensure(std::max<size_t>(plan.scratchpadBytes, 64));
-  std::unordered_map<int, memory> args;
-  auto bindInput = [&](const Operand& op, const void* data, AlignedBuffer& buffer) {
-    memory user(op.plain, eng, const_cast<void*>(data));
-    if (!op.reordered) {
-      args.emplace(op.arg, user);
-      return;
-    }
-    memory inner(op.inner, eng, buffer.ensure(op.inner.get_size()));
-    op.reorder.execute(stream, user, inner);
-    args.emplace(op.arg, inner);
-  };
-  bindInput(plan.in0, in0, buffers.in0);
-  bindInput(plan.in1, in1, buffers.in1);
   memory userOut(plan.out.plain, eng, out);
   memory innerOut = plan.out.reordered ? memory(plan.out.inner, eng, buffers.out.ensure(plan.out.inner.get_size()))
                                        : userOut;
-  args.emplace(plan.out.arg, innerOut);
+  std::unordered_map<int, memory> args{{plan.in0.arg, in0}, {plan.in1.arg, in1}, {plan.out.arg, innerOut}};
   if (plan.biasArg != 0) args.emplace(plan.biasArg, memory(plan.biasMd, eng, bias));
-  if (plan.scratchpadBytes > 0) {
-    args.emplace(DNNL_ARG_SCRATCHPAD, memory(memory::desc({static_cast<memory::dim>(plan.scratchpadBytes)},
-                                                          memory::data_type::u8, Tag::x),
-                                             eng, scratch));
-  }
+  if (plan.scratchpadBytes > 0) args.emplace(DNNL_ARG_SCRATCHPAD, scratchpadMemory(plan.scratchpadBytes));
   plan.primitive.execute(stream, args);
-  if (plan.out.reordered) plan.out.reorder.execute(stream, innerOut, userOut);
+  if (plan.out.reordered) runReorder(plan.out, innerOut, userOut);
   stream.wait();
 }
 
 }  // namespace
 
 // ---------------------------------------------------------------- entry points
+
+ConvLayout chooseConvLayout(const Shape& x, const Shape& weight, const Conv2dParams& params) {
+  return resolveLayout(ConvGeometry::of(x, weight, params), ConvLayout::kAuto);
+}
 
 Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, const Conv2dParams& params,
               ConvLayout layout) {
@@ -434,54 +463,87 @@ Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, const C
     return y;
   }
   ConvPlan& plan = planFor(g, ConvPass::kForward, bias.defined(), layout);
-  runPlan(plan, xc.rawData(), wc.rawData(), y.rawData(), bc.defined() ? bc.rawData() : nullptr);
+  ThreadBuffers& buffers = threadBuffers();
+  execute(plan, prepareInput(plan.in0, xc.rawData(), buffers.in0), prepareInput(plan.in1, wc.rawData(), buffers.in1),
+          y.rawData(), bc.defined() ? bc.rawData() : nullptr);
   return y;
+}
+
+namespace {
+// x is needed (defined) only for the weight gradient and weight only for the input gradient; the shapes
+// are always given.
+Conv2dGrads backwardImpl(const Tensor& gradOut, const Tensor& x, const Shape& xShape, const Tensor& weight,
+                         const Shape& weightShape, const Conv2dParams& params, bool needInput, bool needWeight,
+                         bool needBias, ConvLayout layout) {
+  requireConvDTypes("conv2d backward", {&gradOut, &x, &weight});
+  DG_ASSERT(!needWeight || x.defined(), "conv2d backward: the weight gradient needs the input");
+  DG_ASSERT(!needInput || weight.defined(), "conv2d backward: the input gradient needs the weight");
+  const ConvGeometry g = ConvGeometry::of(xShape, weightShape, params);
+  DG_CHECK(gradOut.shape() == g.outputShape(), "conv2d backward: gradient shape ", shapeStr(gradOut.shape()),
+           " does not match the output shape ", shapeStr(g.outputShape()));
+  Conv2dGrads grads;
+  if (needInput) grads.input = Tensor::empty(g.inputShape(), gradOut.dtype());
+  if (needWeight) grads.weight = Tensor::empty(g.weightShape(), gradOut.dtype());
+  // Alone, the bias gradient is a plain reduction; with the weight gradient it comes out of the same pass.
+  if (needBias && !needWeight) grads.bias = conv2dBackwardBias(gradOut);
+  if (needBias && needWeight) grads.bias = Tensor::empty({g.o}, gradOut.dtype());
+  const bool empty = gradOut.numel() == 0 || numelOf(xShape) == 0 || numelOf(weightShape) == 0;
+  if (empty) {  // some dim is 0: every sum is empty (oneDNN rejects empty operands)
+    if (needInput) grads.input.fill(0.0);
+    if (needWeight) grads.weight.fill(0.0);
+    if (needBias && needWeight) grads.bias = conv2dBackwardBias(gradOut);
+    return grads;
+  }
+  Tensor gc = contiguousOf(gradOut);
+  if (gradOut.dtype() == DType::kFloat64) {
+    if (needInput) referenceBackwardInput<double>(g, gc.data<double>(), contiguousOf(weight).data<double>(),
+                                                  grads.input.data<double>());
+    if (needWeight) {
+      Tensor xc = contiguousOf(x);
+      referenceBackwardWeight<double>(g, gc.data<double>(), xc.data<double>(), grads.weight.data<double>());
+      if (needBias) biasGrad<double>(g, gc.data<double>(), grads.bias.data<double>());
+    }
+    return grads;
+  }
+  ThreadBuffers& buffers = threadBuffers();
+  memory gradData;  // gradOut as the backward-data pass consumed it, reused by backward-weights if it fits
+  bool haveGradData = false;
+  if (needInput) {
+    ConvPlan& plan = planFor(g, ConvPass::kBackwardData, false, layout);
+    Tensor wc = contiguousOf(weight);
+    gradData = prepareInput(plan.in0, gc.rawData(), buffers.in0);
+    haveGradData = true;
+    execute(plan, gradData, prepareInput(plan.in1, wc.rawData(), buffers.in1), grads.input.rawData(), nullptr);
+  }
+  if (needWeight) {
+    ConvPlan& plan = planFor(g, ConvPass::kBackwardWeights, needBias, layout);
+    Tensor xc = contiguousOf(x);
+    // gradOut was reordered into buffers.in0 for backward-data; reuse it when this pass wants the same layout.
+    memory gradWeights = haveGradData && gradData.get_desc() == plan.in1.inner
+                             ? gradData
+                             : prepareInput(plan.in1, gc.rawData(), buffers.in0);
+    execute(plan, prepareInput(plan.in0, xc.rawData(), buffers.in1), gradWeights, grads.weight.rawData(),
+            needBias ? grads.bias.rawData() : nullptr);
+  }
+  return grads;
+}
+
+}  // namespace
+
+Conv2dGrads conv2dBackward(const Tensor& gradOut, const Tensor& x, const Tensor& weight, const Conv2dParams& params,
+                           bool needInput, bool needWeight, bool needBias, ConvLayout layout) {
+  return backwardImpl(gradOut, x, x.shape(), weight, weight.shape(), params, needInput, needWeight, needBias, layout);
 }
 
 Tensor conv2dBackwardInput(const Tensor& gradOut, const Tensor& weight, const Shape& inputShape,
                            const Conv2dParams& params, ConvLayout layout) {
-  requireConvDTypes("conv2d backward", {&gradOut, &weight});
-  const ConvGeometry g = ConvGeometry::of(inputShape, weight.shape(), params);
-  DG_CHECK(gradOut.shape() == g.outputShape(), "conv2d backward: gradient shape ", shapeStr(gradOut.shape()),
-           " does not match the output shape ", shapeStr(g.outputShape()));
-  Tensor dx = Tensor::empty(inputShape, gradOut.dtype());
-  if (dx.numel() == 0) return dx;
-  if (gradOut.numel() == 0 || weight.numel() == 0) {
-    dx.fill(0.0);
-    return dx;
-  }
-  Tensor gc = contiguousOf(gradOut), wc = contiguousOf(weight);
-  if (gradOut.dtype() == DType::kFloat64) {
-    referenceBackwardInput<double>(g, gc.data<double>(), wc.data<double>(), dx.data<double>());
-    return dx;
-  }
-  ConvPlan& plan = planFor(g, ConvPass::kBackwardData, false, layout);
-  runPlan(plan, gc.rawData(), wc.rawData(), dx.rawData(), nullptr);
-  return dx;
+  return backwardImpl(gradOut, Tensor(), inputShape, weight, weight.shape(), params, true, false, false, layout).input;
 }
 
 std::pair<Tensor, Tensor> conv2dBackwardWeight(const Tensor& gradOut, const Tensor& x, const Shape& weightShape,
                                                const Conv2dParams& params, bool withBias, ConvLayout layout) {
-  requireConvDTypes("conv2d backward", {&gradOut, &x});
-  const ConvGeometry g = ConvGeometry::of(x.shape(), weightShape, params);
-  DG_CHECK(gradOut.shape() == g.outputShape(), "conv2d backward: gradient shape ", shapeStr(gradOut.shape()),
-           " does not match the output shape ", shapeStr(g.outputShape()));
-  Tensor dw = Tensor::empty(weightShape, gradOut.dtype());
-  Tensor db = withBias ? Tensor::empty({g.o}, gradOut.dtype()) : Tensor();
-  if (gradOut.numel() == 0 || dw.numel() == 0) {
-    dw.fill(0.0);
-    if (withBias) db = conv2dBackwardBias(gradOut);
-    return {dw, db};
-  }
-  Tensor gc = contiguousOf(gradOut), xc = contiguousOf(x);
-  if (gradOut.dtype() == DType::kFloat64) {
-    referenceBackwardWeight<double>(g, gc.data<double>(), xc.data<double>(), dw.data<double>());
-    if (withBias) biasGrad<double>(g, gc.data<double>(), db.data<double>());
-    return {dw, db};
-  }
-  ConvPlan& plan = planFor(g, ConvPass::kBackwardWeights, withBias, layout);
-  runPlan(plan, xc.rawData(), gc.rawData(), dw.rawData(), withBias ? db.rawData() : nullptr);
-  return {dw, db};
+  Conv2dGrads grads = backwardImpl(gradOut, x, x.shape(), Tensor(), weightShape, params, false, true, withBias, layout);
+  return {grads.weight, grads.bias};
 }
 
 Tensor conv2dBackwardBias(const Tensor& gradOut) {

@@ -173,6 +173,8 @@ dnnl::pooling_forward::primitive_desc forwardPdOf(const DnnlPool& d, dnnl::algor
 // ceil-mode window overhangs the padding.
 bool oneDnnMatchesAvgDivisor(const Geometry& g) { return g.padBottom() <= g.p.padH && g.padRight() <= g.p.padW; }
 
+// kAuto means oneDNN for float32 (measured faster, see pool.h); should oneDNN reject a geometry under kAuto,
+// the loops take over, since they handle every valid case.
 bool useOneDnn(CpuImpl impl, DType dtype) {
   if (dtype != DType::kFloat32) return false;
   return impl != CpuImpl::kLoops;
@@ -216,20 +218,28 @@ MaxPool2dResult maxPool2d(const Tensor& x, const Pool2dParams& params, bool forB
     return {out, saved};
   }
   if (useOneDnn(impl, dtype)) {
-    const DnnlPool d = dnnlPoolOf(in.shape(), g);
-    auto pd = forwardPdOf(d, dnnl::algorithm::pooling_max, forBackward);
-    memory src(d.src, dnnlEngine(), in.rawData());
-    memory dst(d.dst, dnnlEngine(), out.rawData());
-    std::unordered_map<int, memory> args{{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}};
-    if (saved) {
-      saved->workspace = memory(pd.workspace_desc(), dnnlEngine());
-      saved->forwardPd = pd;
-      args.emplace(DNNL_ARG_WORKSPACE, saved->workspace);
+    try {
+      const DnnlPool d = dnnlPoolOf(in.shape(), g);
+      auto pd = forwardPdOf(d, dnnl::algorithm::pooling_max, forBackward);
+      memory src(d.src, dnnlEngine(), in.rawData());
+      memory dst(d.dst, dnnlEngine(), out.rawData());
+      std::unordered_map<int, memory> args{{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}};
+      memory workspace;
+      if (saved) {
+        workspace = memory(pd.workspace_desc(), dnnlEngine());
+        args.emplace(DNNL_ARG_WORKSPACE, workspace);
+      }
+      dnnl::stream& stream = dnnlStream();
+      dnnl::pooling_forward(pd).execute(stream, args);
+      stream.wait();
+      if (saved) {
+        saved->forwardPd = pd;
+        saved->workspace = workspace;
+      }
+      return {out, saved};
+    } catch (const dnnl::error&) {
+      if (impl == CpuImpl::kOneDnn) throw;  // asked for oneDNN explicitly (tests): don't hide the failure
     }
-    dnnl::stream& stream = dnnlStream();
-    dnnl::pooling_forward(pd).execute(stream, args);
-    stream.wait();
-    return {out, saved};
   }
   Tensor argmax = saved ? Tensor::empty(out.shape(), DType::kInt64) : Tensor();
   dispatchFloat(dtype, "maxPool2d", [&](auto zero) {
@@ -276,14 +286,18 @@ Tensor avgPool2d(const Tensor& x, const Pool2dParams& params, CpuImpl impl) {
   Tensor out = emptyOutput(in.shape(), g, dtype);
   if (isEmpty(in.shape()) || out.numel() == 0) return out;
   if (useOneDnn(impl, dtype) && oneDnnMatchesAvgDivisor(g)) {
-    const DnnlPool d = dnnlPoolOf(in.shape(), g);
-    auto pd = forwardPdOf(d, dnnl::algorithm::pooling_avg_include_padding, false);
-    memory src(d.src, dnnlEngine(), in.rawData());
-    memory dst(d.dst, dnnlEngine(), out.rawData());
-    dnnl::stream& stream = dnnlStream();
-    dnnl::pooling_forward(pd).execute(stream, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}});
-    stream.wait();
-    return out;
+    try {
+      const DnnlPool d = dnnlPoolOf(in.shape(), g);
+      auto pd = forwardPdOf(d, dnnl::algorithm::pooling_avg_include_padding, false);
+      memory src(d.src, dnnlEngine(), in.rawData());
+      memory dst(d.dst, dnnlEngine(), out.rawData());
+      dnnl::stream& stream = dnnlStream();
+      dnnl::pooling_forward(pd).execute(stream, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}});
+      stream.wait();
+      return out;
+    } catch (const dnnl::error&) {
+      if (impl == CpuImpl::kOneDnn) throw;
+    }
   }
   dispatchFloat(dtype, "avgPool2d", [&](auto zero) {
     using T = decltype(zero);
@@ -300,17 +314,21 @@ Tensor avgPool2dBackward(const Tensor& gradOutput, const Shape& inputShape, cons
   if (isEmpty(inputShape) || go.numel() == 0) return Tensor::zeros(inputShape, dtype);
   Tensor gradIn = Tensor::empty(inputShape, dtype);
   if (useOneDnn(impl, dtype) && oneDnnMatchesAvgDivisor(g)) {
-    const DnnlPool d = dnnlPoolOf(inputShape, g);
-    auto fwd = forwardPdOf(d, dnnl::algorithm::pooling_avg_include_padding, true);
-    dnnl::pooling_backward::desc desc(dnnl::algorithm::pooling_avg_include_padding, d.src, d.dst, d.strides,
-                                      d.kernel, d.padL, d.padR);
-    dnnl::pooling_backward::primitive_desc pd(desc, dnnlEngine(), fwd);
-    memory diffDst(d.dst, dnnlEngine(), go.rawData());
-    memory diffSrc(d.src, dnnlEngine(), gradIn.rawData());
-    dnnl::stream& stream = dnnlStream();
-    dnnl::pooling_backward(pd).execute(stream, {{DNNL_ARG_DIFF_DST, diffDst}, {DNNL_ARG_DIFF_SRC, diffSrc}});
-    stream.wait();
-    return gradIn;
+    try {
+      const DnnlPool d = dnnlPoolOf(inputShape, g);
+      auto fwd = forwardPdOf(d, dnnl::algorithm::pooling_avg_include_padding, true);
+      dnnl::pooling_backward::desc desc(dnnl::algorithm::pooling_avg_include_padding, d.src, d.dst, d.strides,
+                                        d.kernel, d.padL, d.padR);
+      dnnl::pooling_backward::primitive_desc pd(desc, dnnlEngine(), fwd);
+      memory diffDst(d.dst, dnnlEngine(), go.rawData());
+      memory diffSrc(d.src, dnnlEngine(), gradIn.rawData());
+      dnnl::stream& stream = dnnlStream();
+      dnnl::pooling_backward(pd).execute(stream, {{DNNL_ARG_DIFF_DST, diffDst}, {DNNL_ARG_DIFF_SRC, diffSrc}});
+      stream.wait();
+      return gradIn;
+    } catch (const dnnl::error&) {
+      if (impl == CpuImpl::kOneDnn) throw;
+    }
   }
   dispatchFloat(dtype, "avgPool2dBackward", [&](auto zero) {
     using T = decltype(zero);

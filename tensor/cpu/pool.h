@@ -1,8 +1,11 @@
 // 2-D pooling kernels over NCHW tensors: max, average (padded cells counted in the divisor, PyTorch's
 // count_include_pad) and adaptive average, forward and backward.
 //
-// float32 max/avg pooling runs on oneDNN (plain NCHW memory, no reorders); float64 and the cases oneDNN
-// cannot express exactly (average pooling whose ceil-mode windows overhang the padding, where PyTorch
+// float32 max/avg pooling runs on oneDNN (plain NCHW memory, no reorders; its jit kernels measured 5-12x
+// faster forward than our loops single-threaded, e.g. 3x3/2 max pooling of [32,64,32,32]: 2.2 ms vs 26 ms,
+// and 1.5-6x faster for average-pooling backward; only max-pooling backward is a little slower than the
+// argmax-scatter loop, 2.5 vs 1.9 ms, but that loop needs the slow loop forward). float64 and the cases
+// oneDNN cannot express exactly (average pooling whose ceil-mode windows overhang the padding, where PyTorch
 // shrinks the divisor) run on straightforward loops, which also serve as the test reference. Inputs are made
 // contiguous first; results are fresh contiguous tensors. Callers (autograd/ops/nn.cpp) validate shapes.
 // Thread-safety: reentrant; max pooling's saved state is immutable once returned and may be shared.

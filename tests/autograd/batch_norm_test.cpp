@@ -8,6 +8,7 @@
 #include "autograd/gradcheck.h"
 #include "autograd/ops.h"
 #include "tensor/cpu/batch_norm.h"
+#include "tensor/cpu/dnnl_context.h"
 #include "tensor/random.h"
 
 namespace distgrad {
@@ -217,6 +218,29 @@ TEST(BatchNormTest, OnlyWeightRequiresGrad) {
     for (int64_t n = 0; n < 4; ++n) expected += g[static_cast<size_t>(n * 3 + c)] * ref.out[static_cast<size_t>(n * 3 + c)];
     EXPECT_NEAR(gw.toVector<double>()[static_cast<size_t>(c)], expected, 1e-10);
   }
+}
+
+TEST(BatchNormTest, ThreadedLoopsMatchSingleThreaded) {
+  Tensor x = randn({4, 6, 5, 5}, 32, DType::kFloat32), w = randn({6}, 33, DType::kFloat32),
+         b = randn({6}, 34, DType::kFloat32);
+  for (Tensor* t : {&x, &w, &b}) t->setRequiresGrad();
+  Tensor gy = randn(x.shape(), 35, DType::kFloat32);
+  auto run = [&] {
+    Tensor y = batchNorm(x, w, b, Tensor(), Tensor(), true);
+    std::vector<std::vector<double>> r{y.toVector<double>()};
+    for (const Tensor& g : autograd::grad({y}, {x, w, b}, {gy})) r.push_back(g.toVector<double>());
+    return r;
+  };
+  auto single = run();
+  tensor::setNumThreads(2);
+  auto threaded = run();
+  tensor::setNumThreads(1);
+  EXPECT_EQ(single, threaded);  // channels are independent: threads change nothing, not even rounding
+}
+
+TEST(BatchNormTest, EvalOnEmptyBatch) {
+  Tensor y = batchNorm(Tensor::zeros({0, 3}), Tensor(), Tensor(), Tensor::zeros({3}), Tensor::ones({3}), false);
+  EXPECT_EQ(y.shape(), (Shape{0, 3}));
 }
 
 template <typename F>

@@ -5,12 +5,14 @@
 
 #include <cmath>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "autograd/engine.h"
 #include "autograd/gradcheck.h"
 #include "autograd/ops.h"
 #include "tensor/cpu/conv.h"
+#include "tensor/cpu/dnnl_context.h"
 #include "tensor/random.h"
 
 namespace distgrad {
@@ -298,6 +300,47 @@ TEST(Conv2d, BadInputs) {
   EXPECT_NE(msg.find("groups must be >= 1"), std::string::npos) << msg;
   msg = errorOf([&] { conv2d(x.toDType(DType::kInt64), w.toDType(DType::kInt64)); });
   EXPECT_NE(msg.find("float32 or float64"), std::string::npos) << msg;
+}
+
+TEST(Conv2d, ConcurrentThreadsAndThreadCounts) {
+  // Plans and buffers are per thread and primitives run with user scratchpads: concurrent convolutions on
+  // several threads must agree with the reference; so must a plan created after the thread count changes.
+  Tensor x = randn({2, 16, 6, 6}, 801), w = randn({8, 16, 3, 3}, 802), b = randn({8}, 803);
+  Conv2dOptions o = opts({1, 1}, {1, 1}, {1, 1}, 1);
+  Shape shape;
+  const std::vector<double> ref = naiveConv(x, w, b, o, shape);
+  Tensor x32 = x.toDType(DType::kFloat32), w32 = w.toDType(DType::kFloat32), b32 = b.toDType(DType::kFloat32);
+  std::vector<std::vector<double>> results(3);
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < results.size(); ++i) {
+    threads.emplace_back([&, i] {
+      for (int rep = 0; rep < 5; ++rep) results[i] = conv2d(x32, w32, b32, o).toVector<double>();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& r : results) {
+    ASSERT_EQ(r.size(), ref.size());
+    for (size_t j = 0; j < r.size(); ++j) ASSERT_NEAR(r[j], ref[j], 1e-4 * (1 + std::abs(ref[j])));
+  }
+  tensor::setNumThreads(2);
+  Tensor y2 = conv2d(x32, w32, b32, o);
+  tensor::setNumThreads(1);
+  expectNear(y2, ref, 1e-4, "two threads");
+}
+
+TEST(Conv2d, AutoLayoutFollowsTheMeasuredRule) {
+  kernels::Conv2dParams same;
+  same.padding = {1, 1};
+  kernels::Conv2dParams down = same;
+  down.stride = {2, 2};
+  using L = kernels::ConvLayout;
+  EXPECT_EQ(kernels::chooseConvLayout({32, 3, 32, 32}, {64, 3, 3, 3}, same), L::kPlain);
+  EXPECT_EQ(kernels::chooseConvLayout({32, 64, 8, 8}, {64, 64, 3, 3}, same), L::kChannelsLast);
+  EXPECT_EQ(kernels::chooseConvLayout({32, 64, 8, 8}, {128, 64, 3, 3}, down), L::kBlocked);
+  EXPECT_EQ(kernels::chooseConvLayout({32, 256, 2, 2}, {256, 256, 3, 3}, same), L::kBlocked);
+  kernels::Conv2dParams grouped = same;
+  grouped.groups = 64;
+  EXPECT_EQ(kernels::chooseConvLayout({32, 64, 8, 8}, {64, 1, 3, 3}, grouped), L::kBlocked);
 }
 
 TEST(Conv2d, EmptyBatch) {

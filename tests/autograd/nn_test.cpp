@@ -338,5 +338,26 @@ TEST(EmbeddingTest, BadArgumentsThrow) {
                    "embedding: expected weight of rank 2");
 }
 
+// ---------------------------------------------------------------- composition
+
+// A small CNN head built from these ops (and the elementwise/shape ops), so gradients flow through views,
+// broadcasts and several of this file's backward formulas in one graph.
+TEST(NnCompositionTest, GradcheckThroughAClassifierHead) {
+  Tensor x = randn({3, 2, 6, 6}, 40), w = randn({2}, 41), b = randn({2}, 42);
+  for (Tensor* t : {&x, &w, &b}) t->setRequiresGrad();
+  Tensor targets = labels({1, 0, 3});
+  auto head = [&](const std::vector<Tensor>& in) {
+    Tensor h = batchNorm(in[0], in[1], in[2], Tensor(), Tensor(), true);
+    h = tanh(h);
+    h = maxPool2d(h, {{3, 3}, {2, 2}, {1, 1}, false});  // [3, 2, 3, 3]
+    h = adaptiveAvgPool2d(h, {2, 2});                    // [3, 2, 2, 2]
+    h = flatten(h, 1);                                   // [3, 8]
+    h = narrow(h, 1, 0, 5);                              // a non-contiguous [3, 5] view
+    return crossEntropy(h, targets) + mseLoss(softmax(h, 1), Tensor::full({3, 5}, 0.2, DType::kFloat64));
+  };
+  auto r = autograd::gradcheck(head, {x, w, b});
+  EXPECT_TRUE(r.ok) << r.message;
+}
+
 }  // namespace
 }  // namespace distgrad

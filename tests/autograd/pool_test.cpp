@@ -9,6 +9,7 @@
 #include "autograd/engine.h"
 #include "autograd/gradcheck.h"
 #include "autograd/ops.h"
+#include "tensor/cpu/dnnl_context.h"
 #include "tensor/cpu/pool.h"
 #include "tensor/random.h"
 
@@ -354,6 +355,40 @@ TEST(PoolTest, AdaptiveAvgPoolFloat32MatchesFloat64Backward) {
   Tensor gy = tensor::normal(y64.shape(), 0, 1, gen, DType::kFloat64);
   expectNear(gradOf(y32, x32, gy.toDType(DType::kFloat32)).toVector<double>(), gradOf(y64, x64, gy).toVector<double>(),
              1e-5);
+}
+
+// ---------------------------------------------------------------- edge cases
+
+TEST(PoolTest, EmptyBatch) {
+  for (DType dt : {DType::kFloat32, DType::kFloat64}) {
+    Tensor x = Tensor::zeros({0, 3, 6, 6}, dt);
+    x.setRequiresGrad();
+    Tensor y = maxPool2d(x, {{3, 3}, {2, 2}, {1, 1}, false});
+    EXPECT_EQ(y.shape(), (Shape{0, 3, 3, 3}));
+    EXPECT_EQ(gradOf(y, x, Tensor::zeros(y.shape(), dt)).shape(), x.shape());
+    EXPECT_EQ(avgPool2d(x, {}).shape(), (Shape{0, 3, 3, 3}));
+    EXPECT_EQ(adaptiveAvgPool2d(x, {2, 2}).shape(), (Shape{0, 3, 2, 2}));
+  }
+}
+
+TEST(PoolTest, ThreadedLoopsMatchSingleThreaded) {
+  // float64 runs on the loops, which split planes across OpenMP threads when the process allows more.
+  Tensor x = distinct({4, 6, 9, 9}, 17);
+  x.setRequiresGrad();
+  Pool2dOptions o{{3, 3}, {2, 2}, {1, 1}, true};
+  auto run = [&] {
+    std::vector<std::vector<double>> r;
+    for (Tensor y : {maxPool2d(x, o), avgPool2d(x, o), adaptiveAvgPool2d(x, {4, 5})}) {
+      r.push_back(y.toVector<double>());
+      r.push_back(gradOf(y, x, Tensor::ones(y.shape(), DType::kFloat64)).toVector<double>());
+    }
+    return r;
+  };
+  auto single = run();
+  tensor::setNumThreads(2);
+  auto threaded = run();
+  tensor::setNumThreads(1);
+  EXPECT_EQ(single, threaded);
 }
 
 // ---------------------------------------------------------------- errors
