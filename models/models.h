@@ -1,4 +1,5 @@
 // Umbrella header for the models module: nn modules, checkpoints, optimizers, schedules, data and the zoo.
+// Thread-safety: as documented in each header.
 #pragma once
 
 #include "models/checkpoint.h"

@@ -1,4 +1,5 @@
 // Umbrella header for the nn modules (models/nn/*.h).
+// Thread-safety: see models/nn/module.h.
 #pragma once
 
 #include "models/nn/activation.h"
