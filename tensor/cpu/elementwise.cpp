@@ -3,6 +3,7 @@
 #include <cmath>
 #include <numbers>
 
+#include "tensor/cpu/elementwise_math.h"
 #include "tensor/cpu/strided.h"
 
 namespace distgrad::tensor::kernels {
@@ -30,7 +31,14 @@ struct GtF { template <typename T> T operator()(T a, T b) const { return a > b ?
 struct GeF { template <typename T> T operator()(T a, T b) const { return a >= b ? T(1) : T(0); } };
 
 struct NegF { template <typename T> T operator()(T x) const { return -x; } };
-struct ExpF { template <typename T> T operator()(T x) const { return std::exp(x); } };
+// float32 uses the vectorisable versions (tensor/cpu/elementwise_math.h); float64 keeps libm's accuracy,
+// which gradchecks rely on.
+struct ExpF {
+  template <typename T> T operator()(T x) const {
+    if constexpr (std::is_same_v<T, float>) return vecmath::expf(x);
+    else return std::exp(x);
+  }
+};
 struct LogF { template <typename T> T operator()(T x) const { return std::log(x); } };
 struct SqrtF { template <typename T> T operator()(T x) const { return std::sqrt(x); } };
 struct AbsF { template <typename T> T operator()(T x) const { return x < T(0) ? -x : x; } };
@@ -38,10 +46,18 @@ struct ReluF { template <typename T> T operator()(T x) const { return x > T(0) ?
 struct SignF {
   template <typename T> T operator()(T x) const { return T(x > T(0)) - T(x < T(0)); }
 };
-struct TanhF { template <typename T> T operator()(T x) const { return std::tanh(x); } };
+struct TanhF {
+  template <typename T> T operator()(T x) const {
+    if constexpr (std::is_same_v<T, float>) return vecmath::tanhf(x);
+    else return std::tanh(x);
+  }
+};
 struct SigmoidF {
   // 1 / (1 + e^-x) overflows harmlessly to 0 for very negative x (e^-x = inf).
-  template <typename T> T operator()(T x) const { return T(1) / (T(1) + std::exp(-x)); }
+  template <typename T> T operator()(T x) const {
+    if constexpr (std::is_same_v<T, float>) return vecmath::sigmoidf(x);
+    else return T(1) / (T(1) + std::exp(-x));
+  }
 };
 struct GeluF {
   template <typename T> T operator()(T x) const {

@@ -1,7 +1,10 @@
 #include "tensor/cpu/reduce.h"
 
 #include <algorithm>
+#include <cstring>
+#include <limits>
 #include <numeric>
+#include <type_traits>
 
 #include "tensor/cpu/elementwise.h"
 #include "tensor/cpu/shape_kernels.h"
@@ -112,6 +115,70 @@ inline bool beats(T v, T best) {
   return v > best || (v != v && best == best);
 }
 
+// Value and first index of the maximum of a contiguous run (NaN-propagating, first NaN wins).
+template <typename T>
+void argmaxRun(const T* p, int64_t n, T* value, int64_t* index) {
+  // GCC's vectoriser will not turn a max loop into packed instructions without -ffast-math, so the fast
+  // path uses vector extensions (AVX2 compares and blends): each lane keeps its maximum and the index
+  // where it first saw it (strict > keeps the earliest), plus a probe that turns NaN if any element is
+  // NaN or infinite (x * 0). Rows with NaN or infinity take the exact scalar scan at the end.
+  using Index = std::conditional_t<sizeof(T) == 4, int32_t, int64_t>;  // same lane width as T
+  typedef T Vec __attribute__((vector_size(32)));
+  typedef Index IndexVec __attribute__((vector_size(32)));
+  constexpr int64_t kLanes = static_cast<int64_t>(sizeof(Vec) / sizeof(T));
+  if (n >= 2 * kLanes && n <= std::numeric_limits<Index>::max()) {
+    Vec lanes, probe = {};
+    IndexVec laneIndex, current;
+    for (int64_t k = 0; k < kLanes; ++k) current[k] = static_cast<Index>(k);
+    laneIndex = current;
+    std::memcpy(&lanes, p, sizeof(Vec));
+    int64_t j = kLanes;
+    for (; j + kLanes <= n; j += kLanes) {
+      Vec v;
+      std::memcpy(&v, p + j, sizeof(Vec));
+      current += static_cast<Index>(kLanes);
+      const auto better = v > lanes;
+      lanes = better ? v : lanes;
+      laneIndex = better ? current : laneIndex;
+      if constexpr (std::is_floating_point_v<T>) probe += v * T(0);
+    }
+    bool special = false;
+    T best = lanes[0];
+    int64_t at = laneIndex[0];
+    for (int64_t k = 1; k < kLanes; ++k) {
+      if (lanes[k] > best || (lanes[k] == best && laneIndex[k] < at)) {
+        best = lanes[k];
+        at = laneIndex[k];
+      }
+    }
+    if constexpr (std::is_floating_point_v<T>) {
+      for (int64_t k = 0; k < kLanes; ++k) special |= probe[k] != probe[k];
+    }
+    for (; j < n; ++j) {  // the tail comes after every lane's index, so strict > keeps first occurrences
+      if (p[j] > best) {
+        best = p[j];
+        at = j;
+      }
+      if constexpr (std::is_floating_point_v<T>) special |= p[j] != p[j];
+    }
+    if (!special) {
+      *value = best;
+      *index = at;
+      return;
+    }
+  }
+  T best = p[0];
+  int64_t bestIdx = 0;
+  for (int64_t k = 1; k < n; ++k) {
+    if (beats(p[k], best)) {
+      best = p[k];
+      bestIdx = k;
+    }
+  }
+  *value = best;
+  *index = bestIdx;
+}
+
 template <typename T>
 void maxDimImpl(const Tensor& src, int64_t dim, T* values, int64_t* indices) {
   // src is contiguous: view it as [outer, R, inner].
@@ -125,16 +192,7 @@ void maxDimImpl(const Tensor& src, int64_t dim, T* values, int64_t* indices) {
     T* vals = values + o * inner;
     int64_t* idx = indices + o * inner;
     if (inner == 1) {
-      T best = block[0];
-      int64_t bestIdx = 0;
-      for (int64_t k = 1; k < r; ++k) {
-        if (beats(block[k], best)) {
-          best = block[k];
-          bestIdx = k;
-        }
-      }
-      *vals = best;
-      *idx = bestIdx;
+      argmaxRun<T>(block, r, vals, idx);
       continue;
     }
     // Reduce rows into the running maxima elementwise: streams through memory once.
@@ -195,11 +253,9 @@ Tensor maxAll(const Tensor& a) {
   Tensor src = contiguous(a);
   return dispatchDType(a.dtype(), "max", [&](auto tag) {
     using T = decltype(tag);
-    const T* p = static_cast<const T*>(src.rawData());
-    T best = p[0];
-    for (int64_t i = 1, n = src.numel(); i < n; ++i) {
-      if (beats(p[i], best)) best = p[i];
-    }
+    T best;
+    int64_t unusedIndex;
+    argmaxRun<T>(static_cast<const T*>(src.rawData()), src.numel(), &best, &unusedIndex);
     Tensor out = Tensor::empty({}, a.dtype());
     *static_cast<T*>(out.rawData()) = best;
     return out;

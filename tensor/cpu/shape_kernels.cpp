@@ -1,5 +1,6 @@
 #include "tensor/cpu/shape_kernels.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "tensor/cpu/elementwise.h"
@@ -8,17 +9,66 @@
 namespace distgrad::tensor::kernels {
 namespace {
 
+// dst[r * dstRowStride + c] = src[r + c * srcColStride] for an R x C block: a transpose. Walking 32x32
+// tiles keeps both the rows being written and the columns being read in cache (a plain row-by-row loop
+// touches a new cache line of src for every element).
+template <typename U>
+void transposeTiles(U* dst, int64_t dstRowStride, const U* src, int64_t srcColStride, int64_t rows, int64_t cols) {
+  constexpr int64_t kTile = 32;
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+    const int64_t r1 = std::min(rows, r0 + kTile);
+    for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
+      const int64_t c1 = std::min(cols, c0 + kTile);
+      for (int64_t r = r0; r < r1; ++r) {
+        U* o = dst + r * dstRowStride;
+        const U* in = src + r;
+        for (int64_t c = c0; c < c1; ++c) o[c] = in[c * srcColStride];
+      }
+    }
+  }
+}
+
 // Copies with the element's bit pattern (U is an unsigned integer of the element's size), so one loop
 // serves every dtype of that size.
 template <typename U>
 void copyTyped(const Tensor& dst, const Tensor& src, const Shape& srcStrides) {
   const int64_t isz = static_cast<int64_t>(sizeof(U));
-  Shape dstBytes(dst.dim()), srcBytes(dst.dim());
-  for (int64_t i = 0; i < dst.dim(); ++i) {
-    dstBytes[i] = dst.strides()[i] * isz;
-    srcBytes[i] = srcStrides[i] * isz;
+  Shape shape = dst.shape();
+  std::array<Shape, 2> strides{dst.strides(), srcStrides};
+  coalesceDims(shape, strides);
+  const int64_t nd = static_cast<int64_t>(shape.size());
+  // Transpose-like layouts (contiguous destination rows, source contiguous along the second-to-last dim:
+  // contiguous(transpose(x)), NCHW <-> NHWC permutes) go through cache tiles, once per leading index.
+  if (nd >= 2 && strides[0][nd - 1] == 1 && strides[1][nd - 2] == 1 && strides[1][nd - 1] != 1 &&
+      shape[nd - 1] >= 8 && shape[nd - 2] >= 8) {
+    const int64_t rows = shape[nd - 2], cols = shape[nd - 1];
+    const int64_t dstRow = strides[0][nd - 2], srcCol = strides[1][nd - 1];
+    Shape outerShape(shape.begin(), shape.end() - 2);
+    if (outerShape.empty()) outerShape.push_back(1);
+    Shape outerDst(strides[0].begin(), strides[0].end() - 2), outerSrc(strides[1].begin(), strides[1].end() - 2);
+    if (outerDst.empty()) {
+      outerDst.push_back(0);
+      outerSrc.push_back(0);
+    }
+    for (auto& v : outerDst) v *= isz;
+    for (auto& v : outerSrc) v *= isz;
+    // Iterate the leading dims with forEachStrided, one tile pass per visited index.
+    forEachStrided<2>(outerShape, {outerDst, outerSrc},
+                      {static_cast<char*>(dst.rawData()), static_cast<char*>(src.rawData())},
+                      [&](const std::array<char*, 2>& p, const std::array<int64_t, 2>& s, int64_t n) {
+                        for (int64_t i = 0; i < n; ++i) {
+                          transposeTiles<U>(reinterpret_cast<U*>(p[0] + i * s[0]), dstRow,
+                                            reinterpret_cast<const U*>(p[1] + i * s[1]), srcCol, rows, cols);
+                        }
+                      });
+    return;
   }
-  forEachStrided<2>(dst.shape(), {dstBytes, srcBytes},
+  Shape dstBytes(nd), srcBytes(nd);
+  for (int64_t i = 0; i < nd; ++i) {
+    dstBytes[i] = strides[0][i] * isz;
+    srcBytes[i] = strides[1][i] * isz;
+  }
+  forEachStrided<2>(shape, {dstBytes, srcBytes},
                     {static_cast<char*>(dst.rawData()), static_cast<char*>(src.rawData())},
                     [&](const std::array<char*, 2>& p, const std::array<int64_t, 2>& s, int64_t n) {
                       U* o = reinterpret_cast<U*>(p[0]);

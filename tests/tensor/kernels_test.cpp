@@ -4,8 +4,10 @@
 
 #include <cmath>
 #include <functional>
+#include <limits>
 
 #include "tensor/cpu/elementwise.h"
+#include "tensor/cpu/elementwise_math.h"
 #include "tensor/cpu/reduce.h"
 #include "tensor/cpu/shape_kernels.h"
 #include "tensor/random.h"
@@ -117,6 +119,46 @@ TEST(ElementwiseKernels, BackwardPieces) {
   EXPECT_EQ(gb.toVector<double>(), (std::vector<double>{1, 0.5, 0, 1}));
 }
 
+TEST(VecMath, ExpTanhSigmoidAccuracyAndSpecialValues) {
+  double worstExp = 0, worstTanh = 0, worstSigmoid = 0;
+  const int kSamples = 1 << 18;
+  for (int i = 0; i <= kSamples; ++i) {
+    const float x = -87.0f + 175.5f * static_cast<float>(i) / kSamples;
+    const double e = std::exp(static_cast<double>(x));
+    worstExp = std::max(worstExp, std::abs(vecmath::expf(x) - e) / e);
+    const float t = x / 8;  // tanh and sigmoid saturate quickly: sample [-11, 11] densely
+    const double th = std::tanh(static_cast<double>(t));
+    worstTanh = std::max(worstTanh, std::abs(vecmath::tanhf(t) - th) / std::max(std::abs(th), 1e-30));
+    const double sg = 1 / (1 + std::exp(-static_cast<double>(t)));
+    worstSigmoid = std::max(worstSigmoid, std::abs(vecmath::sigmoidf(t) - sg) / sg);
+  }
+  EXPECT_LT(worstExp, 2e-7);
+  EXPECT_LT(worstTanh, 4e-7);
+  EXPECT_LT(worstSigmoid, 4e-7);
+  // tiny arguments keep full relative accuracy (no cancellation)
+  EXPECT_FLOAT_EQ(vecmath::tanhf(1e-6f), 1e-6f);
+  EXPECT_FLOAT_EQ(vecmath::tanhf(-3e-20f), -3e-20f);
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_EQ(vecmath::expf(0.0f), 1.0f);
+  EXPECT_EQ(vecmath::expf(89.0f), inf);
+  EXPECT_EQ(vecmath::expf(inf), inf);
+  EXPECT_EQ(vecmath::expf(-100.0f), 0.0f);
+  EXPECT_EQ(vecmath::expf(-inf), 0.0f);
+  EXPECT_TRUE(std::isnan(vecmath::expf(nan)));
+  EXPECT_NEAR(vecmath::expf(88.7f) / std::exp(static_cast<double>(88.7f)), 1.0, 2e-7);  // n = 128 path
+  EXPECT_EQ(vecmath::tanhf(50.0f), 1.0f);
+  EXPECT_EQ(vecmath::tanhf(-inf), -1.0f);
+  EXPECT_TRUE(std::isnan(vecmath::tanhf(nan)));
+  EXPECT_EQ(vecmath::sigmoidf(-200.0f), 0.0f);
+  EXPECT_EQ(vecmath::sigmoidf(200.0f), 1.0f);
+  EXPECT_TRUE(std::isnan(vecmath::sigmoidf(nan)));
+  // the tensor kernels use them for float32
+  Tensor x = Tensor::fromVector({-1.0f, 0.5f, 3.0f}, {3});
+  auto ex = unary(UnaryOp::kExp, x).toVector<double>();
+  for (int i = 0; i < 3; ++i) EXPECT_NEAR(ex[i], std::exp(x.toVector<double>()[i]), 1e-6 * ex[i]);
+}
+
 TEST(ReduceKernels, MaxDimMatchesReferenceOnEveryDim) {
   Tensor x = randn({4, 5, 6}, 9, DType::kFloat64);
   for (int64_t dim = 0; dim < 3; ++dim) {
@@ -144,6 +186,50 @@ TEST(ReduceKernels, MaxDimMatchesReferenceOnEveryDim) {
     Tensor back = maxDimBackward(v, idx, x.shape(), dim);
     EXPECT_NEAR(sumAll(back).item(), sumAll(v).item(), 1e-12);
   }
+}
+
+TEST(ReduceKernels, ArgmaxRunsWithTiesNaNAndInfinity) {
+  // Long rows take the two-pass vectorised path; NaN/inf anywhere (also in the tail) fall back exactly.
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int64_t n : {5, 16, 37, 64}) {
+    for (int64_t at : {int64_t{0}, n / 2, n - 1}) {
+      SCOPED_TRACE("n=" + std::to_string(n) + " at=" + std::to_string(at));
+      std::vector<float> v(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) v[i] = static_cast<float>((i * 7) % 11) - 20.0f;
+      auto run = [&](const std::vector<float>& vals) {
+        Tensor t = Tensor::fromVector(vals, {1, n});
+        Tensor value, index;
+        maxDim(t, 1, false, &value, &index);
+        return std::make_pair(value.item(), index.toVector<int64_t>()[0]);
+      };
+      auto w = v;
+      w[at] = 5;  // unique maximum
+      EXPECT_EQ(run(w), std::make_pair(5.0, at));
+      w[(at + n / 3 + 1) % n] = 5;  // tie: first occurrence
+      EXPECT_EQ(run(w).second, std::min(at, (at + n / 3 + 1) % n));
+      w = v;
+      w[at] = inf;
+      EXPECT_EQ(run(w), std::make_pair(static_cast<double>(inf), at));
+      w = v;
+      w[at] = nan;
+      if (n - 1 - at != at) w[n - 1 - at] = 100;
+      auto r = run(w);
+      EXPECT_TRUE(std::isnan(r.first));
+      EXPECT_EQ(r.second, at);
+    }
+  }
+  // all equal
+  Tensor same = Tensor::full({2, 40}, 3.0);
+  Tensor value, index;
+  maxDim(same, 1, false, &value, &index);
+  EXPECT_EQ(index.toVector<int64_t>(), (std::vector<int64_t>{0, 0}));
+  // int64 rows
+  std::vector<int64_t> iv(50);
+  for (int64_t i = 0; i < 50; ++i) iv[i] = (i * 13) % 50;
+  maxDim(Tensor::fromVector(iv, {50}), 0, false, &value, &index);
+  EXPECT_EQ(value.toVector<int64_t>()[0], 49);
+  EXPECT_EQ(iv[static_cast<size_t>(index.toVector<int64_t>()[0])], 49);
 }
 
 TEST(ReduceKernels, SumDimsInt64AndMask) {
@@ -189,6 +275,35 @@ TEST(ShapeKernels, CopyIntoBroadcastAndErrors) {
   Tensor h = broadcastTo(Tensor::fromVector({0.5f}, {1}).toDType(DType::kFloat16), {3});
   EXPECT_EQ(h.dtype(), DType::kFloat16);
   EXPECT_EQ(h.toVector<float>(), (std::vector<float>{0.5f, 0.5f, 0.5f}));
+}
+
+TEST(ShapeKernels, TransposedCopiesMatchElementwiseReference) {
+  // Shapes around the 32-wide tiles (odd remainders), with and without leading batch dims, every dtype size.
+  const std::vector<std::pair<Shape, std::vector<int64_t>>> cases = {
+      {{37, 70}, {1, 0}},           {{8, 8}, {1, 0}},         {{3, 33, 65}, {0, 2, 1}},
+      {{2, 5, 9, 40}, {0, 2, 3, 1}},  // NCHW -> NHWC
+      {{2, 40, 5, 9}, {0, 3, 1, 2}},  // NHWC -> NCHW
+      {{4, 50, 3}, {2, 1, 0}},
+  };
+  for (const auto& [shape, perm] : cases) {
+    for (DType dt : {DType::kFloat32, DType::kFloat64, DType::kFloat16}) {
+      SCOPED_TRACE(shapeStr(shape) + " " + dtypeName(dt));
+      Tensor base = Tensor::arange(numelOf(shape), DType::kFloat64);
+      base = asStrided(base, shape, contiguousStrides(shape), 0).toDType(dt);
+      Shape pShape(perm.size()), pStrides(perm.size());
+      for (size_t i = 0; i < perm.size(); ++i) {
+        pShape[i] = shape[perm[i]];
+        pStrides[i] = base.strides()[perm[i]];
+      }
+      Tensor view = asStrided(base, pShape, pStrides, 0);
+      Tensor c = contiguous(view);
+      ASSERT_TRUE(c.isContiguous());
+      // reference: Tensor::copyFrom's per-element conversion path (float64 destination)
+      Tensor ref = Tensor::empty(pShape, DType::kFloat64);
+      ref.copyFrom(view);
+      ASSERT_EQ(c.toVector<double>(), ref.toVector<double>());
+    }
+  }
 }
 
 TEST(ShapeKernels, CatMixedLayouts) {
