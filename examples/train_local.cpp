@@ -37,7 +37,7 @@ namespace {
 struct Options {
   int64_t epochs = 3;
   int64_t batchSize = 64;
-  double lr = 2e-3;
+  double lr = 3e-3;
   uint64_t seed = 0;
   int threads = 1;
   int64_t limit = 0;  // use only the first N training images (0 = all); for quick runs
