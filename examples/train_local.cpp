@@ -36,8 +36,8 @@ namespace {
 
 struct Options {
   int64_t epochs = 3;
-  int64_t batchSize = 64;
-  double lr = 3e-3;
+  int64_t batchSize = 32;
+  double lr = 2e-3;
   uint64_t seed = 0;
   int threads = 1;
   int64_t limit = 0;  // use only the first N training images (0 = all); for quick runs
