@@ -62,7 +62,8 @@ struct SigmoidF {
 };
 struct GeluF {
   template <typename T> T operator()(T x) const {
-    return T(0.5) * x * (T(1) + std::erf(x * T(std::numbers::sqrt2 / 2)));
+    if constexpr (std::is_same_v<T, float>) return x * vecmath::normalCdf(x);
+    else return T(0.5) * x * (T(1) + std::erf(x * T(std::numbers::sqrt2 / 2)));
   }
 };
 
@@ -101,9 +102,13 @@ struct AbsBackF {
 };
 struct GeluBackF {
   template <typename T> T operator()(T g, T x) const {
-    const T cdf = T(0.5) * (T(1) + std::erf(x * T(std::numbers::sqrt2 / 2)));
-    const T pdf = std::exp(T(-0.5) * x * x) * T(std::numbers::inv_sqrtpi / std::numbers::sqrt2);
-    return g * (cdf + x * pdf);
+    constexpr T kInvSqrt2Pi = T(std::numbers::inv_sqrtpi / std::numbers::sqrt2);
+    if constexpr (std::is_same_v<T, float>) {
+      return g * (vecmath::normalCdf(x) + x * vecmath::expf(-0.5f * x * x) * kInvSqrt2Pi);
+    } else {
+      const T cdf = T(0.5) * (T(1) + std::erf(x * T(std::numbers::sqrt2 / 2)));
+      return g * (cdf + x * std::exp(T(-0.5) * x * x) * kInvSqrt2Pi);
+    }
   }
 };
 template <typename T>
