@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""PyTorch side of bench/train_step: ResNet-18 training steps on the CPU, one thread.
+
+The same workload as the C++ bench_train_step, so the two can be compared line by line: ResNet-18 in
+torchvision's layout (written out here: torchvision may not be installed), 10 classes, 3x32x32 synthetic
+inputs, batch 32, cross-entropy loss, SGD (lr 0.01, momentum 0.9). A timed step is zero_grad + forward +
+loss + backward + optimizer step, after untimed warm-up steps.
+
+Prints JSON lines (the contract of bench/bench_util.h, plus "impl":"pytorch"):
+  {"bench":"train_step","metric":"images_per_s","unit":"images/s","median":..,"p10":..,"p90":..,"n":..,...}
+  {"bench":"train_step","metric":"peak_rss","unit":"MiB",...}   peak resident memory of this whole process
+                                                                 (Python and libtorch included)
+When torch is missing it prints one line with "skipped" and exits 0.
+
+Run with Debian's interpreter, which has python3-torch: /usr/bin/python3 bench/train_step_torch.py
+"""
+
+import argparse
+import json
+import resource
+import sys
+import time
+
+BENCH = "train_step"
+
+
+def emit(record):
+    print(json.dumps(record, separators=(",", ":")), flush=True)
+
+
+def stats_of(samples):
+    # Same order statistics as distgrad::bench::statsOf: element round(q * (n - 1)) of the sorted samples.
+    s = sorted(samples)
+    pick = lambda q: s[int(q * (len(s) - 1) + 0.5)]
+    return {"median": pick(0.5), "p10": pick(0.1), "p90": pick(0.9), "n": len(s)}
+
+
+def build_resnet18(nn, num_classes):
+    class BasicBlock(nn.Module):
+        def __init__(self, in_planes, planes, stride):
+            super().__init__()
+            self.conv1 = nn.Conv2d(in_planes, planes, 3, stride=stride, padding=1, bias=False)
+            self.bn1 = nn.BatchNorm2d(planes)
+            self.relu = nn.ReLU(inplace=True)
+            self.conv2 = nn.Conv2d(planes, planes, 3, stride=1, padding=1, bias=False)
+            self.bn2 = nn.BatchNorm2d(planes)
+            self.downsample = None
+            if stride != 1 or in_planes != planes:
+                self.downsample = nn.Sequential(
+                    nn.Conv2d(in_planes, planes, 1, stride=stride, bias=False), nn.BatchNorm2d(planes))
+
+        def forward(self, x):
+            identity = x if self.downsample is None else self.downsample(x)
+            out = self.relu(self.bn1(self.conv1(x)))
+            out = self.bn2(self.conv2(out))
+            return self.relu(out + identity)
+
+    class ResNet18(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
+            self.bn1 = nn.BatchNorm2d(64)
+            self.relu = nn.ReLU(inplace=True)
+            self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
+            layers = []
+            in_planes = 64
+            for planes, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+                layers.append(nn.Sequential(BasicBlock(in_planes, planes, stride), BasicBlock(planes, planes, 1)))
+                in_planes = planes
+            self.layer1, self.layer2, self.layer3, self.layer4 = layers
+            self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+            self.fc = nn.Linear(512, num_classes)
+            # torchvision's initialisation.
+            for m in self.modules():
+                if isinstance(m, nn.Conv2d):
+                    nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+                elif isinstance(m, nn.BatchNorm2d):
+                    nn.init.constant_(m.weight, 1)
+                    nn.init.constant_(m.bias, 0)
+
+        def forward(self, x):
+            x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+            x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+            return self.fc(self.avgpool(x).flatten(1))
+
+    return ResNet18()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+
+    try:
+        import torch
+        from torch import nn
+    except ImportError:
+        emit({"bench": BENCH, "impl": "pytorch", "skipped": "torch not installed"})
+        return 0
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = build_resnet18(nn, num_classes=10)
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    images = torch.randn(args.batch, 3, 32, 32)
+    labels = torch.randint(0, 10, (args.batch,))
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(images), labels)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    for _ in range(args.warmup):
+        step()
+    seconds = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        seconds.append(time.perf_counter() - t0)
+
+    common = {"impl": "pytorch", "model": "resnet18", "batch": args.batch, "input": "3x32x32",
+              "threads": args.threads, "torch": torch.__version__}
+    emit({"bench": BENCH, "metric": "images_per_s", "unit": "images/s",
+          **stats_of([args.batch / s for s in seconds]), **common})
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # ru_maxrss is KiB on Linux
+    emit({"bench": BENCH, "metric": "peak_rss", "unit": "MiB",
+          "median": peak_mib, "p10": peak_mib, "p90": peak_mib, "n": 1, **common})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
