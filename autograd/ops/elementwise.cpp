@@ -98,14 +98,15 @@ Tensor mul(const Tensor& a, const Tensor& b) {
 Tensor div(const Tensor& a, const Tensor& b) {
   Tensor out = kernels::binary(BinaryOp::kDiv, a, b);
   if (!autograd::anyRequiresGrad({a, b})) return out;
+  // d(a/b)/db = -a / b^2 = -(g/b) * out: saving the (detached) quotient avoids recomputing it.
+  Tensor quotient = b.requiresGrad() ? out.detach() : Tensor();
   return autograd::recordOp("DivBackward", {a, b}, out,
-      [a = a.detach(), b = b.detach()](const std::vector<Tensor>& g, const autograd::Node& self) {
+      [quotient, b = b.detach(), sa = a.shape()](const std::vector<Tensor>& g, const autograd::Node& self) {
         Tensor gOverB = kernels::binary(BinaryOp::kDiv, g[0], b);
         return std::vector<Tensor>{
-            gradFor(self, 0, [&] { return sumToShape(gOverB, a.shape()); }),
-            // d(a/b)/db = -a / b^2 = -(g/b) * (a/b)
+            gradFor(self, 0, [&] { return sumToShape(gOverB, sa); }),
             gradFor(self, 1, [&] {
-              Tensor t = kernels::binary(BinaryOp::kMul, gOverB, kernels::binary(BinaryOp::kDiv, a, b));
+              Tensor t = kernels::binary(BinaryOp::kMul, gOverB, quotient);
               return kernels::unary(UnaryOp::kNeg, sumToShape(t, b.shape()));
             })};
       });
