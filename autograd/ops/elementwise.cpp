@@ -19,6 +19,7 @@ namespace {
 // Runs a unary kernel and records a backward that maps (grad, saved) -> input gradient.
 template <typename Backward>
 Tensor unaryOp(const char* nodeName, const Tensor& a, Tensor out, const Tensor& saved, Backward backward) {
+  if (!autograd::anyRequiresGrad({a})) return out;
   return autograd::recordOp(nodeName, {a}, out,
                             [saved = saved.detach(), backward](const std::vector<Tensor>& g, const autograd::Node&) {
                               return std::vector<Tensor>{backward(g[0], saved)};
@@ -60,6 +61,7 @@ Tensor sumToShape(const Tensor& grad, const Shape& shape) {
 
 Tensor add(const Tensor& a, const Tensor& b) {
   Tensor out = kernels::binary(BinaryOp::kAdd, a, b);
+  if (!autograd::anyRequiresGrad({a, b})) return out;
   return autograd::recordOp("AddBackward", {a, b}, out,
                             [sa = a.shape(), sb = b.shape()](const std::vector<Tensor>& g, const autograd::Node& self) {
                               return std::vector<Tensor>{
@@ -70,6 +72,7 @@ Tensor add(const Tensor& a, const Tensor& b) {
 
 Tensor sub(const Tensor& a, const Tensor& b) {
   Tensor out = kernels::binary(BinaryOp::kSub, a, b);
+  if (!autograd::anyRequiresGrad({a, b})) return out;
   return autograd::recordOp("SubBackward", {a, b}, out,
                             [sa = a.shape(), sb = b.shape()](const std::vector<Tensor>& g, const autograd::Node& self) {
                               return std::vector<Tensor>{
@@ -83,8 +86,8 @@ Tensor mul(const Tensor& a, const Tensor& b) {
   // Save only what each gradient needs: d/da needs b, d/db needs a.
   Tensor savedA = b.requiresGrad() ? a.detach() : Tensor();
   Tensor savedB = a.requiresGrad() ? b.detach() : Tensor();
-  return autograd::recordOp(
-      "MulBackward", {a, b}, out,
+  if (!autograd::anyRequiresGrad({a, b})) return out;
+  return autograd::recordOp("MulBackward", {a, b}, out,
       [savedA, savedB, sa = a.shape(), sb = b.shape()](const std::vector<Tensor>& g, const autograd::Node& self) {
         return std::vector<Tensor>{
             gradFor(self, 0, [&] { return sumToShape(kernels::binary(BinaryOp::kMul, g[0], savedB), sa); }),
@@ -94,15 +97,16 @@ Tensor mul(const Tensor& a, const Tensor& b) {
 
 Tensor div(const Tensor& a, const Tensor& b) {
   Tensor out = kernels::binary(BinaryOp::kDiv, a, b);
-  return autograd::recordOp(
-      "DivBackward", {a, b}, out,
-      [a = a.detach(), b = b.detach()](const std::vector<Tensor>& g, const autograd::Node& self) {
+  if (!autograd::anyRequiresGrad({a, b})) return out;
+  // d(a/b)/db = -a / b^2 = -(g/b) * out: saving the (detached) quotient avoids recomputing it.
+  Tensor quotient = b.requiresGrad() ? out.detach() : Tensor();
+  return autograd::recordOp("DivBackward", {a, b}, out,
+      [quotient, b = b.detach(), sa = a.shape()](const std::vector<Tensor>& g, const autograd::Node& self) {
         Tensor gOverB = kernels::binary(BinaryOp::kDiv, g[0], b);
         return std::vector<Tensor>{
-            gradFor(self, 0, [&] { return sumToShape(gOverB, a.shape()); }),
-            // d(a/b)/db = -a / b^2 = -(g/b) * (a/b)
+            gradFor(self, 0, [&] { return sumToShape(gOverB, sa); }),
             gradFor(self, 1, [&] {
-              Tensor t = kernels::binary(BinaryOp::kMul, gOverB, kernels::binary(BinaryOp::kDiv, a, b));
+              Tensor t = kernels::binary(BinaryOp::kMul, gOverB, quotient);
               return kernels::unary(UnaryOp::kNeg, sumToShape(t, b.shape()));
             })};
       });
@@ -110,12 +114,14 @@ Tensor div(const Tensor& a, const Tensor& b) {
 
 Tensor add(const Tensor& a, double b) {
   Tensor out = kernels::addScalar(a, b);
+  if (!autograd::anyRequiresGrad({a})) return out;
   return autograd::recordOp("AddScalarBackward", {a}, out,
                             [](const std::vector<Tensor>& g, const autograd::Node&) { return std::vector<Tensor>{g[0]}; });
 }
 
 Tensor mul(const Tensor& a, double b) {
   Tensor out = kernels::mulScalar(a, b);
+  if (!autograd::anyRequiresGrad({a})) return out;
   return autograd::recordOp("MulScalarBackward", {a}, out, [b](const std::vector<Tensor>& g, const autograd::Node&) {
     return std::vector<Tensor>{kernels::mulScalar(g[0], b)};
   });
@@ -125,6 +131,7 @@ Tensor mul(const Tensor& a, double b) {
 
 Tensor neg(const Tensor& a) {
   Tensor out = kernels::unary(UnaryOp::kNeg, a);
+  if (!autograd::anyRequiresGrad({a})) return out;
   return autograd::recordOp("NegBackward", {a}, out, [](const std::vector<Tensor>& g, const autograd::Node&) {
     return std::vector<Tensor>{kernels::unary(UnaryOp::kNeg, g[0])};
   });
@@ -190,6 +197,7 @@ Tensor clamp(const Tensor& a, double min, double max) {
 namespace {
 Tensor maxMin(const Tensor& a, const Tensor& b, bool isMax) {
   Tensor out = kernels::binary(isMax ? BinaryOp::kMaximum : BinaryOp::kMinimum, a, b);
+  if (!autograd::anyRequiresGrad({a, b})) return out;
   return autograd::recordOp(isMax ? "MaximumBackward" : "MinimumBackward", {a, b}, out,
                             [a = a.detach(), b = b.detach(), isMax](const std::vector<Tensor>& g, const autograd::Node& self) {
                               Tensor ga, gb;
@@ -213,8 +221,8 @@ Tensor ge(const Tensor& a, const Tensor& b) { return kernels::binary(BinaryOp::k
 
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   Tensor out = kernels::where(cond, a, b);
-  return autograd::recordOp(
-      "WhereBackward", {a, b}, out,
+  if (!autograd::anyRequiresGrad({a, b})) return out;
+  return autograd::recordOp("WhereBackward", {a, b}, out,
       [cond = cond.detach(), sa = a.shape(), sb = b.shape()](const std::vector<Tensor>& g, const autograd::Node& self) {
         Tensor zero = Tensor::zeros({}, g[0].dtype());
         return std::vector<Tensor>{

@@ -17,6 +17,12 @@ using kernels::BinaryOp;
 
 namespace {
 
+// Means and variances of integers would silently truncate or need a dtype policy; refuse them clearly.
+void requireFloat(const Tensor& a, const char* op) {
+  DG_CHECK(a.dtype() == DType::kFloat32 || a.dtype() == DType::kFloat64, op,
+           ": expected a float32 or float64 tensor, got ", tensor::dtypeName(a.dtype()));
+}
+
 int64_t reducedCount(const Shape& shape, const std::vector<bool>& mask) {
   int64_t n = 1;
   for (size_t d = 0; d < shape.size(); ++d) {
@@ -35,6 +41,7 @@ Tensor expandGrad(const Tensor& g, const Shape& inputShape, const std::vector<bo
 
 Tensor sumMasked(const Tensor& a, const std::vector<bool>& mask, bool keepDim, const char* nodeName) {
   Tensor out = kernels::sumDims(a, mask, keepDim);
+  if (!autograd::anyRequiresGrad({a})) return out;
   return autograd::recordOp(nodeName, {a}, out,
                             [mask, shape = a.shape()](const std::vector<Tensor>& g, const autograd::Node&) {
                               return std::vector<Tensor>{expandGrad(g[0], shape, mask, 1.0)};
@@ -42,11 +49,12 @@ Tensor sumMasked(const Tensor& a, const std::vector<bool>& mask, bool keepDim, c
 }
 
 Tensor meanMasked(const Tensor& a, const std::vector<bool>& mask, bool keepDim, const char* nodeName) {
-  tensor::dispatchFloat(a.dtype(), "mean", [](auto) { return 0; });  // integer means are ambiguous: refuse
+  requireFloat(a, "mean");
   const int64_t n = reducedCount(a.shape(), mask);
   // 0 reduced elements gives NaN (0/0), as in NumPy and PyTorch.
   const double scale = n == 0 ? std::nan("") : 1.0 / static_cast<double>(n);
   Tensor out = kernels::mulScalar(kernels::sumDims(a, mask, keepDim), scale);
+  if (!autograd::anyRequiresGrad({a})) return out;
   return autograd::recordOp(nodeName, {a}, out,
                             [mask, scale, shape = a.shape()](const std::vector<Tensor>& g, const autograd::Node&) {
                               return std::vector<Tensor>{expandGrad(g[0], shape, mask, scale)};
@@ -77,7 +85,7 @@ Tensor mean(const Tensor& a, const std::vector<int64_t>& dims, bool keepDim) {
 
 Tensor var(const Tensor& a, const std::vector<int64_t>& dims, bool unbiased, bool keepDim) {
   kernels::requireCpuTensor(a, "var");
-  tensor::dispatchFloat(a.dtype(), "var", [](auto) { return 0; });
+  requireFloat(a, "var");
   const std::vector<bool> mask = kernels::reductionMask(dims, a.dim(), "var");
   const int64_t n = reducedCount(a.shape(), mask);
   const int64_t denom = n - (unbiased ? 1 : 0);
@@ -88,6 +96,7 @@ Tensor var(const Tensor& a, const std::vector<int64_t>& dims, bool unbiased, boo
   Tensor diff = kernels::binary(BinaryOp::kSub, a, meanK, "var");
   const double scale = denom <= 0 ? std::nan("") : 1.0 / static_cast<double>(denom);
   Tensor out = kernels::mulScalar(kernels::sumDims(kernels::binary(BinaryOp::kMul, diff, diff), mask, keepDim), scale);
+  if (!autograd::anyRequiresGrad({a})) return out;
   return autograd::recordOp("VarBackward", {a}, out,
                             [mask, scale, diff](const std::vector<Tensor>& g, const autograd::Node&) {
                               // d var / d a = 2 (a - mean) / denom (the mean's own gradient sums to 0).
@@ -104,6 +113,7 @@ Tensor max(const Tensor& a) {
   flat = kernels::asStrided(flat, {a.numel()}, {1}, flat.offset());
   Tensor values, indices;
   kernels::maxDim(flat, 0, false, &values, &indices, "max");
+  if (!autograd::anyRequiresGrad({a})) return values;
   return autograd::recordOp("MaxBackward", {a}, values,
                             [indices, shape = a.shape()](const std::vector<Tensor>& g, const autograd::Node&) {
                               Tensor flatGrad = kernels::maxDimBackward(g[0], indices, {tensor::numelOf(shape)}, 0);
@@ -116,6 +126,7 @@ Tensor max(const Tensor& a, int64_t dim, bool keepDim) {
   Tensor values, indices;
   kernels::maxDim(a, dim, keepDim, &values, &indices, "max");
   const int64_t d = tensor::wrapDim(dim, a.dim(), "max");
+  if (!autograd::anyRequiresGrad({a})) return values;
   return autograd::recordOp("MaxDimBackward", {a}, values,
                             [indices, d, shape = a.shape()](const std::vector<Tensor>& g, const autograd::Node&) {
                               return std::vector<Tensor>{kernels::maxDimBackward(g[0], indices, shape, d)};

@@ -17,7 +17,9 @@ using tensor::shapeStr;
 
 namespace {
 
-void requireInput(const Tensor& a, const char* op) { kernels::requireCpuTensor(a, op); }
+// Views only rewrite metadata, so they accept tensors on any device; the copying paths (reshape of a
+// non-viewable layout, contiguous, clone, cat) check for CPU inside the kernels.
+void requireInput(const Tensor& a, const char* op) { DG_CHECK(a.defined(), op, ": input is an undefined tensor"); }
 
 // Resolves one -1 in `shape` against numel; names `op` in errors.
 Shape inferShape(const Shape& shape, int64_t numel, const char* op, const Shape& from) {
@@ -99,6 +101,7 @@ Tensor scatterIntoZeros(const Tensor& g, const Shape& inputShape, MakeView makeV
 }
 
 Tensor recordReshapeLike(const char* name, const Tensor& a, Tensor out) {
+  if (!autograd::anyRequiresGrad({a})) return out;
   return autograd::recordOp(name, {a}, out, [shape = a.shape()](const std::vector<Tensor>& g, const autograd::Node&) {
     return std::vector<Tensor>{rawReshape(g[0], shape)};
   });
@@ -136,7 +139,9 @@ Tensor transpose(const Tensor& a, int64_t dim0, int64_t dim1) {
   }
   const int64_t d0 = tensor::wrapDim(dim0, a.dim(), "transpose");
   const int64_t d1 = tensor::wrapDim(dim1, a.dim(), "transpose");
-  return autograd::recordOp("TransposeBackward", {a}, rawTranspose(a, d0, d1),
+  Tensor out = rawTranspose(a, d0, d1);
+  if (!autograd::anyRequiresGrad({a})) return out;
+  return autograd::recordOp("TransposeBackward", {a}, out,
                             [d0, d1](const std::vector<Tensor>& g, const autograd::Node&) {
                               return std::vector<Tensor>{rawTranspose(g[0], d0, d1)};
                             });
@@ -156,7 +161,9 @@ Tensor permute(const Tensor& a, const std::vector<int64_t>& dims) {
   }
   std::vector<int64_t> inverse(perm.size());
   for (size_t i = 0; i < perm.size(); ++i) inverse[perm[i]] = static_cast<int64_t>(i);
-  return autograd::recordOp("PermuteBackward", {a}, rawPermute(a, perm),
+  Tensor out = rawPermute(a, perm);
+  if (!autograd::anyRequiresGrad({a})) return out;
+  return autograd::recordOp("PermuteBackward", {a}, out,
                             [inverse](const std::vector<Tensor>& g, const autograd::Node&) {
                               return std::vector<Tensor>{rawPermute(g[0], inverse)};
                             });
@@ -171,7 +178,9 @@ Tensor narrow(const Tensor& a, int64_t dim, int64_t start, int64_t length) {
   DG_CHECK(start >= 0 && start <= size, "narrow: start ", start, " out of range for dim ", d, " of size ", size);
   DG_CHECK(length >= 0 && start + length <= size, "narrow: start (", start, ") + length (", length,
            ") exceeds dim ", d, " of size ", size, " (shape ", shapeStr(a.shape()), ")");
-  return autograd::recordOp("NarrowBackward", {a}, rawSlice(a, d, start, length, 1),
+  Tensor out = rawSlice(a, d, start, length, 1);
+  if (!autograd::anyRequiresGrad({a})) return out;
+  return autograd::recordOp("NarrowBackward", {a}, out,
                             [d, start, length, shape = a.shape()](const std::vector<Tensor>& g, const autograd::Node&) {
                               return std::vector<Tensor>{scatterIntoZeros(
                                   g[0], shape, [&](const Tensor& z) { return rawSlice(z, d, start, length, 1); })};
@@ -190,7 +199,9 @@ Tensor slice(const Tensor& a, int64_t dim, int64_t start, int64_t end, int64_t s
   start = std::clamp<int64_t>(start, 0, size);
   end = std::clamp<int64_t>(end, start, size);
   const int64_t length = (end - start + step - 1) / step;
-  return autograd::recordOp("SliceBackward", {a}, rawSlice(a, d, start, length, step),
+  Tensor out = rawSlice(a, d, start, length, step);
+  if (!autograd::anyRequiresGrad({a})) return out;
+  return autograd::recordOp("SliceBackward", {a}, out,
                             [d, start, length, step, shape = a.shape()](const std::vector<Tensor>& g,
                                                                         const autograd::Node&) {
                               return std::vector<Tensor>{scatterIntoZeros(
@@ -206,7 +217,9 @@ Tensor select(const Tensor& a, int64_t dim, int64_t index) {
   DG_CHECK(index >= -size && index < size, "select: index ", index, " out of range for dim ", d, " of size ", size,
            " (shape ", shapeStr(a.shape()), ")");
   if (index < 0) index += size;
-  return autograd::recordOp("SelectBackward", {a}, rawSelect(a, d, index),
+  Tensor out = rawSelect(a, d, index);
+  if (!autograd::anyRequiresGrad({a})) return out;
+  return autograd::recordOp("SelectBackward", {a}, out,
                             [d, index, shape = a.shape()](const std::vector<Tensor>& g, const autograd::Node&) {
                               return std::vector<Tensor>{scatterIntoZeros(
                                   g[0], shape, [&](const Tensor& z) { return rawSelect(z, d, index); })};
@@ -236,7 +249,9 @@ Tensor expand(const Tensor& a, const Shape& shape) {
     outShape[i] = want;
     strides[i] = (have == 1 && want != 1) ? 0 : a.strides()[i - lead];
   }
-  return autograd::recordOp("ExpandBackward", {a}, kernels::asStrided(a, outShape, strides, a.offset()),
+  Tensor out = kernels::asStrided(a, outShape, strides, a.offset());
+  if (!autograd::anyRequiresGrad({a})) return out;
+  return autograd::recordOp("ExpandBackward", {a}, out,
                             [shape = a.shape()](const std::vector<Tensor>& g, const autograd::Node&) {
                               return std::vector<Tensor>{sumToShape(g[0], shape)};
                             });
@@ -308,6 +323,7 @@ Tensor clone(const Tensor& a) {
   requireInput(a, "clone");
   Tensor out = Tensor::empty(a.shape(), a.dtype());
   kernels::copyInto(out, a, "clone");
+  if (!autograd::anyRequiresGrad({a})) return out;
   return autograd::recordOp("CloneBackward", {a}, out, [](const std::vector<Tensor>& g, const autograd::Node&) {
     return std::vector<Tensor>{g[0]};
   });
@@ -364,7 +380,7 @@ std::vector<Tensor> split(const Tensor& a, int64_t splitSize, int64_t dim) {
   // One node for all pieces: its backward writes every piece's gradient into one buffer (the engine
   // zero-fills pieces that got none), instead of one full-size zero buffer per piece.
   autograd::recordOp("SplitBackward", {a}, pieces,
-                     [d, shape = a.shape()](const std::vector<Tensor>& g, const autograd::Node&) {
+                     [d](const std::vector<Tensor>& g, const autograd::Node&) {
                        std::vector<Tensor> parts(g.begin(), g.end());
                        return std::vector<Tensor>{kernels::cat(parts, d, "split backward")};
                      });

@@ -4,6 +4,7 @@
 #include <numbers>
 
 #include "tensor/cpu/elementwise_math.h"
+#include "tensor/cpu/shape_kernels.h"
 #include "tensor/cpu/strided.h"
 
 namespace distgrad::tensor::kernels {
@@ -61,7 +62,8 @@ struct SigmoidF {
 };
 struct GeluF {
   template <typename T> T operator()(T x) const {
-    return T(0.5) * x * (T(1) + std::erf(x * T(std::numbers::sqrt2 / 2)));
+    if constexpr (std::is_same_v<T, float>) return x * vecmath::normalCdf(x);
+    else return T(0.5) * x * (T(1) + std::erf(x * T(std::numbers::sqrt2 / 2)));
   }
 };
 
@@ -100,9 +102,13 @@ struct AbsBackF {
 };
 struct GeluBackF {
   template <typename T> T operator()(T g, T x) const {
-    const T cdf = T(0.5) * (T(1) + std::erf(x * T(std::numbers::sqrt2 / 2)));
-    const T pdf = std::exp(T(-0.5) * x * x) * T(std::numbers::inv_sqrtpi / std::numbers::sqrt2);
-    return g * (cdf + x * pdf);
+    constexpr T kInvSqrt2Pi = T(std::numbers::inv_sqrtpi / std::numbers::sqrt2);
+    if constexpr (std::is_same_v<T, float>) {
+      return g * (vecmath::normalCdf(x) + x * vecmath::expf(-0.5f * x * x) * kInvSqrt2Pi);
+    } else {
+      const T cdf = T(0.5) * (T(1) + std::erf(x * T(std::numbers::sqrt2 / 2)));
+      return g * (cdf + x * std::exp(T(-0.5) * x * x) * kInvSqrt2Pi);
+    }
   }
 };
 template <typename T>
@@ -162,8 +168,24 @@ Shape toBytes(const Shape& elementStrides, size_t itemSize) {
   return out;
 }
 
+// A large operand whose last dim jumps across cache lines (a transpose, a permute) would be read one cache
+// line per element; a tiled contiguous copy first (kernels::contiguous) and a streaming loop after is
+// several times faster.
+constexpr int64_t kRelayoutMinNumel = 4096;
+constexpr int64_t kRelayoutMinInnerStride = 16;
+
+bool worthRelayout(const Tensor& t) {
+  if (t.isContiguous() || t.numel() < kRelayoutMinNumel) return false;
+  for (int64_t d = t.dim() - 1; d >= 0; --d) {
+    if (t.shape()[d] != 1) return t.strides()[d] >= kRelayoutMinInnerStride;
+  }
+  return false;
+}
+
 template <typename T, typename F>
-Tensor binaryImpl(const Tensor& a, const Tensor& b, const Shape& outShape, F f) {
+Tensor binaryImpl(const Tensor& aIn, const Tensor& bIn, const Shape& outShape, F f) {
+  const Tensor& a = worthRelayout(aIn) ? contiguous(aIn) : aIn;
+  const Tensor& b = worthRelayout(bIn) ? contiguous(bIn) : bIn;
   Tensor out = Tensor::empty(outShape, a.dtype());
   const int64_t n = out.numel();
   if (n == 0) return out;
@@ -201,7 +223,8 @@ Tensor binaryImpl(const Tensor& a, const Tensor& b, const Shape& outShape, F f) 
 }
 
 template <typename T, typename F>
-Tensor unaryImpl(const Tensor& a, F f) {
+Tensor unaryImpl(const Tensor& aIn, F f) {
+  const Tensor& a = worthRelayout(aIn) ? contiguous(aIn) : aIn;
   Tensor out = Tensor::empty(a.shape(), a.dtype());
   const int64_t n = out.numel();
   if (n == 0) return out;

@@ -2,6 +2,10 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include "tensor/cpu/elementwise.h"
 #include "tensor/cpu/strided.h"
@@ -9,9 +13,62 @@
 namespace distgrad::tensor::kernels {
 namespace {
 
+#if defined(__AVX2__)
+// In-register transposes of one block: src holds `lanes` rows (stride srcCol) of `lanes` contiguous
+// elements; dst receives the transpose (rows of stride dstRow). Shuffles move bits untouched, so these
+// serve every dtype of the element size (NaN payloads included).
+inline void transposeBlock(const uint32_t* srcU, int64_t srcCol, uint32_t* dstU, int64_t dstRow) {
+  const float* src = reinterpret_cast<const float*>(srcU);
+  float* dst = reinterpret_cast<float*>(dstU);
+  __m256 r0 = _mm256_loadu_ps(src + 0 * srcCol), r1 = _mm256_loadu_ps(src + 1 * srcCol);
+  __m256 r2 = _mm256_loadu_ps(src + 2 * srcCol), r3 = _mm256_loadu_ps(src + 3 * srcCol);
+  __m256 r4 = _mm256_loadu_ps(src + 4 * srcCol), r5 = _mm256_loadu_ps(src + 5 * srcCol);
+  __m256 r6 = _mm256_loadu_ps(src + 6 * srcCol), r7 = _mm256_loadu_ps(src + 7 * srcCol);
+  const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+  const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+  const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+  const __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+  _mm256_storeu_ps(dst + 0 * dstRow, _mm256_permute2f128_ps(u0, u4, 0x20));
+  _mm256_storeu_ps(dst + 1 * dstRow, _mm256_permute2f128_ps(u1, u5, 0x20));
+  _mm256_storeu_ps(dst + 2 * dstRow, _mm256_permute2f128_ps(u2, u6, 0x20));
+  _mm256_storeu_ps(dst + 3 * dstRow, _mm256_permute2f128_ps(u3, u7, 0x20));
+  _mm256_storeu_ps(dst + 4 * dstRow, _mm256_permute2f128_ps(u0, u4, 0x31));
+  _mm256_storeu_ps(dst + 5 * dstRow, _mm256_permute2f128_ps(u1, u5, 0x31));
+  _mm256_storeu_ps(dst + 6 * dstRow, _mm256_permute2f128_ps(u2, u6, 0x31));
+  _mm256_storeu_ps(dst + 7 * dstRow, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+
+inline void transposeBlock(const uint64_t* srcU, int64_t srcCol, uint64_t* dstU, int64_t dstRow) {
+  const double* src = reinterpret_cast<const double*>(srcU);
+  double* dst = reinterpret_cast<double*>(dstU);
+  const __m256d r0 = _mm256_loadu_pd(src + 0 * srcCol), r1 = _mm256_loadu_pd(src + 1 * srcCol);
+  const __m256d r2 = _mm256_loadu_pd(src + 2 * srcCol), r3 = _mm256_loadu_pd(src + 3 * srcCol);
+  const __m256d t0 = _mm256_unpacklo_pd(r0, r1), t1 = _mm256_unpackhi_pd(r0, r1);
+  const __m256d t2 = _mm256_unpacklo_pd(r2, r3), t3 = _mm256_unpackhi_pd(r2, r3);
+  _mm256_storeu_pd(dst + 0 * dstRow, _mm256_permute2f128_pd(t0, t2, 0x20));
+  _mm256_storeu_pd(dst + 1 * dstRow, _mm256_permute2f128_pd(t1, t3, 0x20));
+  _mm256_storeu_pd(dst + 2 * dstRow, _mm256_permute2f128_pd(t0, t2, 0x31));
+  _mm256_storeu_pd(dst + 3 * dstRow, _mm256_permute2f128_pd(t1, t3, 0x31));
+}
+template <typename U>
+constexpr int64_t kBlockLanes = (std::is_same_v<U, uint32_t> || std::is_same_v<U, uint64_t>) ? 32 / sizeof(U) : 0;
+#else
+template <typename U>
+constexpr int64_t kBlockLanes = 0;
+#endif
+
 // dst[r * dstRowStride + c] = src[r + c * srcColStride] for an R x C block: a transpose. Walking 32x32
 // tiles keeps both the rows being written and the columns being read in cache (a plain row-by-row loop
-// touches a new cache line of src for every element).
+// touches a new cache line of src for every element); inside a tile, 8x8 (4-byte) or 4x4 (8-byte) blocks
+// are transposed in registers.
 template <typename U>
 void transposeTiles(U* dst, int64_t dstRowStride, const U* src, int64_t srcColStride, int64_t rows, int64_t cols) {
   constexpr int64_t kTile = 32;
@@ -19,7 +76,22 @@ void transposeTiles(U* dst, int64_t dstRowStride, const U* src, int64_t srcColSt
     const int64_t r1 = std::min(rows, r0 + kTile);
     for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
       const int64_t c1 = std::min(cols, c0 + kTile);
-      for (int64_t r = r0; r < r1; ++r) {
+      int64_t rDone = r0;
+#if defined(__AVX2__)
+      if constexpr (kBlockLanes<U> > 0) {
+        constexpr int64_t b = kBlockLanes<U>;
+        for (; rDone + b <= r1; rDone += b) {
+          int64_t c = c0;
+          for (; c + b <= c1; c += b) {
+            transposeBlock(src + rDone + c * srcColStride, srcColStride, dst + rDone * dstRowStride + c, dstRowStride);
+          }
+          for (int64_t r = rDone; r < rDone + b; ++r) {
+            for (int64_t cc = c; cc < c1; ++cc) dst[r * dstRowStride + cc] = src[r + cc * srcColStride];
+          }
+        }
+      }
+#endif
+      for (int64_t r = rDone; r < r1; ++r) {
         U* o = dst + r * dstRowStride;
         const U* in = src + r;
         for (int64_t c = c0; c < c1; ++c) o[c] = in[c * srcColStride];

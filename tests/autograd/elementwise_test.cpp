@@ -419,6 +419,33 @@ TEST(ElementwiseGrad, UnaryOps) {
   expectGradcheck([](const std::vector<Tensor>& in) { return pow(in[0], 3.0); }, {a});
 }
 
+// float32 takes the vectorised exp/tanh/sigmoid/normal-CDF paths, float64 libm: forward values and
+// backward gradients must agree to float32 accuracy.
+TEST(ElementwiseGrad, Float32MatchesFloat64) {
+  const std::vector<std::pair<const char*, Tensor (*)(const Tensor&)>> ops = {
+      {"exp", [](const Tensor& x) { return exp(x); }},         {"tanh", [](const Tensor& x) { return tanh(x); }},
+      {"sigmoid", [](const Tensor& x) { return sigmoid(x); }}, {"gelu", [](const Tensor& x) { return gelu(x); }},
+  };
+  Tensor base = randn({257}, 31, DType::kFloat64, false) * 3.0;
+  for (const auto& [name, op] : ops) {
+    SCOPED_TRACE(name);
+    Tensor x64 = base.detach();
+    x64.setRequiresGrad();
+    Tensor x32 = base.toDType(DType::kFloat32);
+    x32.setRequiresGrad();
+    Tensor y64 = op(x64);
+    Tensor y32 = op(x32);
+    backward(sum(y64 * y64));
+    backward(sum(y32 * y32));
+    auto f64 = y64.toVector<double>(), f32 = y32.toVector<double>();
+    auto g64 = x64.grad().toVector<double>(), g32 = x32.grad().toVector<double>();
+    for (size_t i = 0; i < f64.size(); ++i) {
+      ASSERT_NEAR(f32[i], f64[i], 2e-6 * (1 + std::abs(f64[i]))) << i;
+      ASSERT_NEAR(g32[i], g64[i], 2e-5 * (1 + std::abs(g64[i]))) << i;
+    }
+  }
+}
+
 TEST(ElementwiseGrad, NonContiguousInputs) {
   Tensor a = randn({3, 2}, 21);
   Tensor b = randn({2, 3}, 22);

@@ -310,3 +310,26 @@ TEST(ShapeGrad, SplitGradientOfUnusedPiecesIsZero) {
 
 }  // namespace
 }  // namespace distgrad
+
+namespace distgrad {
+namespace {
+
+TEST(ShapeGrad, RecordsOnlyWhenAnInputRequiresGrad) {
+  Tensor plain = Tensor::zeros({2, 3}, DType::kFloat64);
+  EXPECT_EQ(transpose(plain, 0, 1).gradFn(), nullptr);
+  EXPECT_EQ(reshape(plain, {6}).gradFn(), nullptr);
+  EXPECT_EQ(sum(plain).gradFn(), nullptr);
+  EXPECT_EQ((plain * plain).gradFn(), nullptr);
+  Tensor leaf = Tensor::zeros({2, 3}, DType::kFloat64);
+  leaf.setRequiresGrad();
+  EXPECT_NE(transpose(leaf, 0, 1).gradFn(), nullptr);
+  EXPECT_NE(reshape(leaf, {6}).gradFn(), nullptr);
+  EXPECT_NE(sum(leaf).gradFn(), nullptr);
+  EXPECT_NE((plain * leaf).gradFn(), nullptr);
+  EXPECT_EQ(transpose(leaf, 0, 1).gradFn()->name(), "TransposeBackward");
+  // a view of a grad-requiring tensor still shares its storage
+  EXPECT_TRUE(transpose(leaf, 0, 1).storage().sameAs(leaf.storage()));
+}
+
+}  // namespace
+}  // namespace distgrad

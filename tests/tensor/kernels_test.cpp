@@ -153,6 +153,23 @@ TEST(VecMath, ExpTanhSigmoidAccuracyAndSpecialValues) {
   EXPECT_EQ(vecmath::sigmoidf(-200.0f), 0.0f);
   EXPECT_EQ(vecmath::sigmoidf(200.0f), 1.0f);
   EXPECT_TRUE(std::isnan(vecmath::sigmoidf(nan)));
+  // normal CDF (GELU): relative accuracy across the lower tail, absolute near 1
+  double worstCdf = 0;
+  for (int i = 0; i <= kSamples; ++i) {
+    const float x = -9.0f + 17.0f * static_cast<float>(i) / kSamples;
+    const double ref = 0.5 * std::erfc(-static_cast<double>(x) / std::sqrt(2.0));
+    worstCdf = std::max(worstCdf, std::abs(vecmath::normalCdf(x) - ref) / ref);
+  }
+  EXPECT_LT(worstCdf, 1e-5);
+  for (float x : {-12.0f, -11.0f, -10.0f}) {
+    const double ref = 0.5 * std::erfc(-static_cast<double>(x) / std::sqrt(2.0));
+    EXPECT_NEAR(vecmath::normalCdf(x) / ref, 1.0, 2e-5) << x;
+  }
+  EXPECT_EQ(vecmath::normalCdf(0.0f), 0.5f);
+  EXPECT_EQ(vecmath::normalCdf(inf), 1.0f);
+  EXPECT_EQ(vecmath::normalCdf(-inf), 0.0f);
+  EXPECT_EQ(vecmath::normalCdf(-20.0f), 0.0f);
+  EXPECT_TRUE(std::isnan(vecmath::normalCdf(nan)));
   // the tensor kernels use them for float32
   Tensor x = Tensor::fromVector({-1.0f, 0.5f, 3.0f}, {3});
   auto ex = unary(UnaryOp::kExp, x).toVector<double>();
