@@ -16,7 +16,7 @@ DG_DEPS_PACKAGES=(
   libdnnl-dev zlib1g-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   dataset-fashion-mnist
-  capnproto libcapnp-dev libuv1-dev libboost-dev libucx-dev
+  capnproto libcapnp-dev libuv1-dev libssl-dev libboost-dev libucx-dev
 )
 DG_DEPS_TORCH_PACKAGES=(python3-torch)
 

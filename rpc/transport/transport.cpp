@@ -1,0 +1,29 @@
+#include "rpc/transport/transport.h"
+
+namespace distgrad::rpc::transport {
+
+size_t paddingTo64(size_t n) { return (kPayloadAlignment - n % kPayloadAlignment) % kPayloadAlignment; }
+
+Result<void> validatePrefix(const FramePrefix& prefix, const FrameLimits& limits) {
+  auto bad = [](std::string what) { return Error::failed("malformed frame: " + what); };
+  if (prefix.magic != kFrameMagic) return bad("bad magic " + std::to_string(prefix.magic));
+  if (prefix.version != kProtocolVersion) {
+    return bad("protocol version " + std::to_string(prefix.version) + ", this build speaks " +
+               std::to_string(kProtocolVersion));
+  }
+  if (prefix.envelopeBytes > limits.maxEnvelopeBytes) {
+    return bad("envelope of " + std::to_string(prefix.envelopeBytes) + " bytes exceeds the limit of " +
+               std::to_string(limits.maxEnvelopeBytes));
+  }
+  if (prefix.payloadCount > limits.maxPayloadCount) {
+    return bad(std::to_string(prefix.payloadCount) + " payloads exceed the limit of " +
+               std::to_string(limits.maxPayloadCount));
+  }
+  if (prefix.payloadBytes > limits.maxPayloadBytes) {
+    return bad(std::to_string(prefix.payloadBytes) + " payload bytes exceed the limit of " +
+               std::to_string(limits.maxPayloadBytes));
+  }
+  return {};
+}
+
+}  // namespace distgrad::rpc::transport

@@ -1,0 +1,139 @@
+// The transport interface every transport implements (inproc, tcp, later ucx): framed, asynchronous,
+// ordered delivery of messages between two endpoints.
+//
+// A frame on the wire (see docs/wire_protocol.md):
+//   FramePrefix (24 bytes) | payloadCount x uint64 payload sizes | envelope bytes | pad to 64 |
+//   payload 0 | pad to 64 | payload 1 | ... | pad to 64
+// The transport knows nothing of the envelope's schema: it moves the envelope bytes and the payload
+// buffers. The receiver decides where each payload lands (PayloadAllocator: it parses the envelope, checks
+// it and allocates tensor storage), so tensor bytes are read straight into their destination; inproc
+// skips even that and hands over the sender's buffers (reference semantics).
+//
+// Threads: each Context owns one loop thread; every callback (accept, connect, send completion, frame,
+// close) runs on it, exactly once where stated. Methods may be called from any thread (they post to the
+// loop). Callbacks must not block.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "rpc/error.h"
+
+namespace distgrad::rpc::transport {
+
+inline constexpr uint32_t kFrameMagic = 0x44474652;  // "DGFR"
+inline constexpr uint16_t kProtocolVersion = 1;
+inline constexpr size_t kPayloadAlignment = 64;
+
+// Fixed-size start of every frame, little-endian on the wire.
+struct FramePrefix {
+  uint32_t magic = kFrameMagic;
+  uint16_t version = kProtocolVersion;
+  uint16_t flags = 0;
+  uint32_t envelopeBytes = 0;
+  uint32_t payloadCount = 0;
+  uint64_t payloadBytes = 0;  // sum of payload sizes (without padding)
+};
+static_assert(sizeof(FramePrefix) == 24, "the frame prefix is 24 bytes on the wire");
+
+// Limits a receiver enforces before allocating anything; a frame beyond them closes the connection.
+struct FrameLimits {
+  uint32_t maxEnvelopeBytes = 64u << 20;
+  uint32_t maxPayloadCount = 1u << 16;
+  uint64_t maxPayloadBytes = 16ull << 30;
+};
+
+// Bytes to send; `owner` keeps them alive until the send completes (e.g. a tensor Storage).
+struct SendBuffer {
+  const void* data = nullptr;
+  size_t size = 0;
+  std::shared_ptr<const void> owner;
+};
+
+// Where a received payload is (or was written): `owner` keeps the memory alive.
+struct PayloadBuffer {
+  void* data = nullptr;
+  size_t size = 0;
+  std::shared_ptr<void> owner;
+};
+
+struct OutgoingFrame {
+  uint16_t flags = 0;
+  std::vector<uint8_t> envelope;
+  std::vector<SendBuffer> payloads;
+};
+
+struct IncomingFrame {
+  uint16_t flags = 0;
+  std::vector<uint8_t> envelope;
+  std::vector<PayloadBuffer> payloads;
+};
+
+// Called on the loop thread once a frame's envelope and payload sizes are in; returns one buffer per
+// payload with exactly that size, or an Error (the connection is then closed with it).
+using PayloadAllocator =
+    std::function<Result<std::vector<PayloadBuffer>>(std::span<const uint8_t> envelope, std::span<const uint64_t> sizes)>;
+using SendCallback = std::function<void(const Result<void>&)>;
+using FrameCallback = std::function<void(IncomingFrame&&)>;
+using CloseCallback = std::function<void(const Error&)>;
+
+class Connection {
+ public:
+  virtual ~Connection() = default;
+  // Queues a frame. Frames are delivered in order. `done` runs once: success when the bytes left this
+  // process (the payload buffers may then be reused), or the error that closed the connection.
+  virtual void send(OutgoingFrame frame, SendCallback done) = 0;
+  // Starts reading. Must be called once. `onClosed` runs once, after the last onFrame, when the peer closes,
+  // the connection fails, a frame is malformed, or close() is called.
+  virtual void start(PayloadAllocator allocate, FrameCallback onFrame, CloseCallback onClosed) = 0;
+  // Closes the connection; pending sends fail with `disconnected`. Idempotent.
+  virtual void close() = 0;
+  virtual std::string peerAddress() const = 0;
+};
+
+class Listener {
+ public:
+  virtual ~Listener() = default;
+  // The bound address in the form connect() takes (with the real port when port 0 was asked for).
+  virtual std::string address() const = 0;
+  virtual void close() = 0;
+};
+
+using AcceptCallback = std::function<void(std::shared_ptr<Connection>)>;
+using ConnectCallback = std::function<void(Result<std::shared_ptr<Connection>>)>;
+
+class Context {
+ public:
+  virtual ~Context() = default;
+  virtual const std::string& name() const = 0;
+  // Binds and listens ("127.0.0.1:0" for tcp, any name for inproc). Errors (address in use, bad address)
+  // come back as an Error.
+  virtual Result<std::unique_ptr<Listener>> listen(const std::string& address, AcceptCallback onAccept) = 0;
+  virtual void connect(const std::string& address, ConnectCallback done) = 0;
+  // Runs fn on the loop thread, later (never inline).
+  virtual void defer(std::function<void()> fn) = 0;
+  virtual bool inLoop() const = 0;
+  // Closes every listener and connection and joins the loop thread. Idempotent; also run by the destructor.
+  virtual void close() = 0;
+  virtual const FrameLimits& limits() const = 0;
+};
+
+struct ContextOptions {
+  FrameLimits limits;
+  // tcp: coalesce frames queued in the same loop iteration into one vectored write.
+  bool coalesceWrites = true;
+};
+
+// Creates a transport by name: "inproc" or "tcp". Unknown names are an Error naming the known ones.
+Result<std::unique_ptr<Context>> createContext(const std::string& name, const ContextOptions& options = {});
+
+// Wire helpers shared by transports.
+size_t paddingTo64(size_t n);
+// Checks a received prefix against the limits; the message names the offending field and value.
+Result<void> validatePrefix(const FramePrefix& prefix, const FrameLimits& limits);
+
+}  // namespace distgrad::rpc::transport
