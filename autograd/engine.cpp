@@ -30,6 +30,7 @@ void runTensorHooks(Node& node, std::vector<Tensor>& grads) {
       if (replaced.defined()) grads[i] = replaced;
     }
     if (meta.retainsGrad) {
+      std::lock_guard<std::mutex> lock(meta.mutex);
       meta.grad = meta.grad ? add(Tensor(meta.grad), grads[i]).detach().implPtr() : grads[i].cloneData().implPtr();
     }
   }
@@ -122,7 +123,9 @@ std::vector<Tensor> execute(const std::vector<Edge>& roots, const std::vector<Te
       }
       runTensorHooks(*node, grads);
       for (auto& hook : node->preHooks()) hook(grads);
-      gradInputs = node->apply(std::vector<Tensor>(grads));
+      // Hand the buffer over (no copy) unless post-hooks still need it: AccumulateGrad then steals an
+      // unshared gradient instead of cloning it.
+      gradInputs = node->postHooks().empty() ? node->apply(std::move(grads)) : node->apply(std::vector<Tensor>(grads));
       if (!isLeafSink) validateGrads(*node, gradInputs);
       for (auto& hook : node->postHooks()) hook(gradInputs, grads);
     }
@@ -145,8 +148,12 @@ std::vector<Tensor> defaultRootGrads(const std::vector<Tensor>& roots, const std
   if (!grads.empty()) {
     DG_CHECK(grads.size() == roots.size(), op, ": ", roots.size(), " tensors but ", grads.size(), " gradients");
     for (size_t i = 0; i < roots.size(); ++i) {
+      DG_CHECK(grads[i].defined(), op, ": gradient ", i, " is undefined");
       DG_CHECK(grads[i].shape() == roots[i].shape(), op, ": gradient ", i, " has shape ",
                tensor::shapeStr(grads[i].shape()), " but the tensor has shape ", tensor::shapeStr(roots[i].shape()));
+      DG_CHECK(grads[i].dtype() == roots[i].dtype() && grads[i].device() == roots[i].device(), op, ": gradient ", i,
+               " is ", dtypeName(grads[i].dtype()), " on ", grads[i].device().str(), " but the tensor is ",
+               dtypeName(roots[i].dtype()), " on ", roots[i].device().str());
     }
     return grads;
   }

@@ -38,6 +38,11 @@ GradcheckResult gradcheck(const std::function<Tensor(const std::vector<Tensor>&)
     if (in.defined() && in.requiresGrad()) {
       DG_CHECK(in.dtype() == DType::kFloat64, "gradcheck: inputs that require grad must be float64, got ",
                dtypeName(in.dtype()));
+      // Perturbing one element of an expanded (stride-0) input would move several logical elements at once.
+      for (int64_t d = 0; d < in.dim(); ++d) {
+        DG_CHECK(in.stride(d) != 0 || in.size(d) <= 1, "gradcheck: input with shape ", tensor::shapeStr(in.shape()),
+                 " has overlapping memory (stride 0 in dim ", d, "); pass a contiguous copy");
+      }
       diffInputs.push_back(in);
     }
   }

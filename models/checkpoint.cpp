@@ -175,6 +175,7 @@ void writeCheckpoint(const StateDict& state, const std::string& path) {
   out.writeValue<uint32_t>(0);
   out.writeValue<uint64_t>(state.size());
   for (const auto& [name, value] : state) {
+    DG_CHECK(!name.empty(), "writeCheckpoint: an entry has an empty name (readCheckpoint would refuse the file)");
     DG_CHECK(name.size() <= kMaxNameBytes, "writeCheckpoint: name '", name.substr(0, 64), "...' is longer than ",
              kMaxNameBytes, " bytes");
     DG_CHECK(value.dim() <= kMaxDims, "writeCheckpoint: '", name, "' has ", value.dim(), " dims (max ",

@@ -12,7 +12,11 @@ namespace distgrad::tensor {
 
 int64_t numelOf(const Shape& shape) {
   int64_t n = 1;
-  for (int64_t s : shape) n *= s;
+  bool overflow = false;
+  for (int64_t s : shape) overflow |= __builtin_mul_overflow(n, s, &n);
+  // Shapes come from users, files and the wire: a product that wraps would size a tiny allocation that
+  // kernels then overrun. (A zero dim makes later overflow harmless only if we stop here, so check all.)
+  DG_CHECK(!overflow, "shape ", shapeStr(shape), " has more elements than fit in 64 bits");
   return n;
 }
 
@@ -145,8 +149,11 @@ void requireCpu(const Tensor& t, const char* op) {
 
 Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
   for (int64_t s : shape) DG_CHECK(s >= 0, "Tensor::empty: negative dimension in shape ", shapeStr(shape));
+  int64_t nbytes = 0;
+  DG_CHECK(!__builtin_mul_overflow(numelOf(shape), static_cast<int64_t>(tensor::itemSize(dtype)), &nbytes),
+           "Tensor::empty: shape ", shapeStr(shape), " of ", dtypeName(dtype), " needs more bytes than fit in 64 bits");
   auto impl = std::make_shared<TensorImpl>();
-  impl->storage = Storage::allocate(static_cast<size_t>(numelOf(shape)) * tensor::itemSize(dtype), device);
+  impl->storage = Storage::allocate(static_cast<size_t>(nbytes), device);
   impl->shape = shape;
   impl->strides = contiguousStrides(shape);
   impl->dtype = dtype;
@@ -202,19 +209,28 @@ Tensor Tensor::fromStorage(Storage storage, const Shape& shape, const Shape& str
   DG_CHECK(shape.size() == strides.size(), "Tensor::fromStorage: shape ", shapeStr(shape), " and strides ",
            shapeStr(strides), " differ in rank");
   DG_CHECK(offset >= 0, "Tensor::fromStorage: negative offset ", offset);
+  // Every product and sum is overflow-checked: views are built from untrusted descriptors (files, wire).
   int64_t maxIndex = offset;
   bool empty = false;
+  bool overflow = false;
   for (size_t i = 0; i < shape.size(); ++i) {
     DG_CHECK(shape[i] >= 0, "Tensor::fromStorage: negative dimension in shape ", shapeStr(shape));
     DG_CHECK(strides[i] >= 0, "Tensor::fromStorage: negative stride in ", shapeStr(strides));
-    if (shape[i] == 0) empty = true;
-    else maxIndex += (shape[i] - 1) * strides[i];
+    if (shape[i] == 0) {
+      empty = true;
+      continue;
+    }
+    int64_t span = 0;
+    overflow |= __builtin_mul_overflow(shape[i] - 1, strides[i], &span);
+    overflow |= __builtin_add_overflow(maxIndex, span, &maxIndex);
   }
   if (!empty) {
-    size_t need = static_cast<size_t>(maxIndex + 1) * tensor::itemSize(dtype);
-    DG_CHECK(need <= storage.nbytes(), "Tensor::fromStorage: view ", shapeStr(shape), " strides ",
-             shapeStr(strides), " offset ", offset, " needs ", need, " bytes but the storage has ",
-             storage.nbytes());
+    int64_t need = 0;
+    overflow = overflow || __builtin_add_overflow(maxIndex, 1, &maxIndex) ||
+               __builtin_mul_overflow(maxIndex, static_cast<int64_t>(tensor::itemSize(dtype)), &need);
+    DG_CHECK(!overflow && static_cast<uint64_t>(need) <= storage.nbytes(), "Tensor::fromStorage: view ",
+             shapeStr(shape), " strides ", shapeStr(strides), " offset ", offset, " does not fit in a storage of ",
+             storage.nbytes(), " bytes");
   }
   auto impl = std::make_shared<TensorImpl>();
   impl->storage = std::move(storage);
@@ -290,12 +306,13 @@ template std::vector<double> Tensor::toVector<double>() const;
 template std::vector<int64_t> Tensor::toVector<int64_t>() const;
 
 Tensor Tensor::detach() const {
+  const TensorImpl& self = impl();
   auto impl = std::make_shared<TensorImpl>();
-  impl->storage = impl_->storage;
-  impl->shape = impl_->shape;
-  impl->strides = impl_->strides;
-  impl->offset = impl_->offset;
-  impl->dtype = impl_->dtype;
+  impl->storage = self.storage;
+  impl->shape = self.shape;
+  impl->strides = self.strides;
+  impl->offset = self.offset;
+  impl->dtype = self.dtype;
   return Tensor(std::move(impl));
 }
 

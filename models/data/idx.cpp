@@ -134,20 +134,34 @@ IdxArray readIdx(const std::string& path, uint64_t maxBytes) {
                                            dimBytes.size(), " bytes of sizes, found ", got));
   }
   const size_t itemSize = idxItemSize(out.type);
+  // The limit applies to the product of the non-zero dims too: a 0 dim must not let later dims grow
+  // without bound (the shape is used to size tensors).
   uint64_t payload = itemSize;
+  uint64_t nonZeroPayload = itemSize;
   out.shape.resize(static_cast<size_t>(ndim));
   for (int d = 0; d < ndim; ++d) {
     const uint8_t* b = dimBytes.data() + 4 * d;
     const uint32_t size = (uint32_t{b[0]} << 24) | (uint32_t{b[1]} << 16) | (uint32_t{b[2]} << 8) | uint32_t{b[3]};
     out.shape[static_cast<size_t>(d)] = size;
-    if (size != 0 && payload > maxBytes / size) {
+    if (size != 0 && nonZeroPayload > maxBytes / size) {
       throw ValueError(detail::concatMessage("readIdx: '", path, "': declared shape ", tensor::shapeStr(out.shape),
                                              "... exceeds the ", maxBytes, "-byte limit"));
     }
+    if (size != 0) nonZeroPayload *= size;
     payload *= size;
   }
-  out.bytes.resize(static_cast<size_t>(payload));
-  got = file.read(out.bytes.data(), out.bytes.size(), "data");
+  // Grow the buffer as data arrives: a forged header must not make us allocate (and zero) gigabytes
+  // before the short file is noticed.
+  constexpr uint64_t kChunk = uint64_t{1} << 24;
+  got = 0;
+  while (got < payload) {
+    const uint64_t want = std::min<uint64_t>(kChunk, payload - got);
+    out.bytes.resize(static_cast<size_t>(got + want));
+    const size_t n = file.read(out.bytes.data() + got, static_cast<size_t>(want), "data");
+    got += n;
+    if (n < want) break;
+  }
+  out.bytes.resize(static_cast<size_t>(got));
   if (got < payload) {
     throw ValueError(detail::concatMessage("readIdx: '", path, "': truncated: header declares ",
                                            idxTypeName(out.type), " ", tensor::shapeStr(out.shape), " (", payload,
@@ -173,8 +187,10 @@ Tensor IdxArray::toTensor(DType floatDType) const {
   DG_CHECK(floatDType == DType::kFloat32 || floatDType == DType::kFloat64,
            "IdxArray::toTensor: floatDType must be float32 or float64, got ", tensor::dtypeName(floatDType));
   const bool isFloat = type == IdxType::kFloat32 || type == IdxType::kFloat64;
-  Tensor out = Tensor::empty(shape, isFloat ? floatDType : DType::kInt64);
   const int64_t n = numel();
+  DG_CHECK(bytes.size() == static_cast<size_t>(n) * idxItemSize(type), "IdxArray::toTensor: ", bytes.size(),
+           " bytes do not hold shape ", tensor::shapeStr(shape), " of ", idxTypeName(type));
+  Tensor out = Tensor::empty(shape, isFloat ? floatDType : DType::kInt64);
   const uint8_t* src = bytes.data();
   auto convert = [&](auto* dst) {
     using D = std::remove_pointer_t<decltype(dst)>;
@@ -212,6 +228,7 @@ void writeIdx(const std::string& path, IdxType type, const Shape& shape, const v
   }
   const size_t itemSize = idxItemSize(type);
   std::vector<uint8_t> body(static_cast<size_t>(tensor::numelOf(shape)) * itemSize);
+  DG_CHECK(body.empty() || bytes != nullptr, "writeIdx: null data for shape ", tensor::shapeStr(shape));
   if (!body.empty()) std::memcpy(body.data(), bytes, body.size());
   if constexpr (std::endian::native == std::endian::little) byteSwapInPlace(body.data(), body.size() / itemSize, itemSize);
 

@@ -195,6 +195,17 @@ void Module::addChild(const std::string& name, std::shared_ptr<Module> module) {
   checkNewName(name, "submodule");
   DG_CHECK(module != nullptr, typeName_, ": submodule '", name, "' is null");
   DG_CHECK(module.get() != this, typeName_, ": a module cannot be its own child");
+  // A cycle (A -> B -> A) would make every recursive walk loop forever and leak through shared_ptrs.
+  std::vector<const Module*> pending{module.get()};
+  while (!pending.empty()) {
+    const Module* m = pending.back();
+    pending.pop_back();
+    for (const auto& [childName, child] : m->children_) {
+      DG_CHECK(child.get() != this, typeName_, ": adding submodule '", name, "' would create a cycle (it contains ",
+               typeName_, " itself)");
+      pending.push_back(child.get());
+    }
+  }
   module->train(training_);
   children_.emplace_back(name, std::move(module));
 }

@@ -32,12 +32,14 @@ double gradNorm(const std::vector<Tensor>& grads) {
 
 double clipGradients(const std::vector<Tensor>& grads, double maxNorm) {
   DG_CHECK(maxNorm > 0, "clipGradients: maxNorm must be > 0, got ", maxNorm);
+  for (const auto& g : grads) {  // validate all before scaling any: never leave a half-applied clip
+    DG_CHECK(!g.defined() || g.isContiguous(), "clipGradients: cannot scale a non-contiguous gradient in place");
+  }
   const double norm = gradNorm(grads);
   const double coefficient = maxNorm / (norm + 1e-6);
   if (coefficient >= 1.0) return norm;
   for (const auto& g : grads) {
     if (!g.defined()) continue;
-    DG_CHECK(g.isContiguous(), "clipGradients: cannot scale a non-contiguous gradient in place");
     tensor::dispatchFloat(g.dtype(), "clipGradients", [&](auto zero) {
       using T = decltype(zero);
       T* p = g.data<T>();

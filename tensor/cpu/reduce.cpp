@@ -132,6 +132,7 @@ void argmaxRun(const T* p, int64_t n, T* value, int64_t* index) {
     for (int64_t k = 0; k < kLanes; ++k) current[k] = static_cast<Index>(k);
     laneIndex = current;
     std::memcpy(&lanes, p, sizeof(Vec));
+    if constexpr (std::is_floating_point_v<T>) probe = lanes * T(0);  // the first block can hold NaN too
     int64_t j = kLanes;
     for (; j + kLanes <= n; j += kLanes) {
       Vec v;

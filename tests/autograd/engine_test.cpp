@@ -64,6 +64,7 @@ TEST(Engine, ExplicitGradientAndShapeChecks) {
   Tensor y = x * 2.0;
   EXPECT_THROW(distgrad::backward(y), ValueError);  // non-scalar needs an explicit gradient
   EXPECT_THROW(distgrad::backward(y, Tensor::ones({2}, DType::kFloat64)), ValueError);
+  EXPECT_THROW(distgrad::backward(y, Tensor::ones({3}, DType::kFloat32)), ValueError);  // dtype mismatch
   distgrad::backward(y, Tensor::fromVector(std::vector<double>{1.0, 10.0, 100.0}, {3}));
   EXPECT_EQ(x.grad().toVector<double>(), (std::vector<double>{2.0, 20.0, 200.0}));
 }
@@ -174,6 +175,19 @@ TEST(Engine, UnusedOutputOfMultiOutputNodeGetsZeros) {
   auto parts = split(x, 2, 0);
   distgrad::backward(sum(parts[1] * 5.0));
   EXPECT_EQ(x.grad().toVector<double>(), (std::vector<double>{0.0, 0.0, 5.0, 5.0}));
+}
+
+TEST(Engine, LeafStealsAnUnsharedGradientInsteadOfCopying) {
+  Tensor x = leaf({1.0, 2.0});
+  void* produced = nullptr;
+  Tensor y = recordOp("Probe", {x}, x.detach().cloneData(), [&](const std::vector<Tensor>& g, const Node&) {
+    Tensor fresh = g[0].cloneData();
+    produced = fresh.rawData();
+    return std::vector<Tensor>{fresh};
+  });
+  distgrad::backward(y, Tensor::ones({2}, DType::kFloat64));
+  ASSERT_NE(produced, nullptr);
+  EXPECT_EQ(x.grad().rawData(), produced) << "the gradient buffer was copied into .grad";
 }
 
 TEST(Engine, ConcurrentBackwardsIntoSharedLeaf) {

@@ -174,6 +174,17 @@ TEST(Reduction, MaxAndArgmax) {
   Tensor n = Tensor::fromVector({1, nan, 3}, {3});
   EXPECT_TRUE(std::isnan(max(n).item()));
   EXPECT_EQ(argmax(n, 0).toVector<int64_t>(), (std::vector<int64_t>{1}));
+  // NaN inside the first vector block of a long row (the vectorised path) propagates too
+  for (int64_t at = 1; at < 8; ++at) {
+    std::vector<float> row(32, 0.f);
+    row[20] = 5.f;
+    row[static_cast<size_t>(at)] = nan;
+    Tensor r = Tensor::fromVector(row, {1, 32});
+    EXPECT_TRUE(std::isnan(max(r).item())) << "NaN at " << at;
+    EXPECT_EQ(argmax(r, 1).toVector<int64_t>(), (std::vector<int64_t>{at})) << "NaN at " << at;
+    std::vector<double> row64(row.begin(), row.end());
+    EXPECT_EQ(argmax(Tensor::fromVector(row64, {1, 32}), 1).toVector<int64_t>(), (std::vector<int64_t>{at}));
+  }
   // int64 and 0-d
   EXPECT_EQ(max(Tensor::fromVector<int64_t>({4, -2, 8}, {3})).toVector<int64_t>(), (std::vector<int64_t>{8}));
   expectValues(max(Tensor::scalar(2.0), 0), {}, {2});

@@ -103,6 +103,14 @@ TEST(Module, RegistrationErrors) {
   EXPECT_NE(errorOf([&] { b.registerBadName(""); }).find("empty"), std::string::npos);
   Sequential s;
   EXPECT_THROW(s.add(nullptr), ValueError);
+  // cycles of any length are refused (they would make every recursive walk loop forever)
+  auto outer = std::make_shared<Sequential>();
+  auto middle = std::make_shared<Sequential>();
+  auto inner = std::make_shared<Sequential>();
+  outer->add(middle);
+  middle->add(inner);
+  EXPECT_NE(errorOf([&] { inner->add(outer); }).find("cycle"), std::string::npos);
+  EXPECT_NE(errorOf([&] { middle->add(outer); }).find("cycle"), std::string::npos);
 }
 
 TEST(Module, TrainEvalRecursesAndZeroGrad) {

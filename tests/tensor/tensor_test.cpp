@@ -182,9 +182,14 @@ TEST(TensorStorage, FromStorageViewsAndBoundsErrors) {
   EXPECT_EQ(base.at({2}), 42);
   // the last element would be past the end of the 40-byte storage
   expectThrowsWith([&] { Tensor::fromStorage(s, {3, 4}, {4, 1}, 0, DType::kFloat32); },
-                   {"fromStorage", "48 bytes", "40"});
-  expectThrowsWith([&] { Tensor::fromStorage(s, {2}, {1}, 9, DType::kFloat32); }, {"fromStorage", "needs"});
-  expectThrowsWith([&] { Tensor::fromStorage(s, {6}, {1}, 0, DType::kFloat64); }, {"fromStorage", "needs"});
+                   {"fromStorage", "does not fit", "40 bytes"});
+  expectThrowsWith([&] { Tensor::fromStorage(s, {2}, {1}, 9, DType::kFloat32); }, {"fromStorage", "does not fit"});
+  expectThrowsWith([&] { Tensor::fromStorage(s, {6}, {1}, 0, DType::kFloat64); }, {"fromStorage", "does not fit"});
+  // sizes that overflow 64-bit arithmetic are rejected, not wrapped into a small in-bounds number
+  expectThrowsWith([&] { Tensor::fromStorage(s, {3}, {int64_t{1} << 62}, 0, DType::kFloat32); },
+                   {"fromStorage", "does not fit"});
+  expectThrowsWith([&] { Tensor::fromStorage(s, {int64_t{1} << 62, 2}, {1, 0}, 0, DType::kFloat32); },
+                   {"fromStorage", "does not fit"});
   expectThrowsWith([&] { Tensor::fromStorage(s, {2}, {1}, -1, DType::kFloat32); }, {"fromStorage", "offset"});
   expectThrowsWith([&] { Tensor::fromStorage(s, {2}, {-1}, 1, DType::kFloat32); }, {"fromStorage", "stride"});
   expectThrowsWith([&] { Tensor::fromStorage(s, {2, 2}, {1}, 0, DType::kFloat32); }, {"fromStorage", "rank"});
@@ -200,6 +205,13 @@ TEST(TensorStorage, FromStorageViewsAndBoundsErrors) {
     EXPECT_EQ(b.toVector<float>(), (std::vector<float>{1, 2, 3, 4}));
   }
   EXPECT_EQ(deleted, 1);
+}
+
+TEST(TensorFactories, OverflowingShapesAreErrors) {
+  expectThrowsWith([] { Tensor::empty({int64_t{1} << 32, int64_t{1} << 32, 2}); }, {"shape", "64 bits"});
+  expectThrowsWith([] { Tensor::empty({(int64_t{1} << 62) + 1, 4}); }, {"shape", "64 bits"});
+  expectThrowsWith([] { Tensor::empty({int64_t{1} << 61, 1}, DType::kFloat64); }, {"Tensor::empty", "bytes"});
+  EXPECT_THROW(Tensor().detach(), ValueError);
 }
 
 TEST(TensorPrinting, ContainsValuesShapeAndDtype) {
