@@ -99,6 +99,10 @@ class AccumulateGrad final : public Node {
 
 // The node most ops use: a backward closure that captures what it saved (always detached tensors, so
 // nothing points back at the node's own outputs).
+// Known limitation: saved tensors alias their storage and there is no version counter yet, so writing a
+// saved tensor in place between forward and backward (an optimizer step, copyFrom, fill, loadStateDict)
+// silently changes the gradients. Step the optimizer after backward, as the usual loop does.
+// TODO(correctness): a storage version counter checked when a node runs, like PyTorch's saved variables.
 class FunctionNode final : public Node {
  public:
   // Returns one gradient per forward input (undefined for inputs that need none, see needsInputGrad).

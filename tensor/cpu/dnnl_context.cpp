@@ -8,6 +8,8 @@
 
 namespace distgrad::tensor {
 namespace {
+// Process-wide on purpose (an exception to "no singletons"): OpenMP's thread pool, which oneDNN and our
+// loops run on, is itself process-wide, and the oneDNN CPU engine below is a stateless handle.
 std::atomic<int> gNumThreads{0};  // 0 = not yet applied (default 1)
 
 void applyDefaultThreads() {
