@@ -22,6 +22,7 @@ kernels::Conv2dParams paramsOf(const Conv2dOptions& o) {
 Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, const Conv2dOptions& options) {
   const kernels::Conv2dParams params = paramsOf(options);
   Tensor out = kernels::conv2d(x, weight, bias, params);  // validates shapes, options and dtypes
+  if (!autograd::anyRequiresGrad({x, weight, bias})) return out;  // no closure to build
   return autograd::recordOp(
       "Conv2dBackward", {x, weight, bias}, out,
       [sx = x.detach(), sw = weight.detach(), params, hasBias = bias.defined()](const std::vector<Tensor>& grads,

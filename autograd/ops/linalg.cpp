@@ -63,6 +63,7 @@ Tensor asShape(const Tensor& grad, const Shape& shape) {
 
 Tensor matmul(const Tensor& a, const Tensor& b) {
   Tensor out = kernels::matmul(a, b);  // validates ranks, inner dims, batch broadcast and dtypes
+  if (!autograd::anyRequiresGrad({a, b})) return out;  // no closure to build
   return autograd::recordOp(
       "MatmulBackward", {a, b}, out,
       [sa = a.detach(), sb = b.detach()](const std::vector<Tensor>& grads, const autograd::Node& self) {
@@ -90,6 +91,7 @@ Tensor bmm(const Tensor& a, const Tensor& b) {
            " vs ", dtypeName(b.dtype()), " ", tensor::shapeStr(b.shape()));
   const Shape batch{a.shape()[0]};
   Tensor out = kernels::batchedMatmul(a, false, b, false, batch);
+  if (!autograd::anyRequiresGrad({a, b})) return out;  // no closure to build
   return autograd::recordOp(
       "BmmBackward", {a, b}, out,
       [sa = a.detach(), sb = b.detach(), batch](const std::vector<Tensor>& grads, const autograd::Node& self) {
@@ -102,6 +104,7 @@ Tensor bmm(const Tensor& a, const Tensor& b) {
 
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   Tensor out = kernels::linear(x, weight, bias);  // validates shapes and dtypes
+  if (!autograd::anyRequiresGrad({x, weight, bias})) return out;  // no closure to build
   return autograd::recordOp(
       "LinearBackward", {x, weight, bias}, out,
       [sx = x.detach(), sw = weight.detach()](const std::vector<Tensor>& grads, const autograd::Node& self) {

@@ -99,6 +99,7 @@ Tensor avgPool2d(const Tensor& x, const Pool2dOptions& options) {
   checkNchw(x, "avgPool2d");
   const kernels::Pool2dParams p = poolParams(x, options, "avgPool2d");
   Tensor out = kernels::avgPool2d(x, p);
+  if (!autograd::anyRequiresGrad({x})) return out;  // no closure to build
   return autograd::recordOp("AvgPool2dBackward", {x}, out,
                             [p, shape = x.shape()](const std::vector<Tensor>& g, const autograd::Node&) {
                               return std::vector<Tensor>{kernels::avgPool2dBackward(g[0], shape, p)};
@@ -112,6 +113,7 @@ Tensor adaptiveAvgPool2d(const Tensor& x, Pair outputSize) {
   DG_CHECK(x.size(2) >= 1 && x.size(3) >= 1, "adaptiveAvgPool2d: input ", shapeStr(x.shape()),
            " has an empty spatial dim");
   Tensor out = kernels::adaptiveAvgPool2d(x, outputSize[0], outputSize[1]);
+  if (!autograd::anyRequiresGrad({x})) return out;  // no closure to build
   return autograd::recordOp("AdaptiveAvgPool2dBackward", {x}, out,
                             [shape = x.shape()](const std::vector<Tensor>& g, const autograd::Node&) {
                               return std::vector<Tensor>{kernels::adaptiveAvgPool2dBackward(g[0], shape)};
@@ -182,6 +184,7 @@ Tensor softmax(const Tensor& x, int64_t dim) {
   checkFloat(x, "softmax", "x");
   const int64_t d = tensor::wrapDim(dim, x.dim(), "softmax");
   Tensor out = kernels::softmax(x, d);
+  if (!autograd::anyRequiresGrad({x})) return out;  // no closure to build
   return autograd::recordOp("SoftmaxBackward", {x}, out,
                             [y = out.detach(), d](const std::vector<Tensor>& g, const autograd::Node&) {
                               return std::vector<Tensor>{kernels::softmaxBackward(g[0], y, d)};
@@ -193,6 +196,7 @@ Tensor logSoftmax(const Tensor& x, int64_t dim) {
   checkFloat(x, "logSoftmax", "x");
   const int64_t d = tensor::wrapDim(dim, x.dim(), "logSoftmax");
   Tensor out = kernels::logSoftmax(x, d);
+  if (!autograd::anyRequiresGrad({x})) return out;  // no closure to build
   return autograd::recordOp("LogSoftmaxBackward", {x}, out,
                             [y = out.detach(), d](const std::vector<Tensor>& g, const autograd::Node&) {
                               return std::vector<Tensor>{kernels::logSoftmaxBackward(g[0], y, d)};
@@ -205,6 +209,7 @@ Tensor crossEntropy(const Tensor& logits, const Tensor& targets, Reduction reduc
   checkClassification(logits, targets, "crossEntropy", "logits");
   const kernels::LossReduction r = toKernel(reduction);
   kernels::CrossEntropyResult res = kernels::crossEntropy(logits, targets, r);
+  if (!autograd::anyRequiresGrad({logits})) return res.loss;  // no closure to build
   return autograd::recordOp(
       "CrossEntropyBackward", {logits}, res.loss,
       [x = logits.detach(), t = targets.detach(), saved = kernels::CrossEntropyResult{Tensor(), res.rowMax, res.logSum},
@@ -217,6 +222,7 @@ Tensor nllLoss(const Tensor& logProbs, const Tensor& targets, Reduction reductio
   checkClassification(logProbs, targets, "nllLoss", "logProbs");
   const kernels::LossReduction r = toKernel(reduction);
   Tensor loss = kernels::nllLoss(logProbs, targets, r);
+  if (!autograd::anyRequiresGrad({logProbs})) return loss;  // no closure to build
   return autograd::recordOp(
       "NllLossBackward", {logProbs}, loss,
       [t = targets.detach(), shape = logProbs.shape(), dtype = logProbs.dtype(), r](const std::vector<Tensor>& g,
@@ -236,6 +242,7 @@ Tensor mseLoss(const Tensor& input, const Tensor& target, Reduction reduction) {
            dtypeName(target.dtype()));
   const kernels::LossReduction r = toKernel(reduction);
   Tensor loss = kernels::mseLoss(input, target, r);
+  if (!autograd::anyRequiresGrad({input, target})) return loss;  // no closure to build
   return autograd::recordOp(
       "MseLossBackward", {input, target}, loss,
       [x = input.detach(), y = target.detach(), r](const std::vector<Tensor>& g, const autograd::Node& self) {
@@ -253,6 +260,7 @@ Tensor dropout(const Tensor& x, double p, bool training, tensor::Generator& gen)
   // Identity: the caller's tensor itself, so no copy and no extra graph node.
   if (!training || p == 0.0) return x;
   kernels::DropoutResult r = kernels::dropout(x, p, gen);
+  if (!autograd::anyRequiresGrad({x})) return r.output;  // no closure to build
   return autograd::recordOp("DropoutBackward", {x}, r.output,
                             [mask = r.mask](const std::vector<Tensor>& g, const autograd::Node&) {
                               return std::vector<Tensor>{kernels::dropoutBackward(g[0], mask)};
@@ -268,6 +276,7 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
   DG_CHECK(indices.device().isCpu(), "embedding: indices are on ", indices.device().str(),
            "; only CPU tensors are supported");
   Tensor out = kernels::embedding(weight, indices);
+  if (!autograd::anyRequiresGrad({weight})) return out;  // no closure to build
   return autograd::recordOp(
       "EmbeddingBackward", {weight}, out,
       [idx = indices.detach(), shape = weight.shape()](const std::vector<Tensor>& g, const autograd::Node&) {
