@@ -6,17 +6,12 @@
 #include <unordered_map>
 
 #include "tensor/cpu/dnnl_context.h"
+#include "tensor/cpu/shape_kernels.h"
 
 namespace distgrad::tensor::kernels {
 namespace {
 
 using dnnl::memory;
-
-Tensor contiguousOf(const Tensor& t, DType dtype) {
-  if (!t.defined()) return t;
-  Tensor c = t.dtype() == dtype ? t : t.toDType(dtype);
-  return c.isContiguous() ? c : c.cloneData();
-}
 
 // x [N, C, rest...] seen as N rows of C channels of `inner` contiguous elements.
 struct Layout {
@@ -171,9 +166,9 @@ bool isEmpty(const Shape& s) {
 BatchNormTrainResult batchNormTrain(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
                                     CpuImpl impl) {
   const DType dtype = x.dtype();
-  Tensor in = contiguousOf(x, dtype);
-  Tensor w = contiguousOf(weight, dtype);
-  Tensor b = contiguousOf(bias, dtype);
+  Tensor in = contiguousAs(x, dtype);
+  Tensor w = contiguousAs(weight, dtype);
+  Tensor b = contiguousAs(bias, dtype);
   const Layout l = layoutOf(in.shape());
   BatchNormTrainResult r{Tensor::empty(in.shape(), dtype), Tensor::empty({l.channels}, dtype),
                          Tensor::empty({l.channels}, dtype)};
@@ -207,11 +202,11 @@ BatchNormTrainResult batchNormTrain(const Tensor& x, const Tensor& weight, const
 Tensor batchNormEval(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& mean,
                      const Tensor& var, double eps, CpuImpl impl) {
   const DType dtype = x.dtype();
-  Tensor in = contiguousOf(x, dtype);
-  Tensor w = contiguousOf(weight, dtype);
-  Tensor b = contiguousOf(bias, dtype);
-  Tensor m = contiguousOf(mean, dtype);
-  Tensor v = contiguousOf(var, dtype);
+  Tensor in = contiguousAs(x, dtype);
+  Tensor w = contiguousAs(weight, dtype);
+  Tensor b = contiguousAs(bias, dtype);
+  Tensor m = contiguousAs(mean, dtype);
+  Tensor v = contiguousAs(var, dtype);
   const Layout l = layoutOf(in.shape());
   Tensor out = Tensor::empty(in.shape(), dtype);
   if (isEmpty(in.shape())) return out;
@@ -244,11 +239,11 @@ BatchNormGrads batchNormBackward(const Tensor& gradOutput, const Tensor& x, cons
                                  const Tensor& mean, const Tensor& var, double eps, bool training,
                                  std::array<bool, 3> need, CpuImpl impl) {
   const DType dtype = x.dtype();
-  Tensor g = contiguousOf(gradOutput, dtype);
-  Tensor in = contiguousOf(x, dtype);
-  Tensor w = contiguousOf(weight, dtype);
-  Tensor m = contiguousOf(mean, dtype);
-  Tensor v = contiguousOf(var, dtype);
+  Tensor g = contiguousAs(gradOutput, dtype);
+  Tensor in = contiguousAs(x, dtype);
+  Tensor w = contiguousAs(weight, dtype);
+  Tensor m = contiguousAs(mean, dtype);
+  Tensor v = contiguousAs(var, dtype);
   const Layout l = layoutOf(in.shape());
   DG_ASSERT(!(need[1] && !w.defined()), "batchNormBackward: weight gradient requested for an undefined weight");
   BatchNormGrads r;

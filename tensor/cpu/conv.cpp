@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "tensor/cpu/dnnl_context.h"
+#include "tensor/cpu/shape_kernels.h"
 #include "tensor/cpu/linalg.h"
 
 namespace distgrad::tensor::kernels {
@@ -56,8 +57,6 @@ void requireConvDTypes(const char* op, std::initializer_list<const Tensor*> tens
   DG_CHECK(first->dtype() == DType::kFloat32 || first->dtype() == DType::kFloat64, op,
            ": expected float32 or float64 tensors, got ", dtypeName(first->dtype()));
 }
-
-Tensor contiguousOf(const Tensor& t) { return t.isContiguous() ? t : t.cloneData(); }
 
 // Everything a convolution's shape depends on.
 struct ConvGeometry {
@@ -448,7 +447,7 @@ Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, const C
     if (bias.defined()) {
       dispatchFloat(y.dtype(), "conv2d", [&](auto tag) {
         using T = decltype(tag);
-        Tensor bc = contiguousOf(bias);
+        Tensor bc = contiguous(bias);
         const int64_t l = g.oh * g.ow;
         T* out = y.data<T>();
         for (int64_t i = 0; i < g.n * g.o; ++i) std::fill(out + i * l, out + (i + 1) * l, bc.data<T>()[i % g.o]);
@@ -456,7 +455,7 @@ Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, const C
     }
     return y;
   }
-  Tensor xc = contiguousOf(x), wc = contiguousOf(weight), bc = bias.defined() ? contiguousOf(bias) : Tensor();
+  Tensor xc = contiguous(x), wc = contiguous(weight), bc = bias.defined() ? contiguous(bias) : Tensor();
   if (x.dtype() == DType::kFloat64) {
     referenceForward<double>(g, xc.data<double>(), wc.data<double>(), bc.defined() ? bc.data<double>() : nullptr,
                              y.data<double>());
@@ -494,12 +493,12 @@ Conv2dGrads backwardImpl(const Tensor& gradOut, const Tensor& x, const Shape& xS
     if (needBias && needWeight) grads.bias = conv2dBackwardBias(gradOut);
     return grads;
   }
-  Tensor gc = contiguousOf(gradOut);
+  Tensor gc = contiguous(gradOut);
   if (gradOut.dtype() == DType::kFloat64) {
-    if (needInput) referenceBackwardInput<double>(g, gc.data<double>(), contiguousOf(weight).data<double>(),
+    if (needInput) referenceBackwardInput<double>(g, gc.data<double>(), contiguous(weight).data<double>(),
                                                   grads.input.data<double>());
     if (needWeight) {
-      Tensor xc = contiguousOf(x);
+      Tensor xc = contiguous(x);
       referenceBackwardWeight<double>(g, gc.data<double>(), xc.data<double>(), grads.weight.data<double>());
       if (needBias) biasGrad<double>(g, gc.data<double>(), grads.bias.data<double>());
     }
@@ -510,14 +509,14 @@ Conv2dGrads backwardImpl(const Tensor& gradOut, const Tensor& x, const Shape& xS
   bool haveGradData = false;
   if (needInput) {
     ConvPlan& plan = planFor(g, ConvPass::kBackwardData, false, layout);
-    Tensor wc = contiguousOf(weight);
+    Tensor wc = contiguous(weight);
     gradData = prepareInput(plan.in0, gc.rawData(), buffers.in0);
     haveGradData = true;
     execute(plan, gradData, prepareInput(plan.in1, wc.rawData(), buffers.in1), grads.input.rawData(), nullptr);
   }
   if (needWeight) {
     ConvPlan& plan = planFor(g, ConvPass::kBackwardWeights, needBias, layout);
-    Tensor xc = contiguousOf(x);
+    Tensor xc = contiguous(x);
     // gradOut was reordered into buffers.in0 for backward-data; reuse it when this pass wants the same layout.
     memory gradWeights = haveGradData && gradData.get_desc() == plan.in1.inner
                              ? gradData
@@ -549,7 +548,7 @@ std::pair<Tensor, Tensor> conv2dBackwardWeight(const Tensor& gradOut, const Tens
 Tensor conv2dBackwardBias(const Tensor& gradOut) {
   DG_CHECK(gradOut.dim() == 4, "conv2d backward: gradient must be 4-D [N, O, OH, OW], got shape ",
            shapeStr(gradOut.shape()));
-  Tensor gc = contiguousOf(gradOut);
+  Tensor gc = contiguous(gradOut);
   ConvGeometry g{};
   g.n = gc.shape()[0];
   g.o = gc.shape()[1];

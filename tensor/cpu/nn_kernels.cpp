@@ -1,4 +1,5 @@
 #include "tensor/cpu/nn_kernels.h"
+#include "tensor/cpu/shape_kernels.h"
 
 #include <algorithm>
 #include <cmath>
@@ -8,11 +9,6 @@
 
 namespace distgrad::tensor::kernels {
 namespace {
-
-Tensor contiguousOf(const Tensor& t, DType dtype) {
-  Tensor c = t.dtype() == dtype ? t : t.toDType(dtype);
-  return c.isContiguous() ? c : c.cloneData();
-}
 
 // x seen as [outer, size, inner] around the softmax dim.
 struct Around {
@@ -105,7 +101,7 @@ void softmaxColumns(const T* x, T* y, const Around& a) {
 template <bool kLog>
 Tensor softmaxImpl(const Tensor& x, int64_t dim) {
   const DType dtype = x.dtype();
-  Tensor in = contiguousOf(x, dtype);
+  Tensor in = contiguousAs(x, dtype);
   Tensor out = Tensor::empty(in.shape(), dtype);
   if (in.numel() == 0) return out;
   const Around a = aroundDim(in.shape(), dim);
@@ -121,8 +117,8 @@ Tensor softmaxImpl(const Tensor& x, int64_t dim) {
 template <bool kLog>
 Tensor softmaxBackwardImpl(const Tensor& gradOutput, const Tensor& output, int64_t dim) {
   const DType dtype = output.dtype();
-  Tensor g = contiguousOf(gradOutput, dtype);
-  Tensor y = contiguousOf(output, dtype);
+  Tensor g = contiguousAs(gradOutput, dtype);
+  Tensor y = contiguousAs(output, dtype);
   Tensor dx = Tensor::empty(y.shape(), dtype);
   if (y.numel() == 0) return dx;
   const Around a = aroundDim(y.shape(), dim);
@@ -209,8 +205,8 @@ Tensor logSoftmaxBackward(const Tensor& gradOutput, const Tensor& output, int64_
 CrossEntropyResult crossEntropy(const Tensor& logits, const Tensor& targets, LossReduction reduction,
                                 const char* op) {
   const DType dtype = logits.dtype();
-  Tensor x = contiguousOf(logits, dtype);
-  Tensor t = contiguousOf(targets, DType::kInt64);
+  Tensor x = contiguousAs(logits, dtype);
+  Tensor t = contiguousAs(targets, DType::kInt64);
   const int64_t n = x.shape()[0], classes = x.shape()[1];
   checkTargets(t.data<int64_t>(), n, classes, op);
   CrossEntropyResult r{Tensor::empty({n}, dtype), Tensor::empty({n}, dtype), Tensor::empty({n}, dtype)};
@@ -241,11 +237,11 @@ CrossEntropyResult crossEntropy(const Tensor& logits, const Tensor& targets, Los
 Tensor crossEntropyBackward(const Tensor& gradOutput, const Tensor& logits, const Tensor& targets,
                             const CrossEntropyResult& forward, LossReduction reduction) {
   const DType dtype = logits.dtype();
-  Tensor x = contiguousOf(logits, dtype);
-  Tensor t = contiguousOf(targets, DType::kInt64);
-  Tensor rowMax = contiguousOf(forward.rowMax, dtype);
-  Tensor logSum = contiguousOf(forward.logSum, dtype);
-  Tensor g = contiguousOf(gradOutput, dtype);
+  Tensor x = contiguousAs(logits, dtype);
+  Tensor t = contiguousAs(targets, DType::kInt64);
+  Tensor rowMax = contiguousAs(forward.rowMax, dtype);
+  Tensor logSum = contiguousAs(forward.logSum, dtype);
+  Tensor g = contiguousAs(gradOutput, dtype);
   const int64_t n = x.shape()[0], classes = x.shape()[1];
   Tensor dx = Tensor::empty(x.shape(), dtype);
   dispatchFloat(dtype, "crossEntropy backward", [&](auto zero) {
@@ -270,8 +266,8 @@ Tensor crossEntropyBackward(const Tensor& gradOutput, const Tensor& logits, cons
 
 Tensor nllLoss(const Tensor& logProbs, const Tensor& targets, LossReduction reduction, const char* op) {
   const DType dtype = logProbs.dtype();
-  Tensor x = contiguousOf(logProbs, dtype);
-  Tensor t = contiguousOf(targets, DType::kInt64);
+  Tensor x = contiguousAs(logProbs, dtype);
+  Tensor t = contiguousAs(targets, DType::kInt64);
   const int64_t n = x.shape()[0], classes = x.shape()[1];
   checkTargets(t.data<int64_t>(), n, classes, op);
   Tensor loss = Tensor::empty({n}, dtype);
@@ -287,8 +283,8 @@ Tensor nllLoss(const Tensor& logProbs, const Tensor& targets, LossReduction redu
 
 Tensor nllLossBackward(const Tensor& gradOutput, const Tensor& targets, const Shape& inputShape, DType dtype,
                        LossReduction reduction) {
-  Tensor t = contiguousOf(targets, DType::kInt64);
-  Tensor g = contiguousOf(gradOutput, dtype);
+  Tensor t = contiguousAs(targets, DType::kInt64);
+  Tensor g = contiguousAs(gradOutput, dtype);
   Tensor dx = Tensor::zeros(inputShape, dtype);
   const int64_t n = inputShape[0], classes = inputShape[1];
   dispatchFloat(dtype, "nllLoss backward", [&](auto zero) {
@@ -303,8 +299,8 @@ Tensor nllLossBackward(const Tensor& gradOutput, const Tensor& targets, const Sh
 
 Tensor mseLoss(const Tensor& input, const Tensor& target, LossReduction reduction) {
   const DType dtype = input.dtype();
-  Tensor x = contiguousOf(input, dtype);
-  Tensor y = contiguousOf(target, dtype);
+  Tensor x = contiguousAs(input, dtype);
+  Tensor y = contiguousAs(target, dtype);
   const int64_t n = x.numel();
   return dispatchFloat(dtype, "mseLoss", [&](auto zero) {
     using T = decltype(zero);
@@ -340,9 +336,9 @@ Tensor mseLoss(const Tensor& input, const Tensor& target, LossReduction reductio
 MseLossGrads mseLossBackward(const Tensor& gradOutput, const Tensor& input, const Tensor& target,
                              LossReduction reduction, bool needInput, bool needTarget) {
   const DType dtype = input.dtype();
-  Tensor x = contiguousOf(input, dtype);
-  Tensor y = contiguousOf(target, dtype);
-  Tensor g = contiguousOf(gradOutput, dtype);
+  Tensor x = contiguousAs(input, dtype);
+  Tensor y = contiguousAs(target, dtype);
+  Tensor g = contiguousAs(gradOutput, dtype);
   MseLossGrads r;
   if (!needInput && !needTarget) return r;
   Tensor dx = Tensor::empty(x.shape(), dtype);
@@ -373,7 +369,7 @@ MseLossGrads mseLossBackward(const Tensor& gradOutput, const Tensor& input, cons
 DropoutResult dropout(const Tensor& x, double p, Generator& gen) {
   DG_ASSERT(p >= 0.0 && p < 1.0, "dropout probability ", p);
   const DType dtype = x.dtype();
-  Tensor in = contiguousOf(x, dtype);
+  Tensor in = contiguousAs(x, dtype);
   DropoutResult r{Tensor::empty(in.shape(), dtype), Tensor::empty(in.shape(), dtype)};
   dispatchFloat(dtype, "dropout", [&](auto zero) {
     using T = decltype(zero);
@@ -390,7 +386,7 @@ DropoutResult dropout(const Tensor& x, double p, Generator& gen) {
 
 Tensor dropoutBackward(const Tensor& gradOutput, const Tensor& mask) {
   const DType dtype = mask.dtype();
-  Tensor g = contiguousOf(gradOutput, dtype);
+  Tensor g = contiguousAs(gradOutput, dtype);
   Tensor dx = Tensor::empty(mask.shape(), dtype);
   dispatchFloat(dtype, "dropout backward", [&](auto zero) {
     using T = decltype(zero);
@@ -404,8 +400,8 @@ Tensor dropoutBackward(const Tensor& gradOutput, const Tensor& mask) {
 
 Tensor embedding(const Tensor& weight, const Tensor& indices) {
   const DType dtype = weight.dtype();
-  Tensor w = contiguousOf(weight, dtype);
-  Tensor idx = contiguousOf(indices, DType::kInt64);
+  Tensor w = contiguousAs(weight, dtype);
+  Tensor idx = contiguousAs(indices, DType::kInt64);
   const int64_t rows = w.shape()[0], dim = w.shape()[1];
   const int64_t* ip = idx.data<int64_t>();
   const int64_t count = idx.numel();
@@ -427,8 +423,8 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
 
 Tensor embeddingBackward(const Tensor& gradOutput, const Tensor& indices, const Shape& weightShape) {
   const DType dtype = gradOutput.dtype();
-  Tensor g = contiguousOf(gradOutput, dtype);
-  Tensor idx = contiguousOf(indices, DType::kInt64);
+  Tensor g = contiguousAs(gradOutput, dtype);
+  Tensor idx = contiguousAs(indices, DType::kInt64);
   Tensor dw = Tensor::zeros(weightShape, dtype);
   const int64_t dim = weightShape[1];
   dispatchFloat(dtype, "embedding backward", [&](auto zero) {

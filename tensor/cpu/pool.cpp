@@ -7,17 +7,13 @@
 #include <unordered_map>
 
 #include "tensor/cpu/dnnl_context.h"
+#include "tensor/cpu/shape_kernels.h"
 
 namespace distgrad::tensor::kernels {
 namespace {
 
 using dnnl::memory;
 using Tag = memory::format_tag;
-
-Tensor contiguousOf(const Tensor& t, DType dtype) {
-  Tensor c = t.dtype() == dtype ? t : t.toDType(dtype);
-  return c.isContiguous() ? c : c.cloneData();
-}
 
 // The NCHW geometry both implementations work from.
 struct Geometry {
@@ -204,7 +200,7 @@ int64_t pooledLength(int64_t in, int64_t kernel, int64_t stride, int64_t pad, bo
 
 MaxPool2dResult maxPool2d(const Tensor& x, const Pool2dParams& params, bool forBackward, CpuImpl impl) {
   const DType dtype = x.dtype();
-  Tensor in = contiguousOf(x, dtype);
+  Tensor in = contiguousAs(x, dtype);
   const Geometry g = geometryOf(in.shape(), params);
   Tensor out = emptyOutput(in.shape(), g, dtype);
   auto saved = forBackward ? std::make_shared<MaxPool2dSaved>() : nullptr;
@@ -252,7 +248,7 @@ MaxPool2dResult maxPool2d(const Tensor& x, const Pool2dParams& params, bool forB
 
 Tensor maxPool2dBackward(const Tensor& gradOutput, const MaxPool2dSaved& saved) {
   const Geometry g = geometryOf(saved.inputShape, saved.params);
-  Tensor go = contiguousOf(gradOutput, saved.dtype);
+  Tensor go = contiguousAs(gradOutput, saved.dtype);
   DG_ASSERT(go.shape() == (Shape{saved.inputShape[0], saved.inputShape[1], g.outH, g.outW}),
             "maxPool2dBackward: gradient shape ", shapeStr(go.shape()));
   if (isEmpty(saved.inputShape) || go.numel() == 0) return Tensor::zeros(saved.inputShape, saved.dtype);
@@ -281,7 +277,7 @@ Tensor maxPool2dBackward(const Tensor& gradOutput, const MaxPool2dSaved& saved) 
 
 Tensor avgPool2d(const Tensor& x, const Pool2dParams& params, CpuImpl impl) {
   const DType dtype = x.dtype();
-  Tensor in = contiguousOf(x, dtype);
+  Tensor in = contiguousAs(x, dtype);
   const Geometry g = geometryOf(in.shape(), params);
   Tensor out = emptyOutput(in.shape(), g, dtype);
   if (isEmpty(in.shape()) || out.numel() == 0) return out;
@@ -309,7 +305,7 @@ Tensor avgPool2d(const Tensor& x, const Pool2dParams& params, CpuImpl impl) {
 Tensor avgPool2dBackward(const Tensor& gradOutput, const Shape& inputShape, const Pool2dParams& params,
                          CpuImpl impl) {
   const DType dtype = gradOutput.dtype();
-  Tensor go = contiguousOf(gradOutput, dtype);
+  Tensor go = contiguousAs(gradOutput, dtype);
   const Geometry g = geometryOf(inputShape, params);
   if (isEmpty(inputShape) || go.numel() == 0) return Tensor::zeros(inputShape, dtype);
   Tensor gradIn = Tensor::empty(inputShape, dtype);
@@ -391,7 +387,7 @@ void adaptiveAvgBackwardLoops(const T* gradOut, T* gradIn, int64_t planes, int64
 
 Tensor adaptiveAvgPool2d(const Tensor& x, int64_t outH, int64_t outW) {
   const DType dtype = x.dtype();
-  Tensor in = contiguousOf(x, dtype);
+  Tensor in = contiguousAs(x, dtype);
   const Shape& s = in.shape();
   Tensor out = Tensor::empty({s[0], s[1], outH, outW}, dtype);
   if (isEmpty(s) || out.numel() == 0) return out;
@@ -404,7 +400,7 @@ Tensor adaptiveAvgPool2d(const Tensor& x, int64_t outH, int64_t outW) {
 
 Tensor adaptiveAvgPool2dBackward(const Tensor& gradOutput, const Shape& inputShape) {
   const DType dtype = gradOutput.dtype();
-  Tensor go = contiguousOf(gradOutput, dtype);
+  Tensor go = contiguousAs(gradOutput, dtype);
   if (isEmpty(inputShape) || go.numel() == 0) return Tensor::zeros(inputShape, dtype);
   Tensor gradIn = Tensor::empty(inputShape, dtype);
   dispatchFloat(dtype, "adaptiveAvgPool2dBackward", [&](auto zero) {

@@ -227,6 +227,11 @@ Tensor contiguous(const Tensor& t) {
   return out;
 }
 
+Tensor contiguousAs(const Tensor& t, DType dtype) {
+  if (!t.defined()) return t;
+  return t.dtype() == dtype ? contiguous(t) : t.toDType(dtype);  // toDType writes a contiguous tensor
+}
+
 Tensor broadcastTo(const Tensor& t, const Shape& shape, const char* op) {
   Tensor out = Tensor::empty(shape, t.dtype());
   copyInto(out, t, op);

@@ -27,6 +27,8 @@ void copyInto(const Tensor& dst, const Tensor& src, const char* op = "copy");
 
 // `t` itself when contiguous, else a contiguous copy.
 Tensor contiguous(const Tensor& t);
+// `t` converted to `dtype` (if needed) and made contiguous (if needed); an undefined `t` passes through.
+Tensor contiguousAs(const Tensor& t, DType dtype);
 
 // t broadcast to `shape` and written out as a new contiguous tensor.
 Tensor broadcastTo(const Tensor& t, const Shape& shape, const char* op = "broadcastTo");
