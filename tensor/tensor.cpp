@@ -5,6 +5,7 @@
 #include <iomanip>
 #include <sstream>
 
+#include "tensor/cpu/shape_kernels.h"
 #include "tensor/cpu/strided.h"
 #include "tensor/cuda/cuda_memory.h"
 
@@ -336,17 +337,16 @@ void Tensor::copyFrom(const Tensor& src) {
     if (nbytes() > 0 && rawData() != src.rawData()) std::memmove(rawData(), src.rawData(), nbytes());
     return;
   }
-  const DType sdt = src.dtype();
+  if (src.dtype() == dtype()) {  // strided, same type: the tiled copy kernel (fast for transposes)
+    kernels::copyInto(*this, src, "Tensor::copyFrom");
+    return;
+  }
+  const DType sdt = src.dtype();  // dtype conversion
   const DType ddt = dtype();
-  const size_t isz = itemSize();
   kernels::forEachStrided<2>(
       shape(), {kernels::byteStridesOf(*this, strides()), kernels::byteStridesOf(src, src.strides())},
       {static_cast<char*>(rawData()), static_cast<char*>(src.rawData())}, [&](auto p, auto s, int64_t n) {
-        if (sdt == ddt) {
-          for (int64_t i = 0; i < n; ++i) std::memcpy(p[0] + i * s[0], p[1] + i * s[1], isz);
-        } else {
-          for (int64_t i = 0; i < n; ++i) storeFromDouble(p[0] + i * s[0], ddt, loadAsDouble(p[1] + i * s[1], sdt));
-        }
+        for (int64_t i = 0; i < n; ++i) storeFromDouble(p[0] + i * s[0], ddt, loadAsDouble(p[1] + i * s[1], sdt));
       });
 }
 
