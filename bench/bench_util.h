@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <ctime>
 #include <cstdio>
 #include <functional>
 #include <map>
@@ -41,6 +42,31 @@ inline std::vector<double> timeSeconds(const std::function<void()>& fn, int reps
     out.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   return out;
+}
+
+// CPU seconds consumed by the calling thread: on a shared, loaded machine this moves far less than wall
+// time, so single-threaded comparisons use it next to wall-clock figures.
+inline double threadCpuSeconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+// Wall and thread-CPU seconds of each of `reps` calls of fn, after `warmup` untimed calls.
+struct Timings {
+  std::vector<double> wall, cpu;
+};
+inline Timings timeWallAndCpu(const std::function<void()>& fn, int reps, int warmup = 1) {
+  for (int i = 0; i < warmup; ++i) fn();
+  Timings t;
+  for (int i = 0; i < reps; ++i) {
+    auto w0 = std::chrono::steady_clock::now();
+    double c0 = threadCpuSeconds();
+    fn();
+    t.cpu.push_back(threadCpuSeconds() - c0);
+    t.wall.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count());
+  }
+  return t;
 }
 
 // Converts per-call seconds into a rate: units of work per second (e.g. GFLOP/s when work = GFLOP).
