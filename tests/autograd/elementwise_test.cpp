@@ -11,36 +11,12 @@
 #include "autograd/grad_mode.h"
 #include "autograd/ops.h"
 #include "tensor/random.h"
+#include "test_util.h"
 
 namespace distgrad {
 namespace {
 
-using Fn = std::function<Tensor(const std::vector<Tensor>&)>;
-
-void expectValues(const Tensor& t, const Shape& shape, const std::vector<double>& expected, double tol = 1e-6) {
-  ASSERT_EQ(t.shape(), shape);
-  auto v = t.toVector<double>();
-  ASSERT_EQ(v.size(), expected.size());
-  for (size_t i = 0; i < v.size(); ++i) EXPECT_NEAR(v[i], expected[i], tol) << "element " << i;
-}
-
-template <typename F>
-void expectThrowsWith(F&& f, const std::vector<std::string>& needles) {
-  try {
-    f();
-    FAIL() << "expected distgrad::ValueError";
-  } catch (const ValueError& e) {
-    std::string msg = e.what();
-    for (const auto& n : needles) EXPECT_NE(msg.find(n), std::string::npos) << "message: " << msg << " lacks " << n;
-  }
-}
-
-Tensor randn(const Shape& shape, uint64_t seed, DType dtype = DType::kFloat64, bool requiresGrad = true) {
-  tensor::Generator gen(seed);
-  Tensor t = tensor::normal(shape, 0.0, 1.0, gen, dtype);
-  if (requiresGrad) t.setRequiresGrad();
-  return t;
-}
+using namespace distgrad::testing;
 
 // Random values in [lo, hi] (for ops defined only on part of the line).
 Tensor randu(const Shape& shape, uint64_t seed, double lo, double hi) {
@@ -48,11 +24,6 @@ Tensor randu(const Shape& shape, uint64_t seed, double lo, double hi) {
   Tensor t = tensor::uniform(shape, lo, hi, gen, DType::kFloat64);
   t.setRequiresGrad();
   return t;
-}
-
-void expectGradcheck(const Fn& fn, const std::vector<Tensor>& inputs) {
-  auto r = autograd::gradcheck(fn, inputs);
-  EXPECT_TRUE(r.ok) << r.message;
 }
 
 // ---------------------------------------------------------------- values

@@ -10,41 +10,12 @@
 #include "autograd/gradcheck.h"
 #include "autograd/ops.h"
 #include "tensor/random.h"
+#include "test_util.h"
 
 namespace distgrad {
 namespace {
 
-using Fn = std::function<Tensor(const std::vector<Tensor>&)>;
-
-void expectValues(const Tensor& t, const Shape& shape, const std::vector<double>& expected, double tol = 1e-6) {
-  ASSERT_EQ(t.shape(), shape);
-  auto v = t.toVector<double>();
-  ASSERT_EQ(v.size(), expected.size());
-  for (size_t i = 0; i < v.size(); ++i) EXPECT_NEAR(v[i], expected[i], tol) << "element " << i;
-}
-
-template <typename F>
-void expectThrowsWith(F&& f, const std::vector<std::string>& needles) {
-  try {
-    f();
-    FAIL() << "expected distgrad::ValueError";
-  } catch (const ValueError& e) {
-    std::string msg = e.what();
-    for (const auto& n : needles) EXPECT_NE(msg.find(n), std::string::npos) << "message: " << msg << " lacks " << n;
-  }
-}
-
-Tensor randn(const Shape& shape, uint64_t seed, DType dtype = DType::kFloat64, bool requiresGrad = true) {
-  tensor::Generator gen(seed);
-  Tensor t = tensor::normal(shape, 0.0, 1.0, gen, dtype);
-  if (requiresGrad) t.setRequiresGrad();
-  return t;
-}
-
-void expectGradcheck(const Fn& fn, const std::vector<Tensor>& inputs) {
-  auto r = autograd::gradcheck(fn, inputs);
-  EXPECT_TRUE(r.ok) << r.message;
-}
+using namespace distgrad::testing;
 
 // m = [[1,2,3],[4,5,6]]
 Tensor m23() { return Tensor::fromVector({1, 2, 3, 4, 5, 6}, {2, 3}); }

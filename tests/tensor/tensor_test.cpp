@@ -8,22 +8,14 @@
 #include <limits>
 
 #include "tensor/random.h"
+#include "test_util.h"
 #include "tensor/storage.h"
 #include "tensor/tensor.h"
 
 namespace distgrad::tensor {
 namespace {
 
-template <typename F>
-void expectThrowsWith(F&& f, const std::vector<std::string>& needles) {
-  try {
-    f();
-    FAIL() << "expected distgrad::ValueError";
-  } catch (const ValueError& e) {
-    std::string msg = e.what();
-    for (const auto& n : needles) EXPECT_NE(msg.find(n), std::string::npos) << "message: " << msg << " lacks " << n;
-  }
-}
+using namespace distgrad::testing;
 
 TEST(TensorFactories, ShapesValuesAndDtypes) {
   Tensor z = Tensor::zeros({2, 3});
