@@ -76,24 +76,27 @@ TEST(Cancellation, DefaultTokenIsNeverCancelled) {
 }
 
 TEST(Cancellation, UnregisterWaitsForARunningCallback) {
+  using namespace std::chrono_literals;
   CancellationSource source;
-  Event inCallback, release;
+  Event inCallback, release, resetReturned;
   std::atomic<bool> finished{false};
-  auto reg = std::make_unique<CancellationRegistration>(source.token().onCancel([&](const Error&) {
+  CancellationRegistration reg = source.token().onCancel([&](const Error&) {
     inCallback.set();
     release.waitFor();
     finished = true;
-  }));
+  });
   std::thread canceller([&] { source.cancel(); });
   ASSERT_TRUE(inCallback.waitFor());
-  std::thread releaser([&] {
-    // Let the main thread enter reset() first; correctness does not depend on the order.
-    release.set();
+  std::thread unregisterer([&] {
+    reg.reset();  // must not return while the callback runs on the canceller
+    EXPECT_TRUE(finished.load());
+    resetReturned.set();
   });
-  reg->reset();  // must not return while the callback runs
-  EXPECT_TRUE(finished.load());
+  EXPECT_FALSE(resetReturned.waitFor(20ms));
+  release.set();
+  EXPECT_TRUE(resetReturned.waitFor());
+  unregisterer.join();
   canceller.join();
-  releaser.join();
 }
 
 TEST(Cancellation, CallbackMayDestroyItsOwnRegistration) {
