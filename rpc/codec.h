@@ -207,7 +207,10 @@ template <typename T>
   requires detail::WireInteger<T>
 struct Codec<T> {
   static std::string signature() {
-    return (std::is_signed_v<T> ? "i" : "u") + std::to_string(sizeof(T) * 8);
+    static_assert(sizeof(T) <= 8, "integers wider than 64 bits have no wire form");
+    constexpr const char* kNames[2][4] = {{"u8", "u16", "u32", "u64"}, {"i8", "i16", "i32", "i64"}};
+    constexpr int kWidth = sizeof(T) == 1 ? 0 : sizeof(T) == 2 ? 1 : sizeof(T) == 4 ? 2 : 3;
+    return kNames[std::is_signed_v<T> ? 1 : 0][kWidth];
   }
   static void encode(wire::Value::Builder out, T value, EncodeContext&) {
     if constexpr (std::is_signed_v<T>) {
