@@ -221,7 +221,11 @@ std::pair<std::string, int> parseHostPort(std::string_view address, std::string_
              "' is not a valid address: write IPv6 addresses as [addr]:port");
   }
   DG_CHECK(!host.empty(), what, "='", address, "' is not a valid address: the host is empty");
-  const int port = static_cast<int>(parseInteger(portText, what, 0, 65535));
+  int port = -1;
+  auto [ptr, ec] = std::from_chars(portText.data(), portText.data() + portText.size(), port);
+  DG_CHECK(!portText.empty() && ec == std::errc() && ptr == portText.data() + portText.size() && port >= 0 &&
+               port <= 65535,
+           what, "='", address, "' has an invalid port '", portText, "': expected an integer in [0, 65535]");
   return {host, port};
 }
 
@@ -320,6 +324,7 @@ Options Options::fromEnv(const std::map<std::string, std::string>& env) {
   }
 
   if (auto name = lookup(env, "DISTGRAD_WORKER_NAME")) {
+    DG_CHECK(!name->empty(), "Options: DISTGRAD_WORKER_NAME is set but empty");
     options.workerName = *name;
   } else {
     options.workerName = "worker" + std::to_string(options.rank);
@@ -359,7 +364,6 @@ void Options::validate() const {
   DG_CHECK(masterPort >= 0 && masterPort <= 65535, "Options: masterPort must be in [0, 65535], got ", masterPort);
   DG_CHECK(!masterAddr.empty() || !storeAddr.empty(), "Options: masterAddr is empty and no storeAddr is given");
   if (!storeAddr.empty()) (void)parseHostPort(storeAddr, "Options: storeAddr");
-  DG_CHECK(!workerName.empty(), "Options: the worker name (DISTGRAD_WORKER_NAME) must not be empty");
   DG_CHECK(workerName.size() <= 255, "Options: the worker name '", workerName, "' is longer than 255 bytes");
   for (char c : workerName) {
     const auto u = static_cast<unsigned char>(c);

@@ -40,7 +40,7 @@ inline constexpr int kDefaultMasterPort = 29500;
 
 struct Options {
   // Identity in the job.
-  std::string workerName;  // unique per job; default "worker<rank>"
+  std::string workerName;  // unique per job; empty means "worker<rank>" (see name())
   int rank = 0;
   int worldSize = 1;
   int localRank = 0;  // index among the workers on this machine (picks the GPU)
@@ -71,6 +71,9 @@ struct Options {
   // Throws distgrad::ValueError naming the field and value when something is inconsistent (rank outside
   // [0, worldSize), port outside [0, 65535], empty worker name, heartbeat timeout <= interval, ...).
   void validate() const;
+
+  // The worker's name: workerName, or "worker<rank>" when it is empty.
+  std::string name() const { return workerName.empty() ? "worker" + std::to_string(rank) : workerName; }
 
   // The store address every worker connects to: storeAddr if set, else masterAddr:masterPort.
   std::string rendezvousAddress() const;

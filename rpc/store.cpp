@@ -95,6 +95,8 @@ class Reader {
   explicit Reader(std::span<const uint8_t> body) : body_(body) {}
   bool ok() const { return ok_; }
   bool atEnd() const { return pos_ == body_.size(); }
+  // Why reading failed, when more specific than "malformed" (e.g. a field over its limit), else empty.
+  const std::string& problem() const { return problem_; }
   uint8_t u8() {
     if (!need(1)) return 0;
     return body_[pos_++];
@@ -114,7 +116,11 @@ class Reader {
   }
   std::span<const uint8_t> bytes(uint32_t maxLength) {
     const uint32_t length = u32();
-    if (!ok_ || length > maxLength || !need(length)) {
+    if (ok_ && length > maxLength) {
+      problem_ = ": a field of " + std::to_string(length) + " bytes exceeds the limit of " + std::to_string(maxLength);
+      ok_ = false;
+    }
+    if (!ok_ || !need(length)) {
       ok_ = false;
       return {};
     }
@@ -131,6 +137,7 @@ class Reader {
   std::span<const uint8_t> body_;
   size_t pos_ = 0;
   bool ok_ = true;
+  std::string problem_;
 };
 
 // A response body without its status byte.
@@ -232,10 +239,11 @@ struct StoreServer::Impl {
 
   // Closes a client whose bytes broke the protocol; tells it why on a best-effort basis.
   void reject(Client& c, std::string_view why, std::atomic<size_t>& rejectedCounter) {
+    // Count first: a test (or monitor) that reads the counter after seeing the reply must see it.
+    rejectedCounter.fetch_add(1);
     std::vector<uint8_t> message = Writer().u8(uint8_t(Status::kError)).str(why).finish();
     (void)::send(c.fd, message.data(), message.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
     c.dead = true;
-    rejectedCounter.fetch_add(1);
   }
 
   // Executes one well-framed request body. Returns an error text for a malformed body (the caller closes
@@ -260,7 +268,7 @@ struct StoreServer::Impl {
       case Opcode::kSet: {
         std::string key = readKey();
         auto value = r.bytes(limits.maxValueBytes);
-        if (!r.ok() || key.empty() || !r.atEnd()) return "malformed set request";
+        if (!r.ok() || key.empty() || !r.atEnd()) return "malformed set request" + r.problem();
         data[key].assign(value.begin(), value.end());
         mutated = true;
         respondOk(c);
@@ -276,7 +284,7 @@ struct StoreServer::Impl {
           keys = readKeys();
         }
         const uint64_t timeoutMs = std::min(r.u64(), kMaxWaitMs);
-        if (!r.ok() || keys.empty() || !r.atEnd()) return "malformed get/wait request";
+        if (!r.ok() || keys.empty() || !r.atEnd()) return "malformed get/wait request" + r.problem();
         c.parkedOp = static_cast<Opcode>(opcode);
         c.parkedKeys = std::move(keys);
         if (allExist(c.parkedKeys)) {
@@ -290,7 +298,7 @@ struct StoreServer::Impl {
       case Opcode::kAdd: {
         std::string key = readKey();
         const auto delta = static_cast<int64_t>(r.u64());
-        if (!r.ok() || key.empty() || !r.atEnd()) return "malformed add request";
+        if (!r.ok() || key.empty() || !r.atEnd()) return "malformed add request" + r.problem();
         int64_t current = 0;
         auto it = data.find(key);
         if (it != data.end()) {
@@ -318,7 +326,7 @@ struct StoreServer::Impl {
         std::string key = readKey();
         auto expected = r.bytes(limits.maxValueBytes);
         auto desired = r.bytes(limits.maxValueBytes);
-        if (!r.ok() || key.empty() || !r.atEnd()) return "malformed compareSet request";
+        if (!r.ok() || key.empty() || !r.atEnd()) return "malformed compareSet request" + r.problem();
         auto it = data.find(key);
         if (it == data.end()) {
           if (expected.empty()) {
@@ -339,19 +347,19 @@ struct StoreServer::Impl {
       }
       case Opcode::kCheck: {
         std::vector<std::string> keys = readKeys();
-        if (!r.ok() || keys.empty() || !r.atEnd()) return "malformed check request";
+        if (!r.ok() || keys.empty() || !r.atEnd()) return "malformed check request" + r.problem();
         respond(c, Writer().u8(uint8_t(Status::kOk)).u8(allExist(keys) ? 1 : 0).finish());
         return std::nullopt;
       }
       case Opcode::kDeleteKey: {
         std::string key = readKey();
-        if (!r.ok() || key.empty() || !r.atEnd()) return "malformed deleteKey request";
+        if (!r.ok() || key.empty() || !r.atEnd()) return "malformed deleteKey request" + r.problem();
         const bool existed = data.erase(key) != 0;
         respond(c, Writer().u8(uint8_t(Status::kOk)).u8(existed ? 1 : 0).finish());
         return std::nullopt;
       }
       case Opcode::kNumKeys: {
-        if (!r.ok() || !r.atEnd()) return "malformed numKeys request";
+        if (!r.ok() || !r.atEnd()) return "malformed numKeys request" + r.problem();
         respond(c, Writer().u8(uint8_t(Status::kOk)).u64(data.size()).finish());
         return std::nullopt;
       }
@@ -586,6 +594,8 @@ void StoreServer::run() {
     for (auto it = firstDead; it != impl.clients.end(); ++it) ::close((*it)->fd);
     impl.clients.erase(firstDead, impl.clients.end());
     clientCount_.store(impl.clients.size());
+    parkedRequests_.store(static_cast<size_t>(
+        std::count_if(impl.clients.begin(), impl.clients.end(), [](const auto& c) { return c->parked; })));
   }
 }
 

@@ -61,6 +61,8 @@ class StoreServer {
 
   // Number of currently connected clients (for tests and diagnostics).
   size_t clientCount() const { return clientCount_.load(); }
+  // Number of get/wait requests currently parked waiting for keys (for tests and diagnostics).
+  size_t parkedRequests() const { return parkedRequests_.load(); }
   // Number of connections closed because of malformed input.
   size_t rejectedClients() const { return rejectedClients_.load(); }
 
@@ -74,6 +76,7 @@ class StoreServer {
   int port_ = 0;
   std::atomic<size_t> clientCount_{0};
   std::atomic<size_t> rejectedClients_{0};
+  std::atomic<size_t> parkedRequests_{0};
   std::thread thread_;
 };
 
