@@ -585,6 +585,9 @@ void StoreServer::run() {
     impl.expireParked(rejectedClients_);
     impl.wakeParked(rejectedClients_);
 
+    // Publish before answering, so whoever sees an answer also sees the count that goes with it.
+    parkedRequests_.store(static_cast<size_t>(std::count_if(impl.clients.begin(), impl.clients.end(),
+                                                            [](const auto& c) { return c->parked && !c->dead; })));
     for (auto& c : impl.clients) {
       if (!c->dead && !impl.flush(*c)) c->dead = true;
     }
@@ -594,8 +597,6 @@ void StoreServer::run() {
     for (auto it = firstDead; it != impl.clients.end(); ++it) ::close((*it)->fd);
     impl.clients.erase(firstDead, impl.clients.end());
     clientCount_.store(impl.clients.size());
-    parkedRequests_.store(static_cast<size_t>(
-        std::count_if(impl.clients.begin(), impl.clients.end(), [](const auto& c) { return c->parked; })));
   }
 }
 
