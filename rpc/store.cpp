@@ -872,7 +872,13 @@ void StoreClient::barrier(std::string_view name, int worldSize, std::chrono::mil
   const int64_t arrival = add(prefix + "/arrived", 1);
   const int64_t round = (arrival - 1) / worldSize;
   const std::string doneKey = prefix + "/done/" + std::to_string(round);
-  if (arrival % worldSize == 0) set(doneKey, std::string_view("1"));
+  if (arrival % worldSize == 0) {
+    // The last arrival opens the round and need not wait. This also makes a barrier usable as the final
+    // check-out before the host stops the store: every other participant is already parked, and the server
+    // sends all their answers in the same loop turn as this set's reply.
+    set(doneKey, std::string_view("1"));
+    return;
+  }
   try {
     wait({doneKey}, timeout);
   } catch (const RpcError& e) {
