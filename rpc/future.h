@@ -177,11 +177,29 @@ class FutureState : public std::enable_shared_from_this<FutureState<T>> {
       callback(takeCompleted());
       return;
     }
-    // If the executor refuses (shut down), the closure is destroyed and with it the callback: whatever
-    // Promise it owns breaks (Note [Broken promises]).
-    executor->post([self = this->shared_from_this(), callback = std::move(callback)]() mutable {
-      callback(self->takeCompleted());
-    });
+    // The callback waits in the state so the posted closure is one shared_ptr (stored in place, no
+    // allocation per continuation).
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      callback_ = std::move(callback);
+    }
+    if (!executor->post([self = this->shared_from_this()] { self->runPostedCallback(); })) {
+      // Refused (the executor shut down): drop the callback now, so whatever Promise it owns breaks
+      // (Note [Broken promises]) instead of waiting for this state to die.
+      Callback dropped;
+      std::lock_guard<std::mutex> lock(mutex_);
+      dropped = std::move(callback_);
+    }
+  }
+
+  void runPostedCallback() {
+    Callback callback;
+    Result<T> result = [&] {
+      std::lock_guard<std::mutex> lock(mutex_);
+      callback = std::move(callback_);
+      return std::move(*result_);
+    }();
+    callback(std::move(result));
   }
 
   // The result after completion, for the continuation (the only reader once a callback is registered).
