@@ -1,5 +1,8 @@
 #include "rpc/transport/transport.h"
 
+#include "rpc/transport/inproc/context.h"
+#include "rpc/transport/tcp/context.h"
+
 namespace distgrad::rpc::transport {
 
 size_t paddingTo64(size_t n) { return (kPayloadAlignment - n % kPayloadAlignment) % kPayloadAlignment; }
@@ -24,6 +27,15 @@ Result<void> validatePrefix(const FramePrefix& prefix, const FrameLimits& limits
                std::to_string(limits.maxPayloadBytes));
   }
   return {};
+}
+
+Result<std::unique_ptr<Context>> createContext(const std::string& name, const ContextOptions& options) {
+  if (name == "inproc") {
+    // A private hub: this context reaches only its own listeners (see inproc/context.h).
+    return inproc::createInprocContext(std::make_shared<inproc::InprocHub>(), options);
+  }
+  if (name == "tcp") return tcp::createTcpContext(options);
+  return Error::unimplemented("unknown transport '" + name + "'; known transports: inproc, tcp");
 }
 
 }  // namespace distgrad::rpc::transport

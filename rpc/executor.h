@@ -1,0 +1,82 @@
+// Executor: the fixed thread pool that runs RPC handlers and future continuations.
+//
+// Work is posted as move-only callables and run in FIFO order by `numThreads` workers named
+// "dg-exec-N" (visible in top/gdb). Nothing ever blocks a worker on behalf of a pending request: a
+// handler that needs another result awaits a Future (co_await / then), whose continuation is posted back
+// here when the result arrives, so a pool of two threads serves any depth of nested calls.
+//
+// Shutdown is graceful: shutdown() stops accepting work from other threads, lets the workers drain the
+// queue (work posted BY the draining tasks, e.g. the continuations of futures they complete, is still
+// accepted so chains finish), then joins. post() after that returns false and destroys the callable
+// without running it; a dropped continuation breaks its Promise, so waiters see an Error instead of
+// hanging (see rpc/future.h). A task that throws is reported on stderr and counted; the worker lives on.
+//
+// Thread-safety: every method may be called from any thread, except shutdown()/the destructor, which must
+// not run on one of the executor's own workers (that would join itself; it throws ValueError instead).
+// The Executor must outlive every Future bound to it.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "rpc/detail/move_only_function.h"
+
+namespace distgrad::rpc {
+
+using Task = detail::MoveOnlyFunction<void()>;
+
+class Executor {
+ public:
+  // numThreads == 0 picks the number of hardware threads (at least 2). `name` prefixes the thread names
+  // (at most 10 characters are kept so "NAME-NN" fits Linux's 15-character limit).
+  explicit Executor(size_t numThreads = 0, std::string name = "dg-exec");
+  ~Executor();
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+
+  // Queues `task`. Returns false (and destroys `task` after releasing the lock) once shutdown has begun,
+  // unless called from one of this executor's workers while it drains.
+  bool post(Task task);
+
+  // Stops accepting work, runs what is queued, joins the workers. Idempotent; concurrent callers all
+  // return after the join.
+  void shutdown();
+
+  size_t numThreads() const { return numThreads_; }
+  // Tasks queued and not yet started (a gauge for overload decisions and metrics).
+  size_t queueDepth() const;
+  // Counters since construction.
+  uint64_t tasksRun() const { return tasksRun_.load(std::memory_order_relaxed); }
+  uint64_t tasksFailed() const { return tasksFailed_.load(std::memory_order_relaxed); }
+  bool isShutdown() const;
+
+  // True when the calling thread is one of this executor's workers.
+  bool isCurrentThread() const { return current() == this; }
+  // The executor whose worker is running the calling thread, or nullptr.
+  static Executor* current();
+
+ private:
+  void workerLoop(size_t index);
+
+  const size_t numThreads_;
+  const std::string name_;
+  mutable std::mutex mutex_;
+  std::condition_variable workAvailable_;
+  std::deque<Task> queue_;  // GUARDED_BY(mutex_)
+  bool accepting_ = true;   // GUARDED_BY(mutex_)
+  bool stopping_ = false;   // GUARDED_BY(mutex_): workers exit once the queue is empty
+  std::mutex joinMutex_;    // serialises shutdown() callers around the join
+  bool joined_ = false;     // GUARDED_BY(joinMutex_)
+  std::vector<std::thread> threads_;
+  std::atomic<uint64_t> tasksRun_{0};
+  std::atomic<uint64_t> tasksFailed_{0};
+};
+
+}  // namespace distgrad::rpc

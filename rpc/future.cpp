@@ -1,0 +1,68 @@
+#include "rpc/future.h"
+
+#include <cxxabi.h>
+
+#include <cstdlib>
+#include <string>
+#include <typeinfo>
+
+namespace distgrad::rpc {
+
+namespace {
+
+std::string demangle(const char* mangled) {
+  int status = 0;
+  char* name = abi::__cxa_demangle(mangled, nullptr, nullptr, &status);
+  std::string out = (status == 0 && name != nullptr) ? name : mangled;
+  std::free(name);  // NOLINT: __cxa_demangle allocates with malloc
+  return out;
+}
+
+thread_local int tInlineDepth = 0;
+
+}  // namespace
+
+Error errorFromException(std::exception_ptr exception) {
+  try {
+    std::rethrow_exception(exception);
+  } catch (const RpcError& e) {
+    return e.error();
+  } catch (const std::exception& e) {
+    Error error = Error::failed(e.what());
+    error.remoteType = demangle(typeid(e).name());
+    return error;
+  } catch (...) {
+    const std::type_info* type = abi::__cxa_current_exception_type();
+    Error error = Error::failed("non-standard exception");
+    if (type != nullptr) error.remoteType = demangle(type->name());
+    return error;
+  }
+}
+
+Error brokenPromiseError() {
+  return Error::failed(
+      "broken promise: the Promise was destroyed without a result (its producer was dropped, e.g. by an "
+      "executor that had shut down)");
+}
+
+namespace detail {
+
+bool enterInline() {
+  if (tInlineDepth >= kMaxInlineDepth) return false;
+  ++tInlineDepth;
+  return true;
+}
+
+void leaveInline() { --tInlineDepth; }
+
+Executor* executorFromArgs() {
+  Executor* current = Executor::current();
+  DG_CHECK(current != nullptr,
+           "a Future-returning coroutine was called outside an executor thread and has no Executor& or "
+           "Executor* parameter to bind its future to");
+  return current;
+}
+
+}  // namespace detail
+
+}  // namespace distgrad::rpc

@@ -1,0 +1,224 @@
+#include "rpc/message.h"
+
+#include <capnp/message.h>
+#include <capnp/serialize.h>
+#include <kj/io.h>
+
+#include <cstring>
+
+namespace distgrad::rpc {
+
+const char* messageKindName(MessageKind kind) {
+  switch (kind) {
+    case MessageKind::kCall: return "call";
+    case MessageKind::kResponse: return "response";
+    case MessageKind::kError: return "error";
+    case MessageKind::kCancel: return "cancel";
+    case MessageKind::kRrefControl: return "rrefControl";
+    case MessageKind::kAutogradControl: return "autogradControl";
+    case MessageKind::kHeartbeat: return "heartbeat";
+    case MessageKind::kHandshake: return "handshake";
+  }
+  return "unknown";
+}
+
+namespace {
+
+constexpr unsigned kNumMessageKinds = 8;
+constexpr unsigned kNumErrorKinds = 7;
+
+capnp::Text::Reader textOf(const std::string& s) { return capnp::Text::Reader(s.data(), s.size()); }
+std::string stringOf(capnp::Text::Reader t) { return std::string(t.begin(), t.size()); }
+
+// A Cap'n Proto reader over envelope bytes. FlatArrayMessageReader needs 8-byte aligned words: an
+// unaligned span is copied once into `aligned`.
+struct EnvelopeReader {
+  std::vector<capnp::word> aligned;
+  std::unique_ptr<capnp::FlatArrayMessageReader> reader;
+};
+
+void openEnvelope(EnvelopeReader& out, std::span<const uint8_t> bytes, const DecodeLimits& limits) {
+  if (bytes.empty()) throw CodecError("empty envelope");
+  if (bytes.size() % sizeof(capnp::word) != 0) {
+    throw CodecError("envelope of " + std::to_string(bytes.size()) + " bytes is not a whole number of 8-byte words");
+  }
+  const size_t words = bytes.size() / sizeof(capnp::word);
+  const capnp::word* begin = reinterpret_cast<const capnp::word*>(bytes.data());
+  if (reinterpret_cast<uintptr_t>(bytes.data()) % alignof(capnp::word) != 0) {
+    out.aligned.resize(words);
+    std::memcpy(out.aligned.data(), bytes.data(), bytes.size());
+    begin = out.aligned.data();
+  }
+  capnp::ReaderOptions options;
+  options.traversalLimitInWords =
+      std::max<uint64_t>(limits.minTraversalWords, words * limits.traversalWordsPerEnvelopeWord);
+  // Two pointer hops per value level (a list, then the struct in it) plus the envelope's own.
+  options.nestingLimit = 2 * limits.maxValueDepth + 8;
+  out.reader = std::make_unique<capnp::FlatArrayMessageReader>(kj::arrayPtr(begin, words), options);
+  if (out.reader->getEnd() != begin + words) {
+    throw CodecError("envelope has " + std::to_string((begin + words - out.reader->getEnd()) * 8) +
+                     " trailing bytes after the message");
+  }
+}
+
+// Checks everything in the envelope that does not depend on the payloads' contents; payloadSizes are
+// the frame's. Throws CodecError or kj::Exception.
+void checkEnvelope(wire::Envelope::Reader env, std::span<const uint64_t> payloadSizes, const DecodeLimits& limits) {
+  const auto kind = static_cast<unsigned>(env.getKind());
+  if (kind >= kNumMessageKinds) throw CodecError("unknown message kind " + std::to_string(kind));
+  if (env.getPayloadCount() != payloadSizes.size()) {
+    throw CodecError("envelope declares " + std::to_string(env.getPayloadCount()) + " payloads, the frame has " +
+                     std::to_string(payloadSizes.size()));
+  }
+  (void)env.getFunctionName();
+  if (env.getKind() == wire::Envelope::Kind::ERROR) {
+    auto error = env.getError();
+    if (static_cast<unsigned>(error.getKind()) >= kNumErrorKinds) {
+      throw CodecError("unknown error kind " + std::to_string(static_cast<unsigned>(error.getKind())));
+    }
+    (void)error.getMessage();
+    (void)error.getWorker();
+    (void)error.getRemoteType();
+  }
+  std::vector<bool> referenced(payloadSizes.size(), false);
+  auto onTensor = [&](const detail::TensorLayout& layout) {
+    if (referenced[layout.payloadIndex]) {
+      throw CodecError("tensor payload " + std::to_string(layout.payloadIndex) + " is referenced twice");
+    }
+    referenced[layout.payloadIndex] = true;
+    if (payloadSizes[layout.payloadIndex] != layout.byteLength) {
+      throw CodecError("tensor payload " + std::to_string(layout.payloadIndex) + " has " +
+                       std::to_string(payloadSizes[layout.payloadIndex]) + " bytes, its descriptor says " +
+                       std::to_string(layout.byteLength));
+    }
+  };
+  detail::walkValue(env.getValue(), payloadSizes.size(), 0, limits.maxValueDepth, onTensor);
+  for (size_t i = 0; i < referenced.size(); ++i) {
+    if (!referenced[i]) throw CodecError("payload " + std::to_string(i) + " is not referenced by any tensor");
+  }
+}
+
+}  // namespace
+
+Result<transport::OutgoingFrame> encodeMessage(const EnvelopeFields& fields, const EncodeValueFn& encodeValue) {
+  return detail::guard("cannot encode message", [&] {
+    DG_CHECK((fields.kind == MessageKind::kError) == fields.error.has_value(),
+             "encodeMessage: an error message needs EnvelopeFields::error and no other kind may carry one (kind ",
+             messageKindName(fields.kind), ")");
+    capnp::MallocMessageBuilder builder;
+    auto env = builder.initRoot<wire::Envelope>();
+    env.setMessageId(fields.messageId);
+    env.setKind(static_cast<wire::Envelope::Kind>(fields.kind));
+    env.setFunctionName(textOf(fields.functionName));
+    env.setSignatureHash(fields.signatureHash);
+    env.setDeadlineUnixMicros(fields.deadlineUnixMicros);
+    env.setTimeoutMicros(fields.timeoutMicros);
+    env.setTraceId(fields.traceId);
+    env.setSpanId(fields.spanId);
+    if (fields.autograd) {
+      env.setHasAutogradContext(true);
+      env.setAutogradContextId(fields.autograd->contextId);
+      env.setAutogradMessageId(fields.autograd->messageId);
+    }
+    if (fields.error) {
+      auto error = env.initError();
+      error.setKind(static_cast<wire::ErrorInfo::ErrorKind>(fields.error->kind));
+      error.setMessage(textOf(fields.error->message));
+      error.setWorker(textOf(fields.error->worker));
+      error.setRemoteType(textOf(fields.error->remoteType));
+    }
+    EncodeContext ctx;
+    auto value = env.initValue();
+    if (encodeValue) {
+      encodeValue(value, ctx);
+    } else {
+      value.setNull();
+    }
+    transport::OutgoingFrame frame;
+    frame.payloads = ctx.takePayloads();
+    env.setPayloadCount(static_cast<uint32_t>(frame.payloads.size()));
+    // Serialise straight into the frame's buffer (one copy of the envelope, none of the payloads).
+    const size_t words = capnp::computeSerializedSizeInWords(builder);
+    frame.envelope.resize(words * sizeof(capnp::word));
+    kj::ArrayOutputStream stream(kj::arrayPtr(frame.envelope.data(), frame.envelope.size()));
+    capnp::writeMessage(stream, builder);
+    DG_ASSERT(stream.getArray().size() == frame.envelope.size(), "envelope size mismatch");
+    return frame;
+  });
+}
+
+struct DecodedMessage::State {
+  std::vector<uint8_t> envelopeBytes;
+  EnvelopeReader envelope;
+  std::vector<transport::PayloadBuffer> payloads;
+};
+
+DecodedMessage::DecodedMessage(std::unique_ptr<State> state) : state_(std::move(state)) {}
+DecodedMessage::DecodedMessage(DecodedMessage&&) noexcept = default;
+DecodedMessage& DecodedMessage::operator=(DecodedMessage&&) noexcept = default;
+DecodedMessage::~DecodedMessage() = default;
+
+wire::Value::Reader DecodedMessage::value() const {
+  return state_->envelope.reader->getRoot<wire::Envelope>().getValue();
+}
+
+const std::vector<transport::PayloadBuffer>& DecodedMessage::payloads() const { return state_->payloads; }
+
+Result<DecodedMessage> decodeMessage(transport::IncomingFrame frame, const DecodeLimits& limits) {
+  return detail::guard("malformed message", [&] {
+    auto state = std::make_unique<DecodedMessage::State>();
+    state->envelopeBytes = std::move(frame.envelope);
+    state->payloads = std::move(frame.payloads);
+    openEnvelope(state->envelope, state->envelopeBytes, limits);
+    auto env = state->envelope.reader->getRoot<wire::Envelope>();
+    std::vector<uint64_t> sizes;
+    sizes.reserve(state->payloads.size());
+    for (const auto& payload : state->payloads) {
+      if (payload.size > 0 && payload.data == nullptr) throw CodecError("payload without memory");
+      sizes.push_back(payload.size);
+    }
+    checkEnvelope(env, sizes, limits);
+
+    EnvelopeFields fields;
+    fields.messageId = env.getMessageId();
+    fields.kind = static_cast<MessageKind>(env.getKind());
+    fields.functionName = stringOf(env.getFunctionName());
+    fields.signatureHash = env.getSignatureHash();
+    fields.deadlineUnixMicros = env.getDeadlineUnixMicros();
+    fields.timeoutMicros = env.getTimeoutMicros();
+    fields.traceId = env.getTraceId();
+    fields.spanId = env.getSpanId();
+    if (env.getHasAutogradContext()) {
+      fields.autograd = AutogradIds{env.getAutogradContextId(), env.getAutogradMessageId()};
+    }
+    if (fields.kind == MessageKind::kError) {
+      auto error = env.getError();
+      fields.error = Error{static_cast<ErrorKind>(error.getKind()), stringOf(error.getMessage()),
+                           stringOf(error.getWorker()), stringOf(error.getRemoteType())};
+    }
+    DecodedMessage message(std::move(state));
+    message.fields_ = std::move(fields);
+    return message;
+  });
+}
+
+transport::PayloadAllocator makePayloadAllocator(DecodeLimits limits) {
+  return [limits](std::span<const uint8_t> envelope,
+                  std::span<const uint64_t> sizes) -> Result<std::vector<transport::PayloadBuffer>> {
+    return detail::guard("malformed message", [&] {
+      EnvelopeReader reader;
+      openEnvelope(reader, envelope, limits);
+      checkEnvelope(reader.reader->getRoot<wire::Envelope>(), sizes, limits);
+      std::vector<transport::PayloadBuffer> buffers;
+      buffers.reserve(sizes.size());
+      for (uint64_t size : sizes) {
+        // Sizes were checked against the descriptors and (by the transport) against FrameLimits.
+        auto storage = std::make_shared<tensor::Storage>(tensor::Storage::allocate(static_cast<size_t>(size)));
+        buffers.push_back(transport::PayloadBuffer{storage->data(), static_cast<size_t>(size), storage});
+      }
+      return buffers;
+    });
+  };
+}
+
+}  // namespace distgrad::rpc

@@ -1,0 +1,142 @@
+// Whole RPC messages: EnvelopeFields + a value tree + payloads <-> transport frames, and the
+// PayloadAllocator that lets a transport read tensor bytes straight into their final storage.
+//
+// Sending: the agent fills EnvelopeFields and encodes the value in the same call:
+//   call      value = the arguments as a tuple (encodeCall / Codec<std::tuple<...>>)
+//   response  value = the result (null for void)
+//   error     fields.error set, value null
+//   others    a value defined by that message kind's owner (rref/, autograd/distributed/, the agent).
+// Receiving: a transport calls the allocator from makePayloadAllocator() when an envelope arrives (it
+// parses and validates the envelope and allocates one CPU Storage per payload, exactly its size), then
+// hands the IncomingFrame to decodeMessage(), which validates again (inproc frames skip the allocator) and
+// returns a DecodedMessage; the handler decodes the value with the types it expects (decodeValue<T> /
+// decodeArgs<Args...>), and the tensors it gets wrap the received buffers without a copy.
+// Every failure is an Error value (kind failed, message starting "malformed message:" for bad bytes).
+// Thread-safety: free functions are reentrant; a DecodedMessage is a value owned by one thread at a time
+// (it may be moved between threads), and its const methods may be called concurrently.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "rpc/codec.h"
+#include "rpc/error.h"
+#include "rpc/transport/transport.h"
+
+namespace distgrad::rpc {
+
+enum class MessageKind : uint8_t {
+  kCall = 0,
+  kResponse = 1,
+  kError = 2,
+  kCancel = 3,
+  kRrefControl = 4,
+  kAutogradControl = 5,
+  kHeartbeat = 6,
+  kHandshake = 7,
+};
+
+const char* messageKindName(MessageKind kind);
+
+// Distributed autograd ids carried by messages sent inside a context.
+struct AutogradIds {
+  uint64_t contextId = 0;
+  uint64_t messageId = 0;
+  friend bool operator==(const AutogradIds&, const AutogradIds&) = default;
+};
+
+// The envelope's header: everything but the value tree.
+struct EnvelopeFields {
+  uint64_t messageId = 0;
+  MessageKind kind = MessageKind::kCall;
+  std::string functionName;
+  uint64_t signatureHash = 0;
+  int64_t deadlineUnixMicros = 0;  // 0: no deadline
+  int64_t timeoutMicros = 0;       // 0: no timeout
+  uint64_t traceId = 0;
+  uint64_t spanId = 0;
+  std::optional<AutogradIds> autograd;
+  std::optional<Error> error;  // set for kind == kError (and only then)
+};
+
+// Limits applied to untrusted envelopes (on top of the transport's FrameLimits).
+struct DecodeLimits {
+  int maxValueDepth = kMaxValueDepth;
+  // Cap'n Proto traversal budget per envelope word (each word is normally visited once per walk).
+  uint64_t traversalWordsPerEnvelopeWord = 4;
+  uint64_t minTraversalWords = 1024;
+};
+
+// Writes the message's value tree (may throw CodecError; encodeMessage converts it to an Error).
+using EncodeValueFn = std::function<void(wire::Value::Builder, EncodeContext&)>;
+
+// Serialises fields + value into a frame whose payloads are the tensors' bytes in place (their storages
+// are held by the SendBuffers). An empty encodeValue writes a null value.
+Result<transport::OutgoingFrame> encodeMessage(const EnvelopeFields& fields, const EncodeValueFn& encodeValue = {});
+
+// encodeMessage with `value` encoded by Codec<T>.
+template <typename T>
+Result<transport::OutgoingFrame> encodeMessageWith(const EnvelopeFields& fields, const T& value) {
+  return encodeMessage(fields, [&value](wire::Value::Builder out, EncodeContext& ctx) {
+    Codec<std::decay_t<T>>::encode(out, value, ctx);
+  });
+}
+
+// A call message: the arguments travel as a tuple (a struct with empty field names).
+template <typename... Args>
+Result<transport::OutgoingFrame> encodeCall(const EnvelopeFields& fields, const Args&... args) {
+  return encodeMessage(fields, [&](wire::Value::Builder out, EncodeContext& ctx) {
+    detail::TupleCodec<std::tuple<std::decay_t<Args>...>, std::decay_t<Args>...>::encode(
+        out, std::forward_as_tuple(args...), ctx);
+  });
+}
+
+// A parsed, validated message. Owns the envelope bytes, the Cap'n Proto reader over them and the
+// payload buffers; move-only.
+class DecodedMessage {
+ public:
+  DecodedMessage(DecodedMessage&&) noexcept;
+  DecodedMessage& operator=(DecodedMessage&&) noexcept;
+  ~DecodedMessage();
+
+  const EnvelopeFields& fields() const { return fields_; }
+  MessageKind kind() const { return fields_.kind; }
+  // The raw value tree (valid while this object lives).
+  wire::Value::Reader value() const;
+  const std::vector<transport::PayloadBuffer>& payloads() const;
+
+  // Decodes the value as T. Tensors wrap the payload buffers (no copy). May be called more than once
+  // (each call wraps the same buffers again).
+  template <typename T>
+  Result<T> decodeValue() const {
+    return rpc::decodeValue<T>(value(), payloads());
+  }
+  // Decodes a call's arguments.
+  template <typename... Args>
+  Result<std::tuple<Args...>> decodeArgs() const {
+    return decodeValue<std::tuple<Args...>>();
+  }
+
+ private:
+  friend Result<DecodedMessage> decodeMessage(transport::IncomingFrame frame, const DecodeLimits& limits);
+  struct State;
+  explicit DecodedMessage(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+  EnvelopeFields fields_;
+};
+
+// Parses and validates a received frame: the envelope (alignment, Cap'n Proto limits), its kind, the
+// payload count, and the whole value tree (depth, union members, every tensor descriptor against its
+// payload: index in range and used once, dtype, shape x itemsize == byteLength == payload size).
+Result<DecodedMessage> decodeMessage(transport::IncomingFrame frame, const DecodeLimits& limits = {});
+
+// The allocator transports call with a frame's envelope and payload sizes: validates as decodeMessage
+// does and returns one freshly allocated, 64-byte aligned CPU Storage per payload, exactly its size.
+transport::PayloadAllocator makePayloadAllocator(DecodeLimits limits = {});
+
+}  // namespace distgrad::rpc

@@ -1,0 +1,78 @@
+// TimerQueue: one thread that runs callbacks at deadlines (RPC deadlines, heartbeats, retry backoff).
+//
+// schedule() returns a TimerId; cancel() removes a timer that has not started firing. Timers fire in
+// deadline order, and timers with equal deadlines in the order they were scheduled. Callbacks run on the
+// timer thread ("dg-timer") one at a time and must be short: the usual callback posts to an Executor or
+// completes a Promise (whose continuations are posted, Note [Continuations never run inline]). A callback
+// that throws is reported on stderr; the queue lives on.
+//
+// The queue reads time from an injected Clock (rpc/clock.h): with a ManualClock, tests move time with
+// advance() and timers fire without any real waiting. shutdown() (idempotent; the destructor calls it)
+// joins the thread after the running callback, if any, returns; timers still pending are dropped unrun
+// (their callbacks are destroyed, so promises they own break rather than hang). schedule() after
+// shutdown drops the callback and returns kInvalidTimerId.
+//
+// Thread-safety: every method may be called from any thread, including from inside a callback, except
+// shutdown()/the destructor from inside a callback (it would join itself; it throws ValueError).
+// cancel() does not wait for a callback that is already running; it then returns false.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+
+#include "rpc/clock.h"
+#include "rpc/detail/move_only_function.h"
+
+namespace distgrad::rpc {
+
+using TimerId = uint64_t;
+inline constexpr TimerId kInvalidTimerId = 0;
+
+class TimerQueue {
+ public:
+  using Callback = detail::MoveOnlyFunction<void()>;
+
+  // `clock` must outlive the queue; nullptr uses the real steady clock.
+  explicit TimerQueue(Clock* clock = nullptr);
+  ~TimerQueue();
+  TimerQueue(const TimerQueue&) = delete;
+  TimerQueue& operator=(const TimerQueue&) = delete;
+
+  TimerId schedule(Clock::TimePoint deadline, Callback callback);
+  TimerId scheduleAfter(Clock::Duration delay, Callback callback) {
+    return schedule(clock_->now() + delay, std::move(callback));
+  }
+  // True if the timer was pending and will now never run.
+  bool cancel(TimerId id);
+  void shutdown();
+
+  // Timers scheduled and not yet fired or cancelled.
+  size_t pending() const;
+  Clock& clock() const { return *clock_; }
+
+ private:
+  void loop();
+
+  SteadyClock steadyClock_;
+  Clock* clock_;
+  uint64_t listenerId_ = 0;
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  std::map<std::pair<Clock::TimePoint, TimerId>, Callback> timers_;  // GUARDED_BY(mutex_)
+  std::unordered_map<TimerId, Clock::TimePoint> deadlines_;          // GUARDED_BY(mutex_)
+  TimerId nextId_ = 1;                                               // GUARDED_BY(mutex_)
+  bool stopping_ = false;                                            // GUARDED_BY(mutex_)
+  std::mutex joinMutex_;
+  bool joined_ = false;  // GUARDED_BY(joinMutex_)
+  std::thread::id threadId_;
+  std::thread thread_;
+};
+
+}  // namespace distgrad::rpc

@@ -1,0 +1,111 @@
+// The TCP transport on libuv: one loop thread per Context, TCP_NODELAY, vectored writes straight from the
+// payload buffers, frames queued in the same loop iteration coalesced into one write, and reads that land
+// large payloads directly in the buffers the PayloadAllocator returns.
+//
+// Threads: TcpLoop owns the uv_loop_t and its thread; only that thread touches libuv handles (methods named
+// ...FromLoop). Other threads post closures through a uv_async_t. Context methods may be called from any
+// thread; Context::close() must not be called from the loop thread (it joins it).
+#pragma once
+
+#include <uv.h>
+
+#include <atomic>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_set>
+#include <vector>
+
+#include "rpc/transport/transport.h"
+
+namespace distgrad::rpc::transport::tcp {
+
+class TcpConnection;
+class TcpListenerImpl;
+
+// "uv_strerror(code) (NAME)", for messages.
+std::string uvError(int code);
+
+// A libuv loop and the thread that runs it (RAII: the destructor shuts down and closes the loop).
+class TcpLoop {
+ public:
+  explicit TcpLoop(const ContextOptions& options);
+  ~TcpLoop();
+  TcpLoop(const TcpLoop&) = delete;
+  TcpLoop& operator=(const TcpLoop&) = delete;
+
+  // Queues fn for the loop thread. False (fn dropped) once shutdown began, unless called on the loop
+  // thread itself (those tasks still run during the final drain).
+  bool post(std::function<void()> fn);
+  bool inLoop() const { return std::this_thread::get_id() == threadId_; }
+  // Closes every connection and listener, drains the loop, joins the thread. Not on the loop thread.
+  void shutdown();
+
+  uv_loop_t* uvLoop() { return &loop_; }
+  const ContextOptions& options() const { return options_; }
+  bool closingFromLoop() const { return closing_; }
+
+  // Loop-thread bookkeeping.
+  void addFromLoop(TcpConnection* connection) { connections_.insert(connection); }
+  void removeFromLoop(TcpConnection* connection) { connections_.erase(connection); }
+  void addFromLoop(TcpListenerImpl* listener) { listeners_.insert(listener); }
+  void removeFromLoop(TcpListenerImpl* listener) { listeners_.erase(listener); }
+  // Asks for flushFromLoop() on `connection` before the loop next blocks (write coalescing).
+  void markDirtyFromLoop(std::shared_ptr<TcpConnection> connection);
+
+ private:
+  void run();
+  void runTasks();
+  void closeAllFromLoop();
+  void flushDirtyFromLoop();
+
+  ContextOptions options_;
+  uv_loop_t loop_{};
+  uv_async_t async_{};
+  uv_prepare_t prepare_{};  // flushes before the loop blocks in poll
+  uv_check_t check_{};      // flushes right after the I/O callbacks of an iteration
+  std::mutex mutex_;
+  std::deque<std::function<void()>> tasks_;  // GUARDED_BY(mutex_)
+  bool stopping_ = false;                    // GUARDED_BY(mutex_)
+  bool asyncOpen_ = true;                    // GUARDED_BY(mutex_)
+  std::mutex joinMutex_;  // concurrent close() calls join the thread once
+  std::thread thread_;
+  std::thread::id threadId_;
+  // Loop-thread state.
+  bool closing_ = false;
+  std::unordered_set<TcpConnection*> connections_;
+  std::unordered_set<TcpListenerImpl*> listeners_;
+  std::vector<std::shared_ptr<TcpConnection>> dirty_;
+};
+
+class TcpContext final : public Context {
+ public:
+  explicit TcpContext(const ContextOptions& options);
+  ~TcpContext() override;
+
+  const std::string& name() const override { return name_; }
+  Result<std::unique_ptr<Listener>> listen(const std::string& address, AcceptCallback onAccept) override;
+  void connect(const std::string& address, ConnectCallback done) override;
+  void defer(std::function<void()> fn) override;
+  bool inLoop() const override { return loop_->inLoop(); }
+  void close() override;
+  const FrameLimits& limits() const override { return loop_->options().limits; }
+
+ private:
+  void connectFromLoop(const std::string& address, ConnectCallback done);
+
+  const std::string name_ = "tcp";
+  std::shared_ptr<TcpLoop> loop_;
+};
+
+std::unique_ptr<Context> createTcpContext(const ContextOptions& options = {});
+
+// Splits "host:port" / "[v6]:port"; false when malformed.
+bool splitHostPort(const std::string& address, std::string& host, int& port);
+// "a.b.c.d:port" or "[v6]:port".
+std::string formatAddress(const sockaddr* address);
+
+}  // namespace distgrad::rpc::transport::tcp

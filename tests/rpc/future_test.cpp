@@ -1,0 +1,382 @@
+#include "rpc/future.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "rpc/async_test_util.h"
+
+namespace distgrad::rpc {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::Event;
+using testing::kTestTimeout;
+
+Result<int> waitResult(Future<int>& f) {
+  EXPECT_TRUE(f.wait(kTestTimeout));
+  return f.result();
+}
+
+TEST(Future, ValueAndErrorReachGetAndResult) {
+  Executor ex(2);
+  Promise<int> p(ex);
+  Future<int> f = p.getFuture();
+  EXPECT_TRUE(f.valid());
+  EXPECT_FALSE(f.isReady());
+  p.setValue(7);
+  EXPECT_TRUE(f.isReady());
+  EXPECT_EQ(f.get(), 7);
+  EXPECT_FALSE(f.valid());  // get() consumes
+  EXPECT_THROW(f.get(), ValueError);
+
+  Promise<int> q(ex);
+  Future<int> g = q.getFuture();
+  q.setError(Error::timeout("rpc 'add' exceeded its 5 ms deadline").onWorker("worker1"));
+  try {
+    g.get();
+    FAIL() << "get() should throw";
+  } catch (const RpcError& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kTimeout);
+    EXPECT_EQ(e.error().worker, "worker1");
+    EXPECT_EQ(std::string(e.what()), "timeout on worker1: rpc 'add' exceeded its 5 ms deadline");
+  }
+
+  Promise<void> v(ex);
+  Future<void> fv = v.getFuture();
+  v.setValue();
+  Result<void> r = fv.result();
+  EXPECT_TRUE(r.ok());
+}
+
+TEST(Future, MoveOnlyValues) {
+  Executor ex(2);
+  Promise<std::unique_ptr<int>> p(ex);
+  auto f = p.getFuture();
+  p.setValue(std::make_unique<int>(3));
+  auto g = std::move(f).then([](std::unique_ptr<int> v) { return std::make_unique<int>(*v * 2); });
+  EXPECT_EQ(*g.get(), 6);
+}
+
+TEST(Future, CompletesExactlyOnce) {
+  Executor ex(2);
+  Promise<int> p(ex);
+  auto f = p.getFuture();
+  EXPECT_THROW(p.getFuture(), ValueError);
+  p.setValue(1);
+  EXPECT_THROW(p.setValue(2), InternalError);
+  EXPECT_THROW(p.setError(Error::failed("late")), InternalError);
+  EXPECT_FALSE(p.trySetValue(3));
+  EXPECT_FALSE(p.trySetError(Error::failed("late")));
+  EXPECT_TRUE(p.isCompleted());
+  EXPECT_EQ(f.get(), 1);
+}
+
+TEST(Future, ConcurrentCompletionsHaveOneWinner) {
+  Executor ex(2);
+  for (int round = 0; round < 20; ++round) {
+    auto p = std::make_shared<Promise<int>>(ex);
+    auto f = p->getFuture();
+    std::atomic<int> winners{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 4; ++t) {
+      threads.emplace_back([&, t] {
+        bool won = (t % 2 == 0) ? p->trySetValue(t) : p->trySetError(Error::timeout("deadline"));
+        if (won) winners.fetch_add(1);
+      });
+    }
+    for (auto& t : threads) t.join();
+    EXPECT_EQ(winners.load(), 1);
+    Result<int> r = waitResult(f);
+    if (r.ok()) {
+      EXPECT_EQ(r.value() % 2, 0);
+    } else {
+      EXPECT_EQ(r.error().kind, ErrorKind::kTimeout);
+    }
+  }
+}
+
+TEST(Future, BrokenPromiseFailsTheWaiter) {
+  Executor ex(2);
+  Future<int> f;
+  {
+    Promise<int> p(ex);
+    f = p.getFuture();
+  }
+  Result<int> r = waitResult(f);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().kind, ErrorKind::kFailed);
+  EXPECT_NE(r.error().message.find("broken promise"), std::string::npos);
+
+  // Move-assigning over a pending promise breaks the old one.
+  Promise<int> a(ex);
+  auto fa = a.getFuture();
+  a = Promise<int>(ex);
+  Result<int> ra = waitResult(fa);
+  ASSERT_FALSE(ra.ok());
+  EXPECT_NE(ra.error().message.find("broken promise"), std::string::npos);
+}
+
+TEST(Future, WaitTimesOutThenSucceeds) {
+  Executor ex(2);
+  Promise<int> p(ex);
+  auto f = p.getFuture();
+  auto start = std::chrono::steady_clock::now();
+  EXPECT_FALSE(f.wait(20ms));
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 20ms);
+  std::thread setter([&] { p.setValue(5); });
+  EXPECT_TRUE(f.wait(kTestTimeout));
+  setter.join();
+  EXPECT_TRUE(f.isReady());
+  EXPECT_EQ(f.get(), 5);
+}
+
+TEST(Future, ThenOnReadyFutureDoesNotRunInsideThen) {
+  Executor ex(2);
+  auto f = makeReadyFuture(1, ex);
+  const auto caller = std::this_thread::get_id();
+  std::atomic<bool> thenReturned{false};
+  std::atomic<bool> ranInline{false};
+  std::thread::id ranOn;
+  auto g = f.then([&](int v) {
+    ranOn = std::this_thread::get_id();
+    ranInline = !thenReturned.load();
+    return v + 1;
+  });
+  thenReturned = true;
+  EXPECT_EQ(g.get(), 2);
+  EXPECT_NE(ranOn, caller);
+  EXPECT_FALSE(ranInline.load() && ranOn == caller);
+}
+
+TEST(Future, ContinuationDoesNotRunInsideSetValue) {
+  Executor ex(2);
+  Promise<int> p(ex);
+  const auto caller = std::this_thread::get_id();
+  std::thread::id ranOn;
+  Executor* ranOnExecutor = nullptr;
+  auto g = p.getFuture().then([&](int v) {
+    ranOn = std::this_thread::get_id();
+    ranOnExecutor = Executor::current();
+    return v * 10;
+  });
+  p.setValue(4);
+  EXPECT_EQ(g.get(), 40);
+  EXPECT_NE(ranOn, caller);
+  EXPECT_EQ(ranOnExecutor, &ex);
+}
+
+TEST(Future, InlineSafeContinuationRunsOnCompletingThread) {
+  Executor ex(2);
+  Promise<int> p(ex);
+  const auto caller = std::this_thread::get_id();
+  std::thread::id ranOn;
+  auto g = p.getFuture().then(kInlineSafe, [&](int v) {
+    ranOn = std::this_thread::get_id();
+    return v + 1;
+  });
+  p.setValue(1);
+  EXPECT_EQ(ranOn, caller);  // ran inside setValue, before it returned
+  EXPECT_EQ(g.get(), 2);
+}
+
+TEST(Future, ViaRebindsContinuations) {
+  Executor a(1, "exec-a");
+  Executor b(1, "exec-b");
+  Promise<int> p(a);
+  Executor* ranOn = nullptr;
+  auto g = p.getFuture().via(b).then([&](int v) {
+    ranOn = Executor::current();
+    return v;
+  });
+  EXPECT_EQ(g.executor(), &b);
+  p.setValue(3);
+  EXPECT_EQ(g.get(), 3);
+  EXPECT_EQ(ranOn, &b);
+}
+
+TEST(Future, ErrorsSkipValueContinuationsAndReachResultContinuations) {
+  Executor ex(2);
+  std::atomic<int> valueSteps{0};
+  auto f = makeErrorFuture<int>(Error::overloaded("queue full").onWorker("ps"), ex)
+               .then([&](int v) {
+                 valueSteps++;
+                 return v + 1;
+               })
+               .then([&](int v) {
+                 valueSteps++;
+                 return std::to_string(v);
+               })
+               .then([](Result<std::string> r) -> int {
+                 EXPECT_FALSE(r.ok());
+                 EXPECT_EQ(r.error().kind, ErrorKind::kOverloaded);
+                 EXPECT_EQ(r.error().worker, "ps");
+                 return r.ok() ? 0 : -1;
+               });
+  EXPECT_EQ(f.get(), -1);
+  EXPECT_EQ(valueSteps.load(), 0);
+}
+
+TEST(Future, ExceptionsInContinuationsBecomeErrors) {
+  Executor ex(2);
+  auto f = makeReadyFuture(1, ex).then([](int) -> int { throw std::out_of_range("index 9 of 3"); });
+  Result<int> r = waitResult(f);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().kind, ErrorKind::kFailed);
+  EXPECT_EQ(r.error().message, "index 9 of 3");
+  EXPECT_EQ(r.error().remoteType, "std::out_of_range");
+
+  auto g = makeReadyFuture(1, ex).then([](int) -> int { throw RpcError(Error::unimplemented("no 'mul'")); });
+  Result<int> rg = waitResult(g);
+  ASSERT_FALSE(rg.ok());
+  EXPECT_EQ(rg.error().kind, ErrorKind::kUnimplemented);
+  EXPECT_EQ(rg.error().message, "no 'mul'");
+}
+
+TEST(Future, ResultAndVoidReturningContinuations) {
+  Executor ex(2);
+  auto f = makeReadyFuture(2, ex).then([](int v) -> Result<double> {
+    if (v > 1) return Error::failed("too big");
+    return 1.0;
+  });
+  Result<double> r = f.result();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().message, "too big");
+
+  std::atomic<int> seen{0};
+  Future<void> done = makeReadyFuture(9, ex).then([&](int v) { seen = v; });
+  done.get();
+  EXPECT_EQ(seen.load(), 9);
+  auto next = makeReadyFuture(ex).then([] { return 5; });
+  EXPECT_EQ(next.get(), 5);
+}
+
+TEST(Future, FutureReturningContinuationsAreFlattened) {
+  Executor ex(2);
+  Promise<std::string> inner(ex);
+  Future<std::string> innerFuture = inner.getFuture();
+  Event started;
+  auto f = makeReadyFuture(3, ex).then([&](int v) {
+    started.set();
+    return std::move(innerFuture).then([v](std::string s) { return s + std::to_string(v); });
+  });
+  static_assert(std::is_same_v<decltype(f), Future<std::string>>);
+  ASSERT_TRUE(started.waitFor());
+  EXPECT_FALSE(f.wait(1ms));
+  inner.setValue("x");
+  EXPECT_EQ(f.get(), "x3");
+
+  // An inner error propagates through the flattening.
+  auto g = makeReadyFuture(1, ex).then([&](int) { return makeErrorFuture<int>(Error::disconnected("peer gone"), ex); });
+  Result<int> rg = waitResult(g);
+  ASSERT_FALSE(rg.ok());
+  EXPECT_EQ(rg.error().kind, ErrorKind::kDisconnected);
+}
+
+TEST(Future, LongThenChainDoesNotOverflowOrStarve) {
+  Executor ex(2);
+  Promise<int> start(ex);
+  Future<int> f = start.getFuture();
+  for (int i = 0; i < 10000; ++i) f = f.then([](int v) { return v + 1; });
+  start.setValue(0);
+  Result<int> r = waitResult(f);
+  EXPECT_EQ(r.value(), 10000);
+}
+
+// Recursion through flattening: each level's future completes when the next level's does, so completion
+// forwards through 10,000 inline-safe forwarders (posted past the inline depth limit, not recursed).
+struct CountDown {
+  Executor& ex;
+  Future<void> gateFuture;
+  Event bottomed;
+
+  Future<int> run(int n) {
+    if (n == 0) {
+      Future<int> last = std::move(gateFuture).then([] { return 0; });
+      bottomed.set();
+      return last;
+    }
+    return makeReadyFuture(n, ex).then(
+        [this](int v) { return run(v - 1).then(kInlineSafe, [](int x) { return x + 1; }); });
+  }
+};
+
+TEST(Future, DeepFlatteningDoesNotOverflow) {
+  Executor ex(2);
+  Promise<void> gate(ex);
+  CountDown countDown{ex, gate.getFuture(), Event()};
+  Future<int> f = countDown.run(10000);
+  ASSERT_TRUE(countDown.bottomed.waitFor());
+  gate.setValue();
+  Result<int> r = waitResult(f);
+  EXPECT_EQ(r.value(), 10000);
+}
+
+TEST(Future, WhenAllKeepsOrderAndMixedResults) {
+  Executor ex(2);
+  std::vector<Promise<int>> promises;
+  std::vector<Future<int>> futures;
+  for (int i = 0; i < 4; ++i) {
+    promises.emplace_back(ex);
+    futures.push_back(promises.back().getFuture());
+  }
+  auto all = whenAll(std::move(futures));
+  std::thread t1([&] { promises[3].setValue(30); });
+  std::thread t2([&] { promises[1].setError(Error::cancelled("caller cancelled")); });
+  t1.join();
+  t2.join();
+  EXPECT_FALSE(all.wait(1ms));
+  promises[0].setValue(0);
+  promises[2].setValue(20);
+  std::vector<Result<int>> results = all.get();
+  ASSERT_EQ(results.size(), 4u);
+  EXPECT_EQ(results[0].value(), 0);
+  ASSERT_FALSE(results[1].ok());
+  EXPECT_EQ(results[1].error().kind, ErrorKind::kCancelled);
+  EXPECT_EQ(results[2].value(), 20);
+  EXPECT_EQ(results[3].value(), 30);
+}
+
+TEST(Future, WhenAllEdgeCases) {
+  Executor ex(2);
+  auto empty = whenAll(std::vector<Future<int>>{}, &ex);
+  EXPECT_TRUE(empty.get().empty());
+  EXPECT_THROW(whenAll(std::vector<Future<int>>{}), ValueError);
+  std::vector<Future<int>> withInvalid;
+  withInvalid.emplace_back();
+  EXPECT_THROW(whenAll(std::move(withInvalid)), ValueError);
+
+  std::vector<Future<void>> voids;
+  for (int i = 0; i < 1000; ++i) voids.push_back(makeReadyFuture(ex));
+  auto all = whenAll(std::move(voids));
+  auto results = all.get();
+  EXPECT_EQ(results.size(), 1000u);
+  for (auto& r : results) EXPECT_TRUE(r.ok());
+}
+
+TEST(Future, ContinuationDroppedByShutdownExecutorBreaksDownstream) {
+  auto ex = std::make_unique<Executor>(1);
+  Promise<int> p(*ex);
+  auto f = p.getFuture().then([](int v) { return v + 1; });
+  ex->shutdown();
+  p.setValue(1);  // the continuation is refused and destroyed; its promise breaks
+  EXPECT_TRUE(f.isReady());
+  Result<int> r = f.result();
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message.find("broken promise"), std::string::npos);
+}
+
+TEST(Future, InvalidFutureIsAnError) {
+  Future<int> f;
+  EXPECT_FALSE(f.valid());
+  EXPECT_THROW(f.isReady(), ValueError);
+  EXPECT_THROW(f.then([](int v) { return v; }), ValueError);
+}
+
+}  // namespace
+}  // namespace distgrad::rpc
