@@ -2,6 +2,7 @@
 
 #include <capnp/message.h>
 #include <capnp/serialize.h>
+#include <kj/array.h>
 #include <kj/io.h>
 
 #include <cstring>
@@ -33,7 +34,7 @@ std::string stringOf(capnp::Text::Reader t) { return std::string(t.begin(), t.si
 // A Cap'n Proto reader over envelope bytes. FlatArrayMessageReader needs 8-byte aligned words: an
 // unaligned span is copied once into `aligned`.
 struct EnvelopeReader {
-  std::vector<capnp::word> aligned;
+  kj::Array<capnp::word> aligned;
   std::unique_ptr<capnp::FlatArrayMessageReader> reader;
 };
 
@@ -45,9 +46,9 @@ void openEnvelope(EnvelopeReader& out, std::span<const uint8_t> bytes, const Dec
   const size_t words = bytes.size() / sizeof(capnp::word);
   const capnp::word* begin = reinterpret_cast<const capnp::word*>(bytes.data());
   if (reinterpret_cast<uintptr_t>(bytes.data()) % alignof(capnp::word) != 0) {
-    out.aligned.resize(words);
-    std::memcpy(out.aligned.data(), bytes.data(), bytes.size());
-    begin = out.aligned.data();
+    out.aligned = kj::heapArray<capnp::word>(words);
+    std::memcpy(out.aligned.begin(), bytes.data(), bytes.size());
+    begin = out.aligned.begin();
   }
   capnp::ReaderOptions options;
   options.traversalLimitInWords =

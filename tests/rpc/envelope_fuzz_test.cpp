@@ -2,6 +2,8 @@
 // exercises the decoder on hostile input even without libFuzzer.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <fstream>
 #include <random>
 
 #include "rpc/fuzz_envelope_input.h"
@@ -53,7 +55,16 @@ std::vector<std::vector<uint8_t>> seeds() {
 }
 
 TEST(FuzzEnvelope, SeedsDecode) {
-  for (const auto& seed : seeds()) EXPECT_EQ(runEnvelopeFuzzInput(seed.data(), seed.size()), "");
+  // DG_FUZZ_SEED_DIR=dir writes the seeds there as a starting corpus for the libFuzzer target.
+  const char* seedDir = std::getenv("DG_FUZZ_SEED_DIR");
+  int index = 0;
+  for (const auto& seed : seeds()) {
+    EXPECT_EQ(runEnvelopeFuzzInput(seed.data(), seed.size()), "");
+    if (seedDir != nullptr) {
+      std::ofstream out(std::string(seedDir) + "/seed" + std::to_string(index++), std::ios::binary);
+      out.write(reinterpret_cast<const char*>(seed.data()), static_cast<std::streamsize>(seed.size()));
+    }
+  }
 }
 
 TEST(FuzzEnvelope, MutatedInputsNeverCrash) {
