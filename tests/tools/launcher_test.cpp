@@ -1,0 +1,272 @@
+// Runs the real distgrad-run binary on small shell commands.
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#ifndef DG_DISTGRAD_RUN_PATH
+#error "DG_DISTGRAD_RUN_PATH must name the distgrad-run binary"
+#endif
+
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+// distgrad-run as a child process with its stdout and stderr captured.
+class LauncherProcess {
+ public:
+  explicit LauncherProcess(const std::vector<std::string>& args) {
+    int out[2];
+    int err[2];
+    EXPECT_EQ(::pipe2(out, O_CLOEXEC), 0);
+    EXPECT_EQ(::pipe2(err, O_CLOEXEC), 0);
+    std::vector<std::string> full{DG_DISTGRAD_RUN_PATH};
+    full.insert(full.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (auto& a : full) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    const pid_t parent = ::getpid();
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != parent) ::_exit(99);
+      ::dup2(out[1], 1);
+      ::dup2(err[1], 2);
+      ::execv(argv[0], argv.data());
+      ::_exit(98);
+    }
+    ::close(out[1]);
+    ::close(err[1]);
+    outFd_ = out[0];
+    errFd_ = err[0];
+    start_ = Clock::now();
+  }
+  ~LauncherProcess() {
+    if (pid_ > 0 && !exited_) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+    if (outFd_ >= 0) ::close(outFd_);
+    if (errFd_ >= 0) ::close(errFd_);
+  }
+
+  pid_t pid() const { return pid_; }
+  const std::string& out() const { return out_; }
+  const std::string& err() const { return err_; }
+
+  // Reads output until `done` holds or the time limit passes; false on timeout.
+  bool readUntil(const std::function<bool()>& done, std::chrono::milliseconds limit) {
+    const auto deadline = Clock::now() + limit;
+    while (!done()) {
+      if (outFd_ < 0 && errFd_ < 0) return done();
+      const auto remaining = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()).count();
+      if (remaining <= 0) return false;
+      pollfd fds[2] = {{outFd_, POLLIN, 0}, {errFd_, POLLIN, 0}};
+      if (::poll(fds, 2, static_cast<int>(remaining)) <= 0) continue;
+      drain(fds[0], outFd_, out_);
+      drain(fds[1], errFd_, err_);
+    }
+    return true;
+  }
+
+  // Reads everything and waits for the exit; returns the wait status, or -1 if it took longer than `limit`.
+  int finish(std::chrono::milliseconds limit = 20000ms) {
+    if (!readUntil([&] { return outFd_ < 0 && errFd_ < 0; }, limit)) return -1;
+    int status = 0;
+    ::waitpid(pid_, &status, 0);
+    exited_ = true;
+    elapsed_ = Clock::now() - start_;
+    return status;
+  }
+  Clock::duration elapsed() const { return elapsed_; }
+
+ private:
+  static void drain(const pollfd& p, int& fd, std::string& into) {
+    if (fd < 0 || p.revents == 0) return;
+    char buffer[4096];
+    const ssize_t n = ::read(fd, buffer, sizeof(buffer));
+    if (n > 0) {
+      into.append(buffer, static_cast<size_t>(n));
+    } else {
+      ::close(fd);
+      fd = -1;
+    }
+  }
+
+  pid_t pid_ = -1;
+  int outFd_ = -1;
+  int errFd_ = -1;
+  bool exited_ = false;
+  std::string out_;
+  std::string err_;
+  Clock::time_point start_;
+  Clock::duration elapsed_{};
+};
+
+int exitCode(int status) { return WIFEXITED(status) ? WEXITSTATUS(status) : -1000 - status; }
+
+std::vector<std::string> lines(const std::string& text) {
+  std::vector<std::string> out;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) out.push_back(line);
+  return out;
+}
+
+// Concatenation by appends (GCC 12 reports a false -Wrestrict on some operator+ chains).
+std::string cat(std::initializer_list<std::string_view> parts) {
+  std::string out;
+  for (auto p : parts) out.append(p);
+  return out;
+}
+
+bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+TEST(DistgradRun, SetsTheEnvironmentPerRank) {
+  LauncherProcess p({"--nproc", "3", "--", "sh", "-c",
+                     "echo \"r=$RANK w=$WORLD_SIZE l=$LOCAL_RANK lw=$LOCAL_WORLD_SIZE a=$MASTER_ADDR "
+                     "p=$MASTER_PORT s=$DISTGRAD_SECRET\""});
+  const int status = p.finish();
+  ASSERT_EQ(exitCode(status), 0) << p.err();
+  const std::regex pattern(R"(\[(\d)\] r=(\d) w=3 l=(\d) lw=3 a=127\.0\.0\.1 p=(\d+) s=([0-9a-f]{64}))");
+  std::map<int, std::pair<std::string, std::string>> byRank;  // rank -> (port, secret)
+  for (const auto& line : lines(p.out())) {
+    std::smatch m;
+    ASSERT_TRUE(std::regex_match(line, m, pattern)) << "unexpected line: " << line;
+    EXPECT_EQ(m[1], m[2]) << "the prefix names the rank";
+    EXPECT_EQ(m[2], m[3]) << "LOCAL_RANK equals RANK on one machine";
+    byRank[std::stoi(m[1])] = {m[4], m[5]};
+  }
+  ASSERT_EQ(byRank.size(), 3u) << p.out();
+  EXPECT_GT(std::stoi(byRank[0].first), 0);
+  for (int r = 1; r < 3; ++r) {
+    EXPECT_EQ(byRank[r].first, byRank[0].first) << "one port for the whole job";
+    EXPECT_EQ(byRank[r].second, byRank[0].second) << "one secret for the whole job";
+  }
+}
+
+TEST(DistgradRun, ExplicitMasterAddressAndPortArePassedThrough) {
+  LauncherProcess p({"--nproc=2", "--master-addr", "10.1.2.3", "--master-port=4567", "sh", "-c",
+                     "echo $MASTER_ADDR:$MASTER_PORT"});
+  ASSERT_EQ(exitCode(p.finish()), 0) << p.err();
+  EXPECT_TRUE(contains(p.out(), "[0] 10.1.2.3:4567\n")) << p.out();
+  EXPECT_TRUE(contains(p.out(), "[1] 10.1.2.3:4567\n")) << p.out();
+}
+
+TEST(DistgradRun, PrefixesEveryLineOfStdoutAndStderr) {
+  // Two lines in one write, a line split across writes, a last line without '\n', and stderr.
+  LauncherProcess p({"--nproc", "2", "--", "sh", "-c",
+                     "printf 'one\\ntwo\\n'; printf 'par'; sleep 0.05; printf 'tial\\n'; echo oops >&2; "
+                     "printf 'no-newline'"});
+  ASSERT_EQ(exitCode(p.finish()), 0) << p.err();
+  for (int r = 0; r < 2; ++r) {
+    const std::string prefix = cat({"[", std::to_string(r), "] "});
+    for (const char* line : {"one", "two", "partial", "no-newline"}) {
+      EXPECT_TRUE(contains(p.out(), cat({prefix, line, "\n"}))) << "missing '" << prefix << line << "' in:\n" << p.out();
+    }
+    EXPECT_TRUE(contains(p.err(), cat({prefix, "oops\n"}))) << p.err();
+    EXPECT_FALSE(contains(p.out(), "oops"));
+  }
+  for (const auto& line : lines(p.out())) {
+    EXPECT_TRUE(line.starts_with("[0] ") || line.starts_with("[1] ")) << "unprefixed line: " << line;
+  }
+}
+
+TEST(DistgradRun, AFailingWorkerStopsTheJobAndIsNamed) {
+  // Rank 1 fails; ranks 0 and 2 would run for 30 s, rank 2 as a child of a shell (killed with its group).
+  LauncherProcess p({"--nproc", "3", "--grace-ms", "2000", "--", "sh", "-c",
+                     "case $RANK in 1) exit 3;; 0) exec sleep 30;; *) sleep 30; echo never;; esac"});
+  const int status = p.finish();
+  EXPECT_NE(exitCode(status), 0);
+  EXPECT_EQ(exitCode(status), 1);
+  EXPECT_LT(p.elapsed(), 10s) << "the siblings were not terminated promptly";
+  EXPECT_TRUE(std::regex_search(p.err(), std::regex(R"(worker rank 1 \(pid \d+\) exited with status 3)"))) << p.err();
+  EXPECT_TRUE(contains(p.err(), "job failed")) << p.err();
+  EXPECT_FALSE(contains(p.out(), "never"));
+}
+
+TEST(DistgradRun, AWorkerKilledBySignalIsReported) {
+  LauncherProcess p({"--nproc", "2", "--grace-ms", "1000", "--", "sh", "-c",
+                     "if [ $RANK = 0 ]; then kill -9 $$; fi; exec sleep 30"});
+  const int status = p.finish();
+  EXPECT_EQ(exitCode(status), 1);
+  EXPECT_LT(p.elapsed(), 10s);
+  EXPECT_TRUE(std::regex_search(p.err(), std::regex(R"(worker rank 0 \(pid \d+\) was killed by signal 9 \(SIGKILL\))")))
+      << p.err();
+}
+
+TEST(DistgradRun, ForwardsSigtermToEveryWorker) {
+  LauncherProcess p({"--nproc", "2", "--", "sh", "-c",
+                     "trap 'echo got-term; exit 0' TERM; echo ready; while :; do sleep 0.02; done"});
+  ASSERT_TRUE(p.readUntil([&] { return contains(p.out(), "[0] ready") && contains(p.out(), "[1] ready"); }, 10000ms))
+      << p.out() << p.err();
+  ASSERT_EQ(::kill(p.pid(), SIGTERM), 0);
+  const int status = p.finish();
+  EXPECT_EQ(exitCode(status), 128 + SIGTERM) << p.err();
+  EXPECT_TRUE(contains(p.out(), "[0] got-term\n")) << p.out();
+  EXPECT_TRUE(contains(p.out(), "[1] got-term\n")) << p.out();
+  EXPECT_TRUE(contains(p.err(), "received SIGTERM")) << p.err();
+}
+
+TEST(DistgradRun, WorkersIgnoringSigtermAreKilledAfterTheGracePeriod) {
+  LauncherProcess p({"--nproc", "2", "--grace-ms", "200", "--", "sh", "-c",
+                     "trap '' TERM INT; echo ready; while :; do sleep 0.02; done"});
+  ASSERT_TRUE(p.readUntil([&] { return contains(p.out(), "[0] ready") && contains(p.out(), "[1] ready"); }, 10000ms))
+      << p.out() << p.err();
+  ASSERT_EQ(::kill(p.pid(), SIGINT), 0);
+  const int status = p.finish(10000ms);
+  EXPECT_EQ(exitCode(status), 128 + SIGINT) << p.err();
+  EXPECT_TRUE(contains(p.err(), "grace period of 200 ms is over")) << p.err();
+}
+
+TEST(DistgradRun, AllSucceedingExitsZero) {
+  LauncherProcess p({"--nproc", "4", "true"});
+  EXPECT_EQ(exitCode(p.finish()), 0) << p.err();
+  EXPECT_EQ(p.err(), "");
+}
+
+TEST(DistgradRun, UnrunnableProgramFails) {
+  LauncherProcess p({"--nproc", "2", "/nonexistent/program"});
+  EXPECT_EQ(exitCode(p.finish()), 1);
+  EXPECT_TRUE(contains(p.err(), "cannot execute '/nonexistent/program'")) << p.err();
+}
+
+TEST(DistgradRun, BadArgumentsAreUsageErrors) {
+  const std::vector<std::vector<std::string>> bad = {
+      {},
+      {"true"},                                   // no --nproc
+      {"--nproc", "0", "true"},
+      {"--nproc", "two", "true"},
+      {"--nproc", "2"},                           // no program
+      {"--nproc", "2", "--"},                     // no program after --
+      {"--nproc", "2", "--master-port", "70000", "true"},
+      {"--nproc", "2", "--master-port", "0", "true"},
+      {"--nproc", "2", "--master-addr=", "true"},
+      {"--nproc", "2", "--frobnicate", "true"},
+      {"--nproc"},                                // missing value
+  };
+  for (const auto& args : bad) {
+    LauncherProcess p(args);
+    std::string joined;
+    for (const auto& a : args) joined.append(a).append(" ");
+    EXPECT_EQ(exitCode(p.finish()), 2) << joined;
+    EXPECT_TRUE(contains(p.err(), "usage: distgrad-run")) << joined << "\n" << p.err();
+    EXPECT_EQ(p.out(), "") << joined;
+  }
+}
+
+}  // namespace
