@@ -246,7 +246,17 @@ void Agent::startUp() {
   auto allReady = [&] {
     return std::all_of(peers_.begin(), peers_.end(), [](const auto& p) { return p.second->link != nullptr; });
   };
-  if (!changed_.wait_until(lock, rendezvousDeadline, [&] { return startError_.has_value() || allReady(); })) {
+  auto anyDead = [&] {
+    for (const auto& [name, peer] : peers_) {
+      if (peer->dead) {
+        if (!startError_) startError_ = peer->deadReason.value_or(Error::disconnected(name + " died during start"));
+        return true;
+      }
+    }
+    return false;
+  };
+  if (!changed_.wait_until(lock, rendezvousDeadline,
+                           [&] { return startError_.has_value() || anyDead() || allReady(); })) {
     std::vector<std::string> missing;
     for (const auto& [name, peer] : peers_) {
       if (!peer->link) missing.push_back(name);
