@@ -1,6 +1,12 @@
 // Agent tests: several agents in one process over inproc and tcp (127.0.0.1, port-0 store).
 #include "rpc/agent.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -426,6 +432,49 @@ TEST_P(AgentTest, ShutdownWithADeadPeerIsBoundedAndNamesIt) {
   for (auto& t : threads) t.join();
   EXPECT_LT(SteadyTime::now() - begin, spec.shutdownTimeout + 2s);
   for (int r = 0; r < 2; ++r) EXPECT_NE(messages[r].find("worker2"), std::string::npos) << "rank " << r << ": " << messages[r];
+}
+
+// A stray process that connects to an agent's port and sends garbage (or a frame before any handshake) is
+// cut off; the agent lives on and keeps serving its peers.
+TEST(AgentStray, GarbageOnTheAgentsPortClosesOnlyThatConnection) {
+  World world;
+  Registry reg = makeRegistry(world);
+  Cluster cluster;
+  ClusterSpec spec;
+  spec.transport = "tcp";
+  startCluster(cluster, spec, world, reg);
+  ASSERT_TRUE(cluster.agents[0] && cluster.agents[1]);
+  auto client = StoreClient::connect(cluster.store->address(), 5s);
+  std::string entry = client->getString("dg/worker/1", 5s);
+  auto [host, port] = parseHostPort(entry.substr(entry.find('\n') + 1), "address");
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    timeval tv{10, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    std::vector<uint8_t> junk(64, 0xAB);
+    if (attempt == 1) {
+      // A well-formed frame prefix announcing a huge envelope.
+      transport::FramePrefix prefix;
+      prefix.envelopeBytes = 0xFFFFFFF0u;
+      std::memcpy(junk.data(), &prefix, sizeof(prefix));
+    }
+    ASSERT_EQ(::send(fd, junk.data(), junk.size(), MSG_NOSIGNAL), static_cast<ssize_t>(junk.size()));
+    // The agent closes the connection (after its hello, which may arrive first): read until EOF.
+    char buf[4096];
+    ssize_t n = 0;
+    while ((n = ::recv(fd, buf, sizeof(buf), 0)) > 0) {
+    }
+    EXPECT_EQ(n, 0) << "the agent did not close the stray connection";
+    ::close(fd);
+  }
+  EXPECT_EQ(cluster.agents[0]->rpcSync("worker1", kAddInt, 20, 22), 42);
+  EXPECT_TRUE(cluster.agents[0]->metrics("worker1").connected);
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, AgentTest, ::testing::Values("inproc", "tcp"),
