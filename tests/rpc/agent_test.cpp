@@ -53,6 +53,7 @@ struct World {
   Event cancelObserved;
   std::optional<ErrorKind> cancelKind;
   Event hangStarted;
+  Event waitCancelStarted;
 
   Agent& agent(const std::string& name) {
     std::lock_guard<std::mutex> lock(mutex);
@@ -87,8 +88,11 @@ Registry makeRegistry(World& world) {
       world.cancelObserved.set();
       promise->trySetValue(true);
     });
-    std::lock_guard<std::mutex> lock(world.mutex);
-    world.registrations.push_back(std::move(registration));
+    {
+      std::lock_guard<std::mutex> lock(world.mutex);
+      world.registrations.push_back(std::move(registration));
+    }
+    world.waitCancelStarted.set();
     return future;
   });
   reg.bind(kHang, [&world](int64_t) -> Future<int64_t> {
@@ -324,13 +328,7 @@ TEST_P(AgentTest, ExplicitCancelReachesTheCallee) {
   options.cancel = source.token();
   Future<bool> f = agent(0).rpcAsyncWith(options, "worker1", kWaitCancel, 1);
   // Cancel once the handler runs (its registration is in place).
-  for (int i = 0; i < 10000; ++i) {
-    {
-      std::lock_guard<std::mutex> lock(world_.mutex);
-      if (!world_.registrations.empty()) break;
-    }
-    std::this_thread::sleep_for(1ms);
-  }
+  ASSERT_TRUE(world_.waitCancelStarted.waitFor());
   source.cancel();
   Result<bool> r = f.result();
   ASSERT_FALSE(r.ok());
