@@ -11,6 +11,10 @@
 // without running it; a dropped continuation breaks its Promise, so waiters see an Error instead of
 // hanging (see rpc/future.h). A task that throws is reported on stderr and counted; the worker lives on.
 //
+// TODO(perf): one mutex-guarded queue and a condition-variable wake-up per idle worker (~10-25 us
+// round trip on a loaded 2-core box); per-worker queues with stealing and a short spin before sleeping
+// when the agent's latency benchmarks show it matters.
+//
 // Thread-safety: every method may be called from any thread, except shutdown()/the destructor, which must
 // not run on one of the executor's own workers (that would join itself; it throws ValueError instead).
 // The Executor must outlive every Future bound to it.

@@ -19,6 +19,8 @@ std::string demangle(const char* mangled) {
 }
 
 thread_local int tInlineDepth = 0;
+// The shallowest stack address at which a coroutine started on this thread (stacks grow down).
+thread_local const char* tStackAnchor = nullptr;
 
 }  // namespace
 
@@ -54,6 +56,15 @@ bool enterInline() {
 }
 
 void leaveInline() { --tInlineDepth; }
+
+bool eagerStartAllowed() {
+  const char* here = static_cast<const char*>(__builtin_frame_address(0));
+  if (tStackAnchor == nullptr || here > tStackAnchor) {
+    tStackAnchor = here;
+    return true;
+  }
+  return static_cast<size_t>(tStackAnchor - here) < kEagerStackBudget;
+}
 
 Executor* executorFromArgs() {
   Executor* current = Executor::current();

@@ -27,7 +27,8 @@
 // had shut down) fails its waiters instead of hanging them.
 //
 // Coroutines: a function returning Future<T> may be a coroutine (co_await / co_return). It starts running
-// at once in the caller's thread and, at its first suspension, returns its future. Its executor (where it
+// at once in the caller's thread (unless that thread's stack is already deep, Note [Eager coroutine
+// start]) and, at its first suspension, returns its future. Its executor (where it
 // resumes after every co_await that has to wait, and where its future's continuations run) is the first
 // Executor& or Executor* parameter, else the executor whose worker is calling it (Executor::current());
 // calling one from another thread without an executor parameter throws ValueError. co_await on a future
@@ -46,6 +47,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <coroutine>
+#include <cstddef>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -87,6 +89,9 @@ inline constexpr int kMaxInlineDepth = 16;
 // kMaxInlineDepth callbacks are nested; otherwise the caller must call leaveInline() afterwards.
 bool enterInline();
 void leaveInline();
+// Note [Eager coroutine start].
+inline constexpr size_t kEagerStackBudget = 256 * 1024;
+bool eagerStartAllowed();
 
 template <typename T>
 class FutureState : public std::enable_shared_from_this<FutureState<T>> {
@@ -172,11 +177,29 @@ class FutureState : public std::enable_shared_from_this<FutureState<T>> {
       callback(takeCompleted());
       return;
     }
-    // If the executor refuses (shut down), the closure is destroyed and with it the callback: whatever
-    // Promise it owns breaks (Note [Broken promises]).
-    executor->post([self = this->shared_from_this(), callback = std::move(callback)]() mutable {
-      callback(self->takeCompleted());
-    });
+    // The callback waits in the state so the posted closure is one shared_ptr (stored in place, no
+    // allocation per continuation).
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      callback_ = std::move(callback);
+    }
+    if (!executor->post([self = this->shared_from_this()] { self->runPostedCallback(); })) {
+      // Refused (the executor shut down): drop the callback now, so whatever Promise it owns breaks
+      // (Note [Broken promises]) instead of waiting for this state to die.
+      Callback dropped;
+      std::lock_guard<std::mutex> lock(mutex_);
+      dropped = std::move(callback_);
+    }
+  }
+
+  void runPostedCallback() {
+    Callback callback;
+    Result<T> result = [&] {
+      std::lock_guard<std::mutex> lock(mutex_);
+      callback = std::move(callback_);
+      return std::move(*result_);
+    }();
+    callback(std::move(result));
   }
 
   // The result after completion, for the continuation (the only reader once a callback is registered).
@@ -529,7 +552,18 @@ class CoroutinePromiseBase {
   explicit CoroutinePromiseBase(Args&... args) : executor_(executorFromArgs(args...)), promise_(*executor_) {}
 
   Future<T> get_return_object() { return promise_.getFuture(); }
-  std::suspend_never initial_suspend() noexcept { return {}; }
+
+  // Note [Eager coroutine start]: the body starts inline in the caller (no executor hop for the common
+  // shallow case) unless the calling thread's stack already grew kEagerStackBudget since the shallowest
+  // coroutine start seen on it; the body is then posted to the executor and starts on a fresh stack.
+  // Deep synchronous recursion (a coroutine awaiting itself 10,000 levels down) thus cannot overflow.
+  struct InitialAwaiter {
+    CoroutinePromiseBase* self;
+    bool await_ready() const noexcept { return eagerStartAllowed(); }
+    void await_suspend(std::coroutine_handle<> handle) { self->executor_->post(ResumeTask(handle)); }
+    void await_resume() const noexcept {}
+  };
+  InitialAwaiter initial_suspend() noexcept { return {this}; }
   // The frame frees itself once the body finished; the result already went to the shared state.
   std::suspend_never final_suspend() noexcept { return {}; }
   void unhandled_exception() noexcept { promise_.trySetError(errorFromException(std::current_exception())); }
