@@ -152,6 +152,7 @@ struct DecodedMessage::State {
   std::vector<uint8_t> envelopeBytes;
   EnvelopeReader envelope;
   std::vector<transport::PayloadBuffer> payloads;
+  DecodeLimits limits;
 };
 
 DecodedMessage::DecodedMessage(std::unique_ptr<State> state) : state_(std::move(state)) {}
@@ -163,6 +164,15 @@ wire::Value::Reader DecodedMessage::value() const {
   return state_->envelope.reader->getRoot<wire::Envelope>().getValue();
 }
 
+Result<std::shared_ptr<capnp::MessageReader>> DecodedMessage::openReader() const {
+  return detail::guard("malformed message", [&] {
+    auto reader = std::make_shared<EnvelopeReader>();
+    openEnvelope(*reader, state_->envelopeBytes, state_->limits);
+    // Aliasing pointer: the reader keeps its aligned copy (if any) alive.
+    return std::shared_ptr<capnp::MessageReader>(reader, reader->reader.get());
+  });
+}
+
 const std::vector<transport::PayloadBuffer>& DecodedMessage::payloads() const { return state_->payloads; }
 
 Result<DecodedMessage> decodeMessage(transport::IncomingFrame frame, const DecodeLimits& limits) {
@@ -170,6 +180,7 @@ Result<DecodedMessage> decodeMessage(transport::IncomingFrame frame, const Decod
     auto state = std::make_unique<DecodedMessage::State>();
     state->envelopeBytes = std::move(frame.envelope);
     state->payloads = std::move(frame.payloads);
+    state->limits = limits;
     openEnvelope(state->envelope, state->envelopeBytes, limits);
     auto env = state->envelope.reader->getRoot<wire::Envelope>();
     std::vector<uint64_t> sizes;

@@ -24,6 +24,8 @@
 #include <tuple>
 #include <vector>
 
+#include <capnp/message.h>
+
 #include "rpc/codec.h"
 #include "rpc/error.h"
 #include "rpc/transport/transport.h"
@@ -106,7 +108,8 @@ class DecodedMessage {
 
   const EnvelopeFields& fields() const { return fields_; }
   MessageKind kind() const { return fields_.kind; }
-  // The raw value tree (valid while this object lives).
+  // The raw value tree (valid while this object lives). Reads through it count against this message's
+  // Cap'n Proto traversal budget and may throw kj::Exception; prefer decodeValue, which cannot.
   wire::Value::Reader value() const;
   const std::vector<transport::PayloadBuffer>& payloads() const;
 
@@ -114,7 +117,16 @@ class DecodedMessage {
   // (each call wraps the same buffers again).
   template <typename T>
   Result<T> decodeValue() const {
-    return rpc::decodeValue<T>(value(), payloads());
+    // A fresh reader per decode, so each decode has the full traversal budget (repeated decodes of one
+    // message must not exhaust it), and nothing it throws escapes.
+    auto reader = openReader();
+    if (!reader) return reader.error();
+    return detail::guard("malformed value", [&]() -> T {
+      DecodeContext ctx(payloads());
+      T out = Codec<T>::decode(reader.value()->getRoot<wire::Envelope>().getValue(), ctx);
+      ctx.finish();
+      return out;
+    });
   }
   // Decodes a call's arguments.
   template <typename... Args>
@@ -126,6 +138,7 @@ class DecodedMessage {
   friend Result<DecodedMessage> decodeMessage(transport::IncomingFrame frame, const DecodeLimits& limits);
   struct State;
   explicit DecodedMessage(std::unique_ptr<State> state);
+  Result<std::shared_ptr<capnp::MessageReader>> openReader() const;
   std::unique_ptr<State> state_;
   EnvelopeFields fields_;
 };

@@ -562,3 +562,26 @@ TEST(CodecMalformed, CudaTensorIsAClearEncodeError) {
 
 }  // namespace
 }  // namespace distgrad::rpc
+
+namespace distgrad::rpc {
+namespace {
+
+// Found by the fuzzer: repeated decodes of one message used to share (and exhaust) one Cap'n Proto
+// traversal budget, and the resulting kj::Exception escaped from value(). Each decode now has its own.
+TEST(CodecMalformed, RepeatedDecodesDoNotExhaustTheTraversalBudget) {
+  std::vector<std::vector<int64_t>> value(200, std::vector<int64_t>{1, 2, 3});
+  auto message = decodeMessage(transport::IncomingFrame{0, encodeMessageWith(kindFields(MessageKind::kResponse), value)
+                                                                .value()
+                                                                .envelope,
+                                                        {}});
+  ASSERT_TRUE(message.ok());
+  for (int i = 0; i < 20; ++i) {
+    auto decoded = message.value().decodeValue<std::vector<std::vector<int64_t>>>();
+    ASSERT_TRUE(decoded.ok()) << "decode " << i << ": " << decoded.error().message;
+    EXPECT_EQ(decoded.value(), value);
+    EXPECT_FALSE(message.value().decodeValue<std::string>().ok());
+  }
+}
+
+}  // namespace
+}  // namespace distgrad::rpc
