@@ -113,7 +113,8 @@ class StoreClient {
   uint64_t numKeys();
 
   // Blocks until `worldSize` participants have called barrier(name, worldSize, ...). Reusable: the k-th
-  // call of every participant with the same name meets the others' k-th call. Built on add + wait.
+  // call of every participant with the same name meets the others' k-th call. Built on add + wait; the last
+  // participant to arrive does not wait, so after a final barrier the store's host may shut it down.
   void barrier(std::string_view name, int worldSize, std::chrono::milliseconds timeout);
 
   const std::string& address() const { return address_; }

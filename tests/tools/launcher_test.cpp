@@ -9,12 +9,18 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <map>
 #include <regex>
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include "rpc/error.h"
+#include "rpc/options.h"
+#include "rpc/store.h"
 
 #ifndef DG_DISTGRAD_RUN_PATH
 #error "DG_DISTGRAD_RUN_PATH must name the distgrad-run binary"
@@ -24,6 +30,47 @@ namespace {
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
+
+// Worker mode for the end-to-end rendezvous test: when this test binary is started by distgrad-run with
+// DG_RENDEZVOUS_WORKER=1, it runs the bootstrap a real Agent will run (Options::fromEnv, rank 0 hosts the
+// store at MASTER_ADDR:MASTER_PORT, everyone connects, registers, counts and meets at barriers) and exits
+// before GoogleTest starts.
+int rendezvousWorker() {
+  using namespace distgrad::rpc;
+  try {
+    const Options options = Options::fromEnv();
+    std::unique_ptr<StoreServer> server;
+    if (options.rank == 0) server = StoreServer::start(options.rendezvousAddress());
+    auto store = StoreClient::connect(options.rendezvousAddress(), 10000ms);
+    store->set("worker/" + std::to_string(options.rank), options.name());
+    const int64_t sum = store->add("rank-sum", options.rank + 1);
+    store->barrier("registered", options.worldSize, 10000ms);
+    // After the barrier every worker's registration and addition are visible to everyone.
+    const int n = options.worldSize;
+    const std::string total = store->getString("rank-sum", 0ms);
+    std::string names;
+    for (int r = 0; r < n; ++r) names += store->getString("worker/" + std::to_string(r), 0ms) + ",";
+    std::printf("rank %d of %d via %s: partial %lld total %s names %s\n", options.rank, n, options.source.c_str(),
+                static_cast<long long>(sum), total.c_str(), names.c_str());
+    // Rank 0 keeps the store up until everyone has read what it needs.
+    store->barrier("done", n, 10000ms);
+    return total == std::to_string(n * (n + 1) / 2) ? 0 : 4;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "rendezvous worker failed: %s\n", e.what());
+    return 5;
+  }
+}
+
+[[maybe_unused]] const bool kWorkerModeChecked = [] {
+  const char* mode = std::getenv("DG_RENDEZVOUS_WORKER");
+  if (mode != nullptr && std::string_view(mode) == "1") {
+    const int code = rendezvousWorker();
+    std::fflush(stdout);
+    std::fflush(stderr);
+    std::_Exit(code);
+  }
+  return true;
+}();
 
 // distgrad-run as a child process with its stdout and stderr captured.
 class LauncherProcess {
@@ -231,6 +278,28 @@ TEST(DistgradRun, WorkersIgnoringSigtermAreKilledAfterTheGracePeriod) {
   const int status = p.finish(10000ms);
   EXPECT_EQ(exitCode(status), 128 + SIGINT) << p.err();
   EXPECT_TRUE(contains(p.err(), "grace period of 200 ms is over")) << p.err();
+}
+
+TEST(DistgradRun, EndToEndRendezvousThroughTheStore) {
+  // This test binary is the worker program (see rendezvousWorker above).
+  char self[4096];
+  const ssize_t length = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
+  ASSERT_GT(length, 0);
+  self[length] = '\0';
+  constexpr int kWorkers = 4;
+  LauncherProcess p({"--nproc", std::to_string(kWorkers), "--", "env", "DG_RENDEZVOUS_WORKER=1", self});
+  const int status = p.finish(30000ms);
+  ASSERT_EQ(exitCode(status), 0) << p.out() << p.err();
+  for (int r = 0; r < kWorkers; ++r) {
+    const std::string expected = cat({"[", std::to_string(r), "] rank ", std::to_string(r),
+                                      " of 4 via torchrun: partial "});
+    EXPECT_TRUE(contains(p.out(), expected)) << "missing '" << expected << "' in:\n" << p.out();
+  }
+  // Everyone saw the complete sum and every worker's name.
+  EXPECT_EQ(lines(p.out()).size(), size_t{kWorkers}) << p.out();
+  for (const auto& line : lines(p.out())) {
+    EXPECT_TRUE(contains(line, "total 10 names worker0,worker1,worker2,worker3,")) << line;
+  }
 }
 
 TEST(DistgradRun, AllSucceedingExitsZero) {
