@@ -835,8 +835,13 @@ void Agent::storeBarrier(const std::string& tag, SteadyTime::time_point deadline
       }
     }
     if (allDead) {
+      // A peer that passed this barrier and then closed its connections looks dead too: the keys are
+      // re-read after its death was seen, so only workers that really never arrived are reported.
+      bool arrived = false;
+      for (int r : missing) arrived = arrived || store_->check({prefix + std::to_string(r)});
+      if (arrived) continue;
       Error error = Error::disconnected("shutdown of " + name_ + ": " + joinNames(names) +
-                                        " died before reaching the shutdown barrier");
+                                        " died before reaching the '" + tag + "' barrier");
       error.worker = joinNames(names);
       throw RpcError(error);
     }

@@ -400,7 +400,14 @@ TEST_P(AgentTest, GracefulShutdownDrainsInFlightCalls) {
     });
   }
   for (auto& t : threads) t.join();
-  for (int r = 0; r < 3; ++r) EXPECT_FALSE(errors[r]) << "rank " << r;
+  for (int r = 0; r < 3; ++r) {
+    if (!errors[r]) continue;
+    try {
+      std::rethrow_exception(errors[r]);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "rank " << r << " shutdown failed: " << e.what();
+    }
+  }
   for (int i = 0; i < 50; ++i) EXPECT_EQ(futures[i].get(), (i + 1) * 10);
   for (int r = 0; r < 3; ++r) EXPECT_EQ(agent(r).pendingCalls(), 0u);
   Error after = errorOf([&] { agent(0).rpcSync("worker1", kAddInt, 1, 1); });
