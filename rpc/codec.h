@@ -384,8 +384,8 @@ struct TupleCodec {
 
  private:
   template <typename AnyTuple, size_t... Is>
-  static void encodeAll(capnp::List<wire::Field>::Builder fields, const AnyTuple& value, EncodeContext& ctx,
-                        std::index_sequence<Is...>) {
+  static void encodeAll([[maybe_unused]] capnp::List<wire::Field>::Builder fields, const AnyTuple& value,
+                        EncodeContext& ctx, std::index_sequence<Is...>) {  // unused for the empty tuple
     (Codec<std::decay_t<Ts>>::encode(fields[Is].initValue(), std::get<Is>(value), ctx), ...);
   }
   template <size_t I, typename E>
@@ -397,7 +397,8 @@ struct TupleCodec {
     }
   }
   template <size_t... Is>
-  static Tuple decodeAll(capnp::List<wire::Field>::Reader fields, DecodeContext& ctx, std::index_sequence<Is...>) {
+  static Tuple decodeAll([[maybe_unused]] capnp::List<wire::Field>::Reader fields, [[maybe_unused]] DecodeContext& ctx,
+                         std::index_sequence<Is...>) {
     // Braced initialisation evaluates left to right, so payloads are taken in wire order.
     return Tuple{decodeElement<Is, std::decay_t<Ts>>(fields, ctx)...};
   }

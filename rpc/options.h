@@ -56,8 +56,8 @@ struct Options {
   std::chrono::milliseconds defaultTimeout{60'000};  // deadline of an rpc that names none
   int executorThreads = 4;
   std::string secret;  // DISTGRAD_SECRET; empty means no authentication (single-user machines, tests)
-  std::chrono::milliseconds heartbeatInterval{1'000};
-  std::chrono::milliseconds heartbeatTimeout{10'000};  // a peer silent this long is declared dead
+  std::chrono::milliseconds heartbeatInterval{500};
+  std::chrono::milliseconds heartbeatTimeout{2'000};  // a peer silent this long is declared dead
   uint64_t maxMessageBytes = 16ull << 30;               // largest frame (envelope + payloads) accepted
 
   // Where the rank came from ("explicit", "distgrad", "torchrun", "slurm", "openmpi"), for log messages.

@@ -1,0 +1,934 @@
+#include "rpc/agent.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <thread>
+
+#include "rpc/detail/hmac.h"
+#include "rpc/transport/inproc/context.h"
+#include "tensor/error.h"
+
+namespace distgrad::rpc {
+
+namespace {
+
+using SteadyTime = std::chrono::steady_clock;
+
+int64_t nowNanos() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(SteadyTime::now().time_since_epoch()).count();
+}
+
+int64_t unixMicros() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// The handshake message (both stages travel in MessageKind::kHandshake frames).
+//   stage 1 (hello): version, name, rank, nonce          sent by both ends as soon as the link exists
+//   stage 2 (proof): mac = HMAC-SHA256(secret, peer's nonce || own name || kHandshakeLabel)
+struct HandshakeMessage {
+  int64_t stage = 0;
+  int64_t version = 0;
+  std::string name;
+  int64_t rank = -1;
+  std::vector<uint8_t> nonce;
+  std::vector<uint8_t> mac;
+  template <class V>
+  void visitFields(V& v) {
+    v("stage", stage);
+    v("version", version);
+    v("name", name);
+    v("rank", rank);
+    v("nonce", nonce);
+    v("mac", mac);
+  }
+};
+
+constexpr int64_t kHello = 1;
+constexpr int64_t kProof = 2;
+constexpr std::string_view kHandshakeLabel = "distgrad-handshake-v1";
+
+std::vector<uint8_t> proofMac(const std::string& secret, std::span<const uint8_t> nonce, const std::string& prover) {
+  std::vector<uint8_t> message(nonce.begin(), nonce.end());
+  message.insert(message.end(), prover.begin(), prover.end());
+  message.insert(message.end(), kHandshakeLabel.begin(), kHandshakeLabel.end());
+  auto digest = detail::hmacSha256(
+      std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(secret.data()), secret.size()), message);
+  return {digest.begin(), digest.end()};
+}
+
+bool isLoopback(const std::string& host) {
+  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
+}
+
+uint64_t frameBytes(const transport::OutgoingFrame& frame) {
+  uint64_t n = frame.envelope.size();
+  for (const auto& p : frame.payloads) n += p.size;
+  return n;
+}
+
+std::string joinNames(const std::vector<std::string>& names) {
+  std::string out;
+  for (const auto& n : names) out += (out.empty() ? "" : ", ") + n;
+  return out;
+}
+
+}  // namespace
+
+struct Agent::Link {
+  std::shared_ptr<transport::Connection> connection;
+  std::string expectedPeer;  // set for the links this agent opened
+  std::string peer;          // the name the peer's hello gave
+  std::array<uint8_t, detail::kNonceBytes> nonce{};
+  bool gotHello = false;
+  bool ready = false;
+  bool refused = false;
+};
+
+struct Agent::Peer {
+  std::string name;
+  int rank = -1;
+  std::string address;
+  std::shared_ptr<Link> link;  // the handshaken link, null before / after
+  bool dead = false;
+  std::optional<Error> deadReason;
+  std::atomic<int64_t> lastSeenNanos{0};
+  std::atomic<uint64_t> callsSent{0};
+  std::atomic<uint64_t> callsReceived{0};
+  std::atomic<uint64_t> bytesSent{0};
+  std::atomic<uint64_t> bytesReceived{0};
+  std::atomic<uint64_t> errors{0};
+  uint64_t pending = 0;  // GUARDED_BY(Agent::mutex_)
+};
+
+struct Agent::Pending {
+  std::string peer;
+  std::string function;
+  Completion complete;
+  TimerId timer = kInvalidTimerId;
+  CancellationRegistration cancelRegistration;
+};
+
+struct Agent::Incoming {
+  CancellationSource source;
+};
+
+// ---- start ----
+
+Agent::Agent(const Options& options, const Registry& registry, AgentConfig config)
+    : options_(options), config_(std::move(config)), registry_(registry), name_(options.name()) {}
+
+std::unique_ptr<Agent> Agent::start(const Options& options, const Registry& registry, AgentConfig config) {
+  options.validate();
+  std::unique_ptr<Agent> agent(new Agent(options, registry, std::move(config)));
+  try {
+    agent->startUp();
+  } catch (...) {
+    agent->teardown();
+    throw;
+  }
+  return agent;
+}
+
+void Agent::warn(const std::string& message) const {
+  std::fprintf(stderr, "[distgrad] agent %s: %s\n", name_.c_str(), message.c_str());
+}
+
+void Agent::startUp() {
+  executor_ = std::make_unique<Executor>(static_cast<size_t>(std::max(1, options_.executorThreads)), "dg-agent");
+  timers_ = std::make_unique<TimerQueue>();
+  const auto rendezvousDeadline = SteadyTime::now() + options_.rendezvousTimeout;
+
+  // Rendezvous store.
+  if (options_.storeAddr.empty() && options_.rank == 0) {
+    std::string host = isLoopback(options_.masterAddr) ? options_.masterAddr : std::string("0.0.0.0");
+    storeServer_ = StoreServer::start(host + ":" + std::to_string(options_.masterPort));
+    storeAddress_ = (isLoopback(options_.masterAddr) ? options_.masterAddr : std::string("127.0.0.1")) + ":" +
+                    std::to_string(storeServer_->port());
+  } else {
+    storeAddress_ = options_.rendezvousAddress();
+  }
+  store_ = StoreClient::connect(storeAddress_, options_.rendezvousTimeout);
+
+  // Transport and listener.
+  transport::ContextOptions contextOptions;
+  contextOptions.limits.maxPayloadBytes = options_.maxMessageBytes;
+  if (options_.transport == "inproc") {
+    DG_CHECK(config_.inprocHub != nullptr,
+             "Agent::start: transport 'inproc' needs AgentConfig::inprocHub (shared by the job's agents)");
+    context_ = transport::inproc::createInprocContext(config_.inprocHub, contextOptions);
+  } else {
+    auto context = transport::createContext(options_.transport, contextOptions);
+    if (!context.ok()) throw RpcError(context.error());
+    context_ = std::move(context).value();
+  }
+  allocator_ = makePayloadAllocator();
+  std::string listenAddress;
+  std::string publishHost;
+  if (options_.transport == "inproc") {
+    listenAddress = config_.storePrefix + "/" + name_;
+  } else if (isLoopback(options_.masterAddr)) {
+    listenAddress = "127.0.0.1:0";
+  } else {
+    listenAddress = "0.0.0.0:0";
+    char host[256] = {};
+    ::gethostname(host, sizeof(host) - 1);
+    publishHost = host;
+  }
+  auto listener = context_->listen(listenAddress, [this](std::shared_ptr<transport::Connection> connection) {
+    adoptConnection(std::move(connection), "");
+  });
+  if (!listener.ok()) throw RpcError(listener.error());
+  listener_ = std::move(listener).value();
+  std::string address = listener_->address();
+  if (!publishHost.empty()) address = publishHost + ":" + std::to_string(parseHostPort(address, "listener").second);
+
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    accepting_ = true;
+  }
+
+  // Publish ourselves, then learn everyone.
+  const std::string prefix = config_.storePrefix + "/worker/";
+  store_->set(prefix + std::to_string(options_.rank), name_ + "\n" + address);
+  std::vector<std::string> keys;
+  for (int r = 0; r < options_.worldSize; ++r) keys.push_back(prefix + std::to_string(r));
+  store_->wait(keys, options_.rendezvousTimeout);
+  {
+    std::map<std::string, std::unique_ptr<Peer>> peers;
+    for (int r = 0; r < options_.worldSize; ++r) {
+      std::string entry = store_->getString(keys[r], options_.rendezvousTimeout);
+      auto newline = entry.find('\n');
+      DG_CHECK(newline != std::string::npos, "Agent::start: malformed store entry for rank ", r);
+      auto peer = std::make_unique<Peer>();
+      peer->name = entry.substr(0, newline);
+      peer->rank = r;
+      peer->address = entry.substr(newline + 1);
+      if (r == options_.rank) continue;
+      DG_CHECK(peer->name != name_ && peers.find(peer->name) == peers.end(), "Agent::start: worker name '",
+               peer->name, "' is used by two ranks");
+      peers.emplace(peer->name, std::move(peer));
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    peers_ = std::move(peers);
+    peersKnown_ = true;
+    callsOpen_ = true;
+  }
+  changed_.notify_all();
+
+  // One connection per pair: the lower rank connects to the higher one.
+  std::vector<std::pair<std::string, std::string>> toConnect;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [name, peer] : peers_) {
+      if (peer->rank > options_.rank) toConnect.emplace_back(name, peer->address);
+    }
+  }
+  for (const auto& [peerName, peerAddress] : toConnect) {
+    context_->connect(peerAddress, [this, peerName, peerAddress](Result<std::shared_ptr<transport::Connection>> r) {
+      if (!r.ok()) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (!startError_) {
+          startError_ = Error::failed("cannot connect to " + peerName + " at " + peerAddress + ": " +
+                                      r.error().message);
+        }
+        changed_.notify_all();
+        return;
+      }
+      adoptConnection(std::move(r).value(), peerName);
+    });
+  }
+
+  // Wait until every peer is handshaken.
+  std::unique_lock<std::mutex> lock(mutex_);
+  auto allReady = [&] {
+    return std::all_of(peers_.begin(), peers_.end(), [](const auto& p) { return p.second->link != nullptr; });
+  };
+  auto anyDead = [&] {
+    for (const auto& [name, peer] : peers_) {
+      if (peer->dead) {
+        if (!startError_) startError_ = peer->deadReason.value_or(Error::disconnected(name + " died during start"));
+        return true;
+      }
+    }
+    return false;
+  };
+  if (!changed_.wait_until(lock, rendezvousDeadline,
+                           [&] { return startError_.has_value() || anyDead() || allReady(); })) {
+    std::vector<std::string> missing;
+    for (const auto& [name, peer] : peers_) {
+      if (!peer->link) missing.push_back(name);
+    }
+    throw RpcError(Error::timeout("agent " + name_ + " could not connect to " + joinNames(missing) + " within " +
+                                  std::to_string(options_.rendezvousTimeout.count()) + " ms"));
+  }
+  if (startError_) throw RpcError(*startError_);
+  heartbeatTimer_ = timers_->scheduleAfter(options_.heartbeatInterval, [this] { heartbeat(); });
+}
+
+std::vector<std::string> Agent::workerNames() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::pair<int, std::string>> ranked{{options_.rank, name_}};
+  for (const auto& [name, peer] : peers_) ranked.emplace_back(peer->rank, name);
+  std::sort(ranked.begin(), ranked.end());
+  std::vector<std::string> out;
+  for (auto& [rank, name] : ranked) out.push_back(std::move(name));
+  return out;
+}
+
+std::string Agent::storeAddress() const { return storeAddress_; }
+
+// ---- links and handshake (loop thread) ----
+
+void Agent::adoptConnection(std::shared_ptr<transport::Connection> connection, const std::string& expectedPeer) {
+  auto link = std::make_shared<Link>();
+  link->connection = connection;
+  link->expectedPeer = expectedPeer;
+  link->nonce = detail::makeNonce();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (closed_) {
+      connection->close();
+      return;
+    }
+    links_.push_back(link);
+  }
+  std::weak_ptr<Link> weak = link;
+  connection->start(
+      allocator_,
+      [this, weak](transport::IncomingFrame&& frame) {
+        if (auto l = weak.lock()) onFrame(l, std::move(frame));
+      },
+      [this, weak](const Error& error) {
+        if (auto l = weak.lock()) onLinkClosed(l, error);
+      });
+  HandshakeMessage hello;
+  hello.stage = kHello;
+  hello.version = transport::kProtocolVersion;
+  hello.name = name_;
+  hello.rank = options_.rank;
+  hello.nonce.assign(link->nonce.begin(), link->nonce.end());
+  EnvelopeFields fields;
+  fields.kind = MessageKind::kHandshake;
+  auto frame = encodeMessageWith(fields, hello);
+  if (frame.ok()) sendOn(link, std::move(frame).value());
+}
+
+void Agent::refuseLink(const std::shared_ptr<Link>& link, const std::string& reason) {
+  std::string who = !link->peer.empty() ? link->peer
+                    : !link->expectedPeer.empty() ? link->expectedPeer
+                                                  : link->connection->peerAddress();
+  warn("refused the connection with " + who + ": " + reason);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    link->refused = true;
+    if (!startError_) startError_ = Error::failed("handshake with " + who + " failed: " + reason);
+  }
+  changed_.notify_all();
+  link->connection->close();
+}
+
+void Agent::onFrame(const std::shared_ptr<Link>& link, transport::IncomingFrame&& frame) {
+  uint64_t bytes = frame.envelope.size();
+  for (const auto& p : frame.payloads) bytes += p.size;
+  auto decoded = decodeMessage(std::move(frame));
+  if (!decoded.ok()) {
+    warn("closing the connection with " + (link->peer.empty() ? link->connection->peerAddress() : link->peer) +
+         ": " + decoded.error().message);
+    link->connection->close();
+    return;
+  }
+  DecodedMessage message = std::move(decoded).value();
+  if (message.kind() == MessageKind::kHandshake) {
+    onHandshake(link, message);
+    return;
+  }
+  Peer* peer = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (link->ready) {
+      auto it = peers_.find(link->peer);
+      if (it != peers_.end()) peer = it->second.get();
+    }
+  }
+  if (peer == nullptr) {
+    refuseLink(link, std::string("a ") + messageKindName(message.kind()) + " message before the handshake");
+    return;
+  }
+  peer->lastSeenNanos.store(nowNanos(), std::memory_order_relaxed);
+  peer->bytesReceived.fetch_add(bytes, std::memory_order_relaxed);
+  switch (message.kind()) {
+    case MessageKind::kCall:
+      onCall(link, std::move(message));
+      break;
+    case MessageKind::kResponse:
+    case MessageKind::kError:
+      onReply(std::move(message));
+      break;
+    case MessageKind::kCancel:
+      onCancel(link->peer, message);
+      break;
+    case MessageKind::kHeartbeat:
+      break;
+    default:
+      warn(std::string("ignoring a ") + messageKindName(message.kind()) + " message from " + link->peer +
+           " (no handler for it yet)");
+      break;
+  }
+}
+
+void Agent::onHandshake(const std::shared_ptr<Link>& link, const DecodedMessage& message) {
+  auto decoded = message.decodeValue<HandshakeMessage>();
+  if (!decoded.ok()) {
+    refuseLink(link, "malformed handshake: " + decoded.error().message);
+    return;
+  }
+  HandshakeMessage hs = std::move(decoded).value();
+  if (hs.stage == kHello) {
+    if (link->gotHello) return refuseLink(link, "a second hello");
+    if (hs.version != transport::kProtocolVersion) {
+      return refuseLink(link, "protocol version " + std::to_string(hs.version) + ", this worker speaks " +
+                                  std::to_string(transport::kProtocolVersion));
+    }
+    if (hs.nonce.size() != detail::kNonceBytes) return refuseLink(link, "a nonce of the wrong size");
+    {
+      // An incoming hello can arrive before this agent has read the peer list from the store.
+      std::unique_lock<std::mutex> lock(mutex_);
+      changed_.wait_for(lock, options_.rendezvousTimeout, [&] { return peersKnown_ || closed_; });
+      if (!peersKnown_) return;
+      auto it = peers_.find(hs.name);
+      if (it == peers_.end()) {
+        lock.unlock();
+        return refuseLink(link, "unknown worker '" + hs.name + "' (rank " + std::to_string(hs.rank) + ")");
+      }
+      if (it->second->rank != hs.rank) {
+        lock.unlock();
+        return refuseLink(link, "worker '" + hs.name + "' claims rank " + std::to_string(hs.rank) +
+                                    " but registered rank " + std::to_string(it->second->rank));
+      }
+    }
+    if (!link->expectedPeer.empty() && hs.name != link->expectedPeer) {
+      return refuseLink(link, "connected to " + link->expectedPeer + " but '" + hs.name + "' answered");
+    }
+    link->peer = hs.name;
+    link->gotHello = true;
+    HandshakeMessage proof;
+    proof.stage = kProof;
+    proof.version = transport::kProtocolVersion;
+    proof.name = name_;
+    proof.rank = options_.rank;
+    proof.mac = proofMac(options_.secret, hs.nonce, name_);
+    EnvelopeFields fields;
+    fields.kind = MessageKind::kHandshake;
+    auto frame = encodeMessageWith(fields, proof);
+    if (frame.ok()) sendOn(link, std::move(frame).value());
+  } else if (hs.stage == kProof) {
+    if (!link->gotHello || link->ready) return refuseLink(link, "a proof out of order");
+    auto expected = proofMac(options_.secret, link->nonce, link->peer);
+    if (!detail::constantTimeEqual(expected, hs.mac)) {
+      return refuseLink(link, "HMAC mismatch: the peer does not know the cluster secret (DISTGRAD_SECRET)");
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      Peer& peer = *peers_.at(link->peer);
+      if (peer.link != nullptr || peer.dead) {
+        // Fall through to refuse outside the lock.
+      } else {
+        peer.link = link;
+        link->ready = true;
+        peer.lastSeenNanos.store(nowNanos(), std::memory_order_relaxed);
+      }
+    }
+    if (!link->ready) return refuseLink(link, "a second connection from " + link->peer);
+    changed_.notify_all();
+  } else {
+    refuseLink(link, "unknown handshake stage " + std::to_string(hs.stage));
+  }
+}
+
+void Agent::onLinkClosed(const std::shared_ptr<Link>& link, const Error& error) {
+  bool wasReady = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    links_.erase(std::remove(links_.begin(), links_.end(), link), links_.end());
+    wasReady = link->ready;
+    if (!wasReady && !link->refused && !closed_ && !startError_ &&
+        (!link->peer.empty() || !link->expectedPeer.empty())) {
+      std::string who = link->peer.empty() ? link->expectedPeer : link->peer;
+      startError_ = Error::disconnected("the connection with " + who + " closed during the handshake: " +
+                                        error.message);
+      startError_->worker = who;
+    }
+  }
+  changed_.notify_all();
+  if (wasReady) {
+    Error down = Error::disconnected("the connection to " + link->peer + " closed: " + error.message);
+    down.worker = link->peer;
+    peerDown(link->peer, down);
+  }
+}
+
+void Agent::peerDown(const std::string& peerName, const Error& error) {
+  std::shared_ptr<Link> link;
+  std::vector<uint64_t> calls;
+  std::vector<CancellationSource> handlers;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = peers_.find(peerName);
+    if (it == peers_.end()) return;
+    Peer& peer = *it->second;
+    if (!peer.dead) {
+      peer.dead = true;
+      peer.deadReason = error;
+    }
+    link = std::move(peer.link);
+    for (const auto& [id, pending] : pending_) {
+      if (pending->peer == peerName) calls.push_back(id);
+    }
+    for (const auto& [key, incoming] : incoming_) {
+      if (key.first == peerName) handlers.push_back(incoming->source);
+    }
+  }
+  changed_.notify_all();
+  if (link) link->connection->close();
+  for (uint64_t id : calls) failPending(id, error, /*sendCancel=*/false);
+  for (auto& source : handlers) source.cancel(error);
+}
+
+// ---- calls ----
+
+std::chrono::milliseconds Agent::effectiveTimeout(const CallOptions& callOptions) const {
+  return callOptions.timeout.count() == 0 ? options_.defaultTimeout : callOptions.timeout;
+}
+
+void Agent::prepareCall(const CallOptions& callOptions, EnvelopeFields& fields) const {
+  auto timeout = effectiveTimeout(callOptions);
+  if (timeout.count() > 0) {
+    fields.timeoutMicros = std::chrono::duration_cast<std::chrono::microseconds>(timeout).count();
+    fields.deadlineUnixMicros = unixMicros() + fields.timeoutMicros;
+  }
+}
+
+void Agent::startCall(const CallOptions& callOptions, const std::string& worker, const EnvelopeFields& fields,
+                      transport::OutgoingFrame frame, Completion complete) {
+  const uint64_t id = fields.messageId;
+  std::shared_ptr<Link> link;
+  std::optional<Error> refusal;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = peers_.find(worker);
+    if (closed_ || (!callsOpen_ && !executor_->isCurrentThread())) {
+      refusal = Error::failed("agent " + name_ + " is shut down: call of '" + fields.functionName + "' on " +
+                              worker + " refused");
+    } else if (it == peers_.end()) {
+      std::vector<std::string> names;
+      for (const auto& [name, peer] : peers_) names.push_back(name);
+      refusal = Error::failed("unknown worker '" + worker + "'" +
+                              (worker == name_ ? " (calls to this worker itself are not supported)"
+                                               : " (peers: " + joinNames(names) + ")"));
+    } else if (it->second->dead || !it->second->link) {
+      refusal = it->second->deadReason.value_or(Error::disconnected("worker " + worker + " is not connected"));
+      refusal->worker = worker;
+    } else {
+      Peer& peer = *it->second;
+      link = peer.link;
+      auto pending = std::make_unique<Pending>();
+      pending->peer = worker;
+      pending->function = fields.functionName;
+      pending->complete = std::move(complete);
+      pending_.emplace(id, std::move(pending));
+      ++peer.pending;
+      peer.callsSent.fetch_add(1, std::memory_order_relaxed);
+      peer.bytesSent.fetch_add(frameBytes(frame), std::memory_order_relaxed);
+    }
+  }
+  if (refusal) {
+    complete(Result<DecodedMessage>(std::move(*refusal)));
+    return;
+  }
+  auto timeout = effectiveTimeout(callOptions);
+  if (timeout.count() > 0) {
+    TimerId timer = timers_->scheduleAfter(timeout, [this, id, worker, timeout, fn = fields.functionName] {
+      Error error = Error::timeout("rpc '" + fn + "' exceeded its " + std::to_string(timeout.count()) +
+                                   " ms deadline");
+      error.worker = worker;
+      failPending(id, std::move(error), /*sendCancel=*/true);
+    });
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = pending_.find(id);
+    if (it != pending_.end()) it->second->timer = timer;
+  }
+  {
+    // A default token never calls back; a cancelled one calls back at once (inline).
+    CancellationRegistration registration = callOptions.cancel.onCancel([this, id, worker](const Error& reason) {
+      Error error = reason;
+      if (error.worker.empty()) error.worker = worker;
+      failPending(id, std::move(error), /*sendCancel=*/true);
+    });
+    std::unique_lock<std::mutex> lock(mutex_);
+    auto it = pending_.find(id);
+    if (it != pending_.end()) {
+      it->second->cancelRegistration = std::move(registration);
+    } else {
+      lock.unlock();  // the registration dies here, outside the lock
+    }
+  }
+  link->connection->send(std::move(frame), [this, id, worker](const Result<void>& sent) {
+    if (!sent.ok()) {
+      Error error = Error::disconnected("sending to " + worker + " failed: " + sent.error().message);
+      error.worker = worker;
+      failPending(id, std::move(error), /*sendCancel=*/false);
+    }
+  });
+}
+
+std::unique_ptr<Agent::Pending> Agent::takePending(uint64_t id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = pending_.find(id);
+  if (it == pending_.end()) return nullptr;
+  auto pending = std::move(it->second);
+  pending_.erase(it);
+  auto peer = peers_.find(pending->peer);
+  if (peer != peers_.end()) --peer->second->pending;
+  if (pending_.empty()) changed_.notify_all();
+  return pending;
+}
+
+void Agent::failPending(uint64_t id, Error error, bool sendCancel) {
+  auto pending = takePending(id);
+  if (!pending) return;
+  if (pending->timer != kInvalidTimerId) timers_->cancel(pending->timer);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto peer = peers_.find(pending->peer);
+    if (peer != peers_.end()) peer->second->errors.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (sendCancel) {
+    EnvelopeFields fields;
+    fields.kind = MessageKind::kCancel;
+    fields.messageId = id;
+    fields.functionName = pending->function;
+    auto frame = encodeMessageWith(fields, static_cast<int64_t>(error.kind));
+    if (frame.ok()) sendFrame(pending->peer, std::move(frame).value());
+  }
+  pending->complete(Result<DecodedMessage>(std::move(error)));
+}
+
+void Agent::onReply(DecodedMessage message) {
+  auto pending = takePending(message.fields().messageId);
+  if (!pending) return;  // it timed out or was cancelled before the reply came
+  if (pending->timer != kInvalidTimerId) timers_->cancel(pending->timer);
+  if (message.kind() == MessageKind::kError) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto peer = peers_.find(pending->peer);
+    if (peer != peers_.end()) peer->second->errors.fetch_add(1, std::memory_order_relaxed);
+  }
+  pending->complete(Result<DecodedMessage>(std::move(message)));
+}
+
+void Agent::onCancel(const std::string& peer, const DecodedMessage& message) {
+  std::optional<CancellationSource> source;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = incoming_.find({peer, message.fields().messageId});
+    if (it != incoming_.end()) source = it->second->source;
+  }
+  if (!source) return;
+  auto kind = message.decodeValue<int64_t>();
+  bool timedOut = kind.ok() && kind.value() == static_cast<int64_t>(ErrorKind::kTimeout);
+  Error reason = timedOut ? Error::timeout("the caller's deadline expired") : Error::cancelled("the caller cancelled");
+  reason.worker = peer;
+  source->cancel(std::move(reason));
+}
+
+void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message) {
+  const std::string peerName = link->peer;
+  const uint64_t id = message.fields().messageId;
+  CancellationToken token;
+  std::optional<Error> refusal;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    peers_.at(peerName)->callsReceived.fetch_add(1, std::memory_order_relaxed);
+    if (!accepting_ || closed_) {
+      refusal = Error::failed("worker " + name_ + " is shutting down");
+    } else {
+      auto incoming = std::make_unique<Incoming>();
+      token = incoming->source.token();
+      incoming_[{peerName, id}] = std::move(incoming);
+    }
+  }
+  auto reply = [this, peerName, id, fn = message.fields().functionName](Result<EncodeValueFn>&& result) {
+    EnvelopeFields fields;
+    fields.messageId = id;
+    fields.functionName = fn;
+    Result<transport::OutgoingFrame> frame = Error::failed("unset");
+    if (result.ok()) {
+      fields.kind = MessageKind::kResponse;
+      frame = encodeMessage(fields, result.value());
+    }
+    if (!result.ok() || !frame.ok()) {
+      Error error = result.ok() ? frame.error() : result.error();
+      if (error.worker.empty()) error.worker = name_;
+      fields.kind = MessageKind::kError;
+      fields.error = std::move(error);
+      frame = encodeMessage(fields);
+    }
+    if (frame.ok()) sendFrame(peerName, std::move(frame).value());
+    std::unique_ptr<Incoming> done;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = incoming_.find({peerName, id});
+      if (it != incoming_.end()) {
+        done = std::move(it->second);
+        incoming_.erase(it);
+      }
+      if (incoming_.empty()) changed_.notify_all();
+    }
+  };
+  if (refusal) {
+    reply(Result<EncodeValueFn>(std::move(*refusal)));
+    return;
+  }
+  auto task = [this, peerName, token, reply, message = std::move(message)]() mutable {
+    const auto& fields = message.fields();
+    auto entry = registry_.find(fields.functionName);
+    if (!entry) {
+      Error error = Error::unimplemented("no function '" + fields.functionName + "' on " + name_);
+      error.worker = name_;
+      return reply(Result<EncodeValueFn>(std::move(error)));
+    }
+    if (entry->hash != fields.signatureHash) {
+      Error error = Error::unimplemented("function '" + fields.functionName + "' on " + name_ +
+                                         " has signature " + entry->signature +
+                                         ", which does not match the caller's (signature hash differs)");
+      error.worker = name_;
+      return reply(Result<EncodeValueFn>(std::move(error)));
+    }
+    CallContext ctx;
+    ctx.caller = peerName;
+    ctx.callee = name_;
+    ctx.function = fields.functionName;
+    ctx.messageId = fields.messageId;
+    ctx.token = token;
+    ctx.timeout = std::chrono::microseconds(fields.timeoutMicros);
+    Future<EncodeValueFn> result = entry->invoke(message, ctx, *executor_);
+    (void)result.then([reply](Result<EncodeValueFn>&& r) mutable { reply(std::move(r)); });
+  };
+  if (!executor_->post(std::move(task))) {
+    reply(Result<EncodeValueFn>(Error::failed("worker " + name_ + " is shutting down")));
+  }
+}
+
+void Agent::sendFrame(const std::string& peerName, transport::OutgoingFrame frame) {
+  std::shared_ptr<Link> link;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = peers_.find(peerName);
+    if (it == peers_.end() || !it->second->link || closed_) return;
+    link = it->second->link;
+    it->second->bytesSent.fetch_add(frameBytes(frame), std::memory_order_relaxed);
+  }
+  sendOn(link, std::move(frame));
+}
+
+void Agent::sendOn(const std::shared_ptr<Link>& link, transport::OutgoingFrame frame) {
+  link->connection->send(std::move(frame), [](const Result<void>&) {});
+}
+
+// ---- heartbeats ----
+
+void Agent::heartbeat() {
+  const int64_t now = nowNanos();
+  const int64_t limit = std::chrono::duration_cast<std::chrono::nanoseconds>(options_.heartbeatTimeout).count();
+  std::vector<std::pair<std::string, int64_t>> silent;
+  std::vector<std::shared_ptr<Link>> alive;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (closed_) return;
+    for (const auto& [name, peer] : peers_) {
+      if (!peer->link || peer->dead) continue;
+      int64_t quiet = now - peer->lastSeenNanos.load(std::memory_order_relaxed);
+      if (quiet > limit) {
+        silent.emplace_back(name, quiet / 1'000'000);
+      } else {
+        alive.push_back(peer->link);
+      }
+    }
+  }
+  for (const auto& [name, quietMs] : silent) {
+    Error error = Error::disconnected("worker " + name + " sent nothing for " + std::to_string(quietMs) +
+                                      " ms (heartbeat timeout " + std::to_string(options_.heartbeatTimeout.count()) +
+                                      " ms): declared dead");
+    error.worker = name;
+    warn(error.message);
+    peerDown(name, error);
+  }
+  EnvelopeFields fields;
+  fields.kind = MessageKind::kHeartbeat;
+  for (const auto& link : alive) {
+    auto frame = encodeMessage(fields);
+    if (frame.ok()) sendOn(link, std::move(frame).value());
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!closed_) heartbeatTimer_ = timers_->scheduleAfter(options_.heartbeatInterval, [this] { heartbeat(); });
+}
+
+// ---- shutdown ----
+
+PeerMetrics Agent::metrics(const std::string& worker) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = peers_.find(worker);
+  DG_CHECK(it != peers_.end(), "Agent::metrics: unknown worker '", worker, "'");
+  const Peer& peer = *it->second;
+  PeerMetrics m;
+  m.callsSent = peer.callsSent.load();
+  m.callsReceived = peer.callsReceived.load();
+  m.bytesSent = peer.bytesSent.load();
+  m.bytesReceived = peer.bytesReceived.load();
+  m.errors = peer.errors.load();
+  m.pending = peer.pending;
+  m.connected = peer.link != nullptr && !peer.dead;
+  return m;
+}
+
+size_t Agent::pendingCalls() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return pending_.size();
+}
+
+size_t Agent::runningHandlers() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return incoming_.size();
+}
+
+void Agent::storeBarrier(const std::string& tag, SteadyTime::time_point deadline) {
+  const std::string prefix = config_.storePrefix + "/" + tag + "/";
+  store_->set(prefix + std::to_string(options_.rank), "1");
+  std::vector<int> missing;
+  for (int r = 0; r < options_.worldSize; ++r) {
+    if (r != options_.rank) missing.push_back(r);
+  }
+  while (true) {
+    std::vector<int> still;
+    for (int r : missing) {
+      if (!store_->check({prefix + std::to_string(r)})) still.push_back(r);
+    }
+    missing = std::move(still);
+    if (missing.empty()) return;
+    std::vector<std::string> names;
+    bool allDead = true;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (int r : missing) {
+        std::string name = "rank " + std::to_string(r);
+        bool dead = false;
+        for (const auto& [peerName, peer] : peers_) {
+          if (peer->rank == r) {
+            name = peerName;
+            dead = peer->dead;
+          }
+        }
+        allDead = allDead && dead;
+        names.push_back(name);
+      }
+    }
+    if (allDead) {
+      // A peer that passed this barrier and then closed its connections looks dead too: the keys are
+      // re-read after its death was seen, so only workers that really never arrived are reported.
+      bool arrived = false;
+      for (int r : missing) arrived = arrived || store_->check({prefix + std::to_string(r)});
+      if (arrived) continue;
+      Error error = Error::disconnected("shutdown of " + name_ + ": " + joinNames(names) +
+                                        " died before reaching the '" + tag + "' barrier");
+      error.worker = joinNames(names);
+      throw RpcError(error);
+    }
+    if (SteadyTime::now() >= deadline) {
+      Error error = Error::timeout("shutdown of " + name_ + ": " + joinNames(names) + " did not reach the '" + tag +
+                                   "' barrier within " + std::to_string(config_.shutdownTimeout.count()) + " ms");
+      error.worker = joinNames(names);
+      throw RpcError(error);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
+void Agent::waitQuiet(bool outgoing, SteadyTime::time_point deadline) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  bool quiet = changed_.wait_until(lock, deadline, [&] { return outgoing ? pending_.empty() : incoming_.empty(); });
+  if (!quiet) {
+    throw RpcError(Error::timeout("shutdown of " + name_ + ": " +
+                                  std::to_string(outgoing ? pending_.size() : incoming_.size()) +
+                                  (outgoing ? " outgoing calls" : " running handlers") + " did not finish within " +
+                                  std::to_string(config_.shutdownTimeout.count()) + " ms"));
+  }
+}
+
+void Agent::shutdown(bool graceful) {
+  DG_CHECK(executor_ == nullptr || !executor_->isCurrentThread(),
+           "Agent::shutdown must not be called from the agent's executor (a handler)");
+  {
+    std::lock_guard<std::mutex> lock(shutdownMutex_);
+    if (shutDown_) return;
+    shutDown_ = true;
+  }
+  std::exception_ptr failure;
+  if (graceful) {
+    try {
+      const auto deadline = SteadyTime::now() + config_.shutdownTimeout;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        callsOpen_ = false;  // handlers may still call out so that in-flight work can finish
+      }
+      // 1. Everyone stopped issuing new calls. 2. Our own calls got their answers (peers keep serving
+      // until they pass barrier 3). 3. Everyone's calls are answered: nobody needs a connection any more.
+      storeBarrier("shutdown", deadline);
+      waitQuiet(/*outgoing=*/true, deadline);
+      storeBarrier("drained", deadline);
+      waitQuiet(/*outgoing=*/false, deadline);
+      // The host of the store must not close it while others still use it.
+      storeBarrier("left", deadline);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  }
+  teardown();
+  if (failure) std::rethrow_exception(failure);
+}
+
+void Agent::teardown() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    closed_ = true;
+    accepting_ = false;
+    callsOpen_ = false;
+  }
+  changed_.notify_all();
+  if (listener_) listener_->close();
+  if (context_) context_->close();  // joins the loop: no more frames or close callbacks
+  if (timers_) timers_->shutdown();
+  std::vector<uint64_t> ids;
+  std::vector<CancellationSource> handlers;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [id, p] : pending_) ids.push_back(id);
+    for (const auto& [key, incoming] : incoming_) handlers.push_back(incoming->source);
+  }
+  for (uint64_t id : ids) failPending(id, Error::failed("agent " + name_ + " shut down"), false);
+  for (auto& source : handlers) source.cancel(Error::cancelled("agent " + name_ + " shut down"));
+  if (executor_) executor_->shutdown();
+  store_.reset();
+  storeServer_.reset();
+}
+
+Agent::~Agent() {
+  try {
+    shutdown(false);
+  } catch (const std::exception& e) {
+    warn(std::string("shutdown in the destructor failed: ") + e.what());
+  }
+}
+
+}  // namespace distgrad::rpc

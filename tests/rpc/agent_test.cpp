@@ -1,0 +1,507 @@
+// Agent tests: several agents in one process over inproc and tcp (127.0.0.1, port-0 store).
+#include "rpc/agent.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "async_test_util.h"
+#include "autograd/ops.h"
+#include "rpc/store.h"
+#include "rpc/transport/inproc/context.h"
+
+namespace distgrad::rpc {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::Event;
+using SteadyTime = std::chrono::steady_clock;
+
+inline const Function<Tensor(Tensor, Tensor)> kAdd{"add"};
+inline const Function<Tensor(Tensor)> kIdentity{"identity"};
+inline const Function<int64_t(int64_t, int64_t)> kAddInt{"add_int"};
+inline const Function<std::string(std::string)> kEcho{"echo"};
+inline const Function<std::vector<double>(std::vector<double>, double)> kScale{"scale"};
+inline const Function<void(int64_t)> kNoop{"noop"};
+inline const Function<int64_t(int64_t)> kThrow{"throw"};
+inline const Function<int64_t(int64_t)> kNested{"nested"};
+inline const Function<bool(int64_t)> kWaitCancel{"wait_cancel"};
+inline const Function<int64_t(int64_t)> kHang{"hang"};
+inline const Function<std::string(std::string)> kWrongSignature{"add_int"};  // same name, other types
+inline const Function<int64_t()> kMissing{"missing"};
+
+// What handlers share with the test body.
+struct World {
+  std::mutex mutex;
+  std::map<std::string, Agent*> agents;  // filled after start, read by handlers making nested calls
+  std::vector<CancellationRegistration> registrations;
+  std::vector<std::shared_ptr<Promise<int64_t>>> hanging;
+  Event cancelObserved;
+  std::optional<ErrorKind> cancelKind;
+  Event hangStarted;
+  Event waitCancelStarted;
+
+  Agent& agent(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mutex);
+    return *agents.at(name);
+  }
+};
+
+Registry makeRegistry(World& world) {
+  Registry reg;
+  reg.bind(kAdd, [](Tensor a, Tensor b) { return a + b; });
+  reg.bind(kIdentity, [](Tensor a) { return a; });
+  reg.bind(kAddInt, [](int64_t a, int64_t b) { return a + b; });
+  reg.bind(kEcho, [](const CallContext& ctx, std::string s) { return s + " from " + ctx.callee + " to " + ctx.caller; });
+  reg.bind(kScale, [](std::vector<double> v, double k) {
+    for (double& x : v) x *= k;
+    return v;
+  });
+  reg.bind(kNoop, [](int64_t) {});
+  reg.bind(kThrow, [](int64_t n) -> int64_t { throw std::out_of_range("index " + std::to_string(n) + " is too big"); });
+  // Calls back into the caller and returns a Future: no executor thread waits meanwhile.
+  reg.bind(kNested, [&world](const CallContext& ctx, int64_t n) -> Future<int64_t> {
+    return world.agent(ctx.callee).rpcAsync(ctx.caller, kAddInt, n, int64_t{1}).then([](int64_t v) { return v * 10; });
+  });
+  reg.bind(kWaitCancel, [&world](const CallContext& ctx, int64_t) -> Future<bool> {
+    auto promise = std::make_shared<Promise<bool>>(*Executor::current());
+    Future<bool> future = promise->getFuture();
+    auto registration = ctx.token.onCancel([&world, promise](const Error& reason) {
+      {
+        std::lock_guard<std::mutex> lock(world.mutex);
+        world.cancelKind = reason.kind;
+      }
+      world.cancelObserved.set();
+      promise->trySetValue(true);
+    });
+    {
+      std::lock_guard<std::mutex> lock(world.mutex);
+      world.registrations.push_back(std::move(registration));
+    }
+    world.waitCancelStarted.set();
+    return future;
+  });
+  reg.bind(kHang, [&world](int64_t) -> Future<int64_t> {
+    auto promise = std::make_shared<Promise<int64_t>>(*Executor::current());
+    Future<int64_t> future = promise->getFuture();
+    {
+      std::lock_guard<std::mutex> lock(world.mutex);
+      world.hanging.push_back(promise);
+    }
+    world.hangStarted.set();
+    return future;
+  });
+  return reg;
+}
+
+struct ClusterSpec {
+  std::string transport = "inproc";
+  int size = 2;
+  int executorThreads = 4;
+  std::vector<std::string> secrets;  // per rank; empty: the same secret for all
+  std::chrono::milliseconds heartbeatInterval{100};
+  std::chrono::milliseconds heartbeatTimeout{3000};
+  std::chrono::milliseconds rendezvousTimeout{10'000};
+  std::chrono::milliseconds shutdownTimeout{10'000};
+};
+
+struct Cluster {
+  std::unique_ptr<StoreServer> store;
+  std::vector<std::unique_ptr<Agent>> agents;
+  std::vector<std::exception_ptr> errors;
+  World* world = nullptr;
+
+  ~Cluster() {
+    if (world != nullptr) {
+      // Hanging promises are bound to their agent's executor: drop them before the agents.
+      for (auto& agent : agents) {
+        if (agent) agent->shutdown(false);
+      }
+      std::lock_guard<std::mutex> lock(world->mutex);
+      world->hanging.clear();
+      world->registrations.clear();
+    }
+    agents.clear();
+  }
+};
+
+// Starts spec.size agents concurrently (start() returns once every peer is connected).
+void startCluster(Cluster& cluster, const ClusterSpec& spec, World& world, const Registry& reg) {
+  cluster.world = &world;
+  cluster.store = StoreServer::start("127.0.0.1:0");
+  auto hub = std::make_shared<transport::inproc::InprocHub>();
+  cluster.agents.resize(spec.size);
+  cluster.errors.resize(spec.size);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < spec.size; ++rank) {
+    threads.emplace_back([&, rank] {
+      Options options;
+      options.rank = rank;
+      options.worldSize = spec.size;
+      options.storeAddr = cluster.store->address();
+      options.transport = spec.transport;
+      options.executorThreads = spec.executorThreads;
+      options.secret = spec.secrets.empty() ? "s3cret" : spec.secrets[rank];
+      options.heartbeatInterval = spec.heartbeatInterval;
+      options.heartbeatTimeout = spec.heartbeatTimeout;
+      options.rendezvousTimeout = spec.rendezvousTimeout;
+      options.defaultTimeout = 20s;
+      AgentConfig config;
+      config.inprocHub = hub;
+      config.shutdownTimeout = spec.shutdownTimeout;
+      try {
+        cluster.agents[rank] = Agent::start(options, reg, config);
+      } catch (...) {
+        cluster.errors[rank] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  std::lock_guard<std::mutex> lock(world.mutex);
+  for (auto& agent : cluster.agents) {
+    if (agent) world.agents[agent->name()] = agent.get();
+  }
+}
+
+Error errorOf(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const RpcError& e) {
+    return e.error();
+  }
+  ADD_FAILURE() << "expected an RpcError";
+  return Error::failed("no error");
+}
+
+class AgentTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void start(ClusterSpec spec = {}) {
+    spec.transport = GetParam();
+    registry_ = makeRegistry(world_);
+    startCluster(cluster_, spec, world_, registry_);
+    for (size_t i = 0; i < cluster_.errors.size(); ++i) {
+      if (cluster_.errors[i]) {
+        try {
+          std::rethrow_exception(cluster_.errors[i]);
+        } catch (const std::exception& e) {
+          FAIL() << "rank " << i << " failed to start: " << e.what();
+        }
+      }
+    }
+  }
+  Agent& agent(int rank) { return *cluster_.agents.at(rank); }
+
+  World world_;
+  Registry registry_;
+  Cluster cluster_;
+};
+
+TEST_P(AgentTest, ValuesRoundTrip) {
+  start();
+  Agent& a = agent(0);
+  EXPECT_EQ(a.name(), "worker0");
+  EXPECT_EQ(a.workerNames(), (std::vector<std::string>{"worker0", "worker1"}));
+  EXPECT_EQ(a.rpcSync("worker1", kAddInt, 40, 2), 42);
+  EXPECT_EQ(a.rpcSync("worker1", kEcho, std::string("hi")), "hi from worker1 to worker0");
+  EXPECT_EQ(agent(1).rpcSync("worker0", kEcho, std::string("yo")), "yo from worker0 to worker1");
+  EXPECT_EQ(a.rpcSync("worker1", kScale, std::vector<double>{1.0, -2.5, 4.0}, 2.0),
+            (std::vector<double>{2.0, -5.0, 8.0}));
+  a.rpcSync("worker1", kNoop, 7);
+
+  Tensor x = Tensor::fromVector({1, 2, 3, 4, 5, 6}, {2, 3});
+  Tensor y = Tensor::fromVector({10, 20, 30, 40, 50, 60}, {2, 3});
+  Tensor z = a.rpcSync("worker1", kAdd, x, y);
+  ASSERT_EQ(z.shape(), (Shape{2, 3}));
+  for (int i = 0; i < 6; ++i) EXPECT_FLOAT_EQ(z.data<float>()[i], 11.0f * (i + 1));
+
+  Future<Tensor> f = a.rpcAsync("worker1", kAdd, x, x);
+  Tensor w = f.get();
+  EXPECT_FLOAT_EQ(w.data<float>()[5], 12.0f);
+
+  // 16 MB tensor there and back.
+  const int64_t n = 4 << 20;
+  Tensor big = Tensor::arange(n, DType::kFloat32);
+  Tensor back = a.rpcSync("worker1", kIdentity, big);
+  ASSERT_EQ(back.numel(), n);
+  EXPECT_EQ(std::memcmp(back.data<float>(), big.data<float>(), n * sizeof(float)), 0);
+
+  PeerMetrics m = a.metrics("worker1");
+  EXPECT_EQ(m.callsSent, 7u);  // add_int, echo, scale, noop, add, add (async), identity
+  EXPECT_EQ(m.errors, 0u);
+  EXPECT_EQ(m.pending, 0u);
+  EXPECT_TRUE(m.connected);
+  EXPECT_GT(m.bytesSent, static_cast<uint64_t>(n) * 4);
+  EXPECT_GT(m.bytesReceived, static_cast<uint64_t>(n) * 4);
+  EXPECT_EQ(agent(1).metrics("worker0").callsReceived, 7u);
+}
+
+TEST_P(AgentTest, NestedCallsWithTwoThreadsDoNotDeadlock) {
+  ClusterSpec spec;
+  spec.executorThreads = 2;
+  start(spec);
+  // Each call A->B makes B call A back; far more in flight than threads in either pool.
+  std::vector<Future<int64_t>> futures;
+  for (int64_t i = 0; i < 32; ++i) futures.push_back(agent(0).rpcAsync("worker1", kNested, i));
+  for (int64_t i = 0; i < 32; ++i) EXPECT_EQ(futures[i].get(), (i + 1) * 10);
+  EXPECT_EQ(agent(1).rpcSync("worker0", kNested, 4), 50);
+}
+
+TEST_P(AgentTest, ThousandsOfConcurrentCalls) {
+  ClusterSpec spec;
+  spec.size = 3;
+  start(spec);
+  constexpr int kCalls = 1500;
+  std::vector<Future<int64_t>> futures;
+  futures.reserve(kCalls);
+  for (int i = 0; i < kCalls; ++i) {
+    futures.push_back(agent(0).rpcAsync(i % 2 ? "worker1" : "worker2", kAddInt, int64_t{i}, int64_t{i}));
+  }
+  for (int i = 0; i < kCalls; ++i) ASSERT_EQ(futures[i].get(), 2 * i);
+  EXPECT_EQ(agent(0).pendingCalls(), 0u);
+}
+
+TEST_P(AgentTest, UnknownFunctionAndSignatureMismatchAreUnimplemented) {
+  start();
+  Error missing = errorOf([&] { agent(0).rpcSync("worker1", kMissing); });
+  EXPECT_EQ(missing.kind, ErrorKind::kUnimplemented);
+  EXPECT_NE(missing.message.find("no function 'missing' on worker1"), std::string::npos) << missing.message;
+  EXPECT_EQ(missing.worker, "worker1");
+
+  Error mismatch = errorOf([&] { agent(0).rpcSync("worker1", kWrongSignature, std::string("x")); });
+  EXPECT_EQ(mismatch.kind, ErrorKind::kUnimplemented);
+  EXPECT_NE(mismatch.message.find("i64(i64,i64)"), std::string::npos) << mismatch.message;
+  EXPECT_NE(mismatch.message.find("str(str)"), std::string::npos) << mismatch.message;
+
+  Error unknown = errorOf([&] { agent(0).rpcSync("nobody", kAddInt, 1, 2); });
+  EXPECT_EQ(unknown.kind, ErrorKind::kFailed);
+  EXPECT_NE(unknown.message.find("unknown worker 'nobody'"), std::string::npos) << unknown.message;
+  // The connection is still fine afterwards.
+  EXPECT_EQ(agent(0).rpcSync("worker1", kAddInt, 1, 2), 3);
+}
+
+TEST_P(AgentTest, HandlerExceptionIsRemoteError) {
+  start();
+  Error error = errorOf([&] { agent(0).rpcSync("worker1", kThrow, 99); });
+  EXPECT_EQ(error.kind, ErrorKind::kRemote);
+  EXPECT_EQ(error.worker, "worker1");
+  EXPECT_NE(error.remoteType.find("out_of_range"), std::string::npos) << error.remoteType;
+  EXPECT_NE(error.message.find("index 99 is too big"), std::string::npos) << error.message;
+  EXPECT_EQ(agent(0).metrics("worker1").errors, 1u);
+}
+
+TEST_P(AgentTest, DeadlineTimesOutAndCancelsTheCallee) {
+  start();
+  CallOptions options;
+  options.timeout = 100ms;
+  auto begin = SteadyTime::now();
+  Error error = errorOf([&] { agent(0).rpcSyncWith(options, "worker1", kWaitCancel, 1); });
+  EXPECT_EQ(error.kind, ErrorKind::kTimeout);
+  EXPECT_EQ(error.worker, "worker1");
+  EXPECT_LT(SteadyTime::now() - begin, 5s);
+  ASSERT_TRUE(world_.cancelObserved.waitFor());
+  {
+    std::lock_guard<std::mutex> lock(world_.mutex);
+    EXPECT_EQ(world_.cancelKind, ErrorKind::kTimeout);
+  }
+  // The agent still works, and the callee's handler finished.
+  EXPECT_EQ(agent(0).rpcSync("worker1", kAddInt, 2, 2), 4);
+}
+
+TEST_P(AgentTest, ExplicitCancelReachesTheCallee) {
+  start();
+  CancellationSource source;
+  CallOptions options;
+  options.cancel = source.token();
+  Future<bool> f = agent(0).rpcAsyncWith(options, "worker1", kWaitCancel, 1);
+  // Cancel once the handler runs (its registration is in place).
+  ASSERT_TRUE(world_.waitCancelStarted.waitFor());
+  source.cancel();
+  Result<bool> r = f.result();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().kind, ErrorKind::kCancelled);
+  ASSERT_TRUE(world_.cancelObserved.waitFor());
+  std::lock_guard<std::mutex> lock(world_.mutex);
+  EXPECT_EQ(world_.cancelKind, ErrorKind::kCancelled);
+}
+
+TEST_P(AgentTest, WrongSecretIsRefused) {
+  registry_ = makeRegistry(world_);
+  ClusterSpec spec;
+  spec.transport = GetParam();
+  spec.secrets = {"right", "wrong"};
+  spec.rendezvousTimeout = 5s;
+  startCluster(cluster_, spec, world_, registry_);
+  int failures = 0;
+  bool namedHmac = false;
+  for (auto& e : cluster_.errors) {
+    if (!e) continue;
+    ++failures;
+    try {
+      std::rethrow_exception(e);
+    } catch (const RpcError& error) {
+      EXPECT_NE(std::string(error.what()).find("handshake"), std::string::npos) << error.what();
+      namedHmac = namedHmac || std::string(error.what()).find("HMAC") != std::string::npos;
+    }
+  }
+  EXPECT_EQ(failures, 2);
+  EXPECT_TRUE(namedHmac);
+}
+
+TEST_P(AgentTest, PeerClosedMidCallFailsPendingCallsAsDisconnected) {
+  ClusterSpec spec;
+  spec.heartbeatInterval = 50ms;
+  spec.heartbeatTimeout = 500ms;
+  start(spec);
+  Future<int64_t> f = agent(0).rpcAsync("worker1", kHang, 1);
+  ASSERT_TRUE(world_.hangStarted.waitFor());
+  auto begin = SteadyTime::now();
+  agent(1).shutdown(false);
+  Result<int64_t> r = f.result();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().kind, ErrorKind::kDisconnected) << r.error().describe();
+  EXPECT_EQ(r.error().worker, "worker1");
+  EXPECT_LT(SteadyTime::now() - begin, spec.heartbeatTimeout + 1s);
+  // Later calls fail fast.
+  Error later = errorOf([&] { agent(0).rpcSync("worker1", kAddInt, 1, 1); });
+  EXPECT_EQ(later.kind, ErrorKind::kDisconnected);
+  EXPECT_EQ(later.worker, "worker1");
+  EXPECT_FALSE(agent(0).metrics("worker1").connected);
+}
+
+TEST_P(AgentTest, GracefulShutdownDrainsInFlightCalls) {
+  ClusterSpec spec;
+  spec.size = 3;
+  start(spec);
+  std::vector<Future<int64_t>> futures;
+  for (int i = 0; i < 50; ++i) futures.push_back(agent(i % 3).rpcAsync("worker" + std::to_string((i + 1) % 3), kNested, int64_t{i}));
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(3);
+  for (int r = 0; r < 3; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        agent(r).shutdown();
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 3; ++r) {
+    if (!errors[r]) continue;
+    try {
+      std::rethrow_exception(errors[r]);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "rank " << r << " shutdown failed: " << e.what();
+    }
+  }
+  for (int i = 0; i < 50; ++i) EXPECT_EQ(futures[i].get(), (i + 1) * 10);
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(agent(r).pendingCalls(), 0u);
+  Error after = errorOf([&] { agent(0).rpcSync("worker1", kAddInt, 1, 1); });
+  EXPECT_EQ(after.kind, ErrorKind::kFailed);
+}
+
+TEST_P(AgentTest, ShutdownWithADeadPeerIsBoundedAndNamesIt) {
+  ClusterSpec spec;
+  spec.size = 3;
+  spec.heartbeatInterval = 50ms;
+  spec.heartbeatTimeout = 500ms;
+  spec.shutdownTimeout = 3s;
+  start(spec);
+  agent(2).shutdown(false);
+  auto begin = SteadyTime::now();
+  std::vector<std::thread> threads;
+  std::vector<std::string> messages(2);
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        agent(r).shutdown();
+      } catch (const RpcError& e) {
+        messages[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_LT(SteadyTime::now() - begin, spec.shutdownTimeout + 2s);
+  for (int r = 0; r < 2; ++r) EXPECT_NE(messages[r].find("worker2"), std::string::npos) << "rank " << r << ": " << messages[r];
+}
+
+// A stray process that connects to an agent's port and sends garbage (or a frame before any handshake) is
+// cut off; the agent lives on and keeps serving its peers.
+TEST(AgentStray, GarbageOnTheAgentsPortClosesOnlyThatConnection) {
+  World world;
+  Registry reg = makeRegistry(world);
+  Cluster cluster;
+  ClusterSpec spec;
+  spec.transport = "tcp";
+  startCluster(cluster, spec, world, reg);
+  ASSERT_TRUE(cluster.agents[0] && cluster.agents[1]);
+  auto client = StoreClient::connect(cluster.store->address(), 5s);
+  std::string entry = client->getString("dg/worker/1", 5s);
+  auto [host, port] = parseHostPort(entry.substr(entry.find('\n') + 1), "address");
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    timeval tv{10, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    std::vector<uint8_t> junk(64, 0xAB);
+    if (attempt == 1) {
+      // A well-formed frame prefix announcing a huge envelope.
+      transport::FramePrefix prefix;
+      prefix.envelopeBytes = 0xFFFFFFF0u;
+      std::memcpy(junk.data(), &prefix, sizeof(prefix));
+    }
+    ASSERT_EQ(::send(fd, junk.data(), junk.size(), MSG_NOSIGNAL), static_cast<ssize_t>(junk.size()));
+    // The agent closes the connection (after its hello, which may arrive first): read until EOF.
+    char buf[4096];
+    ssize_t n = 0;
+    while ((n = ::recv(fd, buf, sizeof(buf), 0)) > 0) {
+    }
+    EXPECT_EQ(n, 0) << "the agent did not close the stray connection";
+    ::close(fd);
+  }
+  EXPECT_EQ(cluster.agents[0]->rpcSync("worker1", kAddInt, 20, 22), 42);
+  EXPECT_TRUE(cluster.agents[0]->metrics("worker1").connected);
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, AgentTest, ::testing::Values("inproc", "tcp"),
+                         [](const auto& info) { return info.param; });
+
+TEST(AgentSingle, RankZeroHostsTheStoreOnAnyPort) {
+  Options options;
+  options.transport = "tcp";
+  options.masterPort = 0;
+  Registry reg;
+  auto agent = Agent::start(options, reg);
+  EXPECT_NE(agent->storeAddress().find("127.0.0.1:"), std::string::npos);
+  EXPECT_EQ(agent->workerNames(), std::vector<std::string>{"worker0"});
+  agent->shutdown();
+}
+
+TEST(AgentSingle, InprocWithoutAHubIsAClearError) {
+  Options options;
+  options.transport = "inproc";
+  Registry reg;
+  EXPECT_THROW(Agent::start(options, reg), ValueError);
+}
+
+}  // namespace
+}  // namespace distgrad::rpc
