@@ -24,10 +24,13 @@ int64_t numelOf(const Shape& shape) {
 Shape contiguousStrides(const Shape& shape) {
   Shape strides(shape.size());
   int64_t acc = 1;
+  bool overflow = false;
   for (int64_t i = static_cast<int64_t>(shape.size()) - 1; i >= 0; --i) {
     strides[i] = acc;
-    acc *= std::max<int64_t>(shape[i], 1);
+    // With a zero dim the element count is 0, but the other dims still have to fit in 64-bit strides.
+    overflow |= __builtin_mul_overflow(acc, std::max<int64_t>(shape[i], 1), &acc);
   }
+  DG_CHECK(!overflow, "shape ", shapeStr(shape), " is too large: its strides do not fit in 64 bits");
   return strides;
 }
 

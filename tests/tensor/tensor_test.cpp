@@ -204,6 +204,8 @@ TEST(TensorFactories, OverflowingShapesAreErrors) {
   expectThrowsWith([] { Tensor::empty({(int64_t{1} << 62) + 1, 4}); }, {"shape", "64 bits"});
   expectThrowsWith([] { Tensor::empty({int64_t{1} << 61, 1}, DType::kFloat64); }, {"Tensor::empty", "bytes"});
   EXPECT_THROW(Tensor().detach(), ValueError);
+  // a zero dim makes numel 0, but the strides of the other dims must still fit
+  expectThrowsWith([] { Tensor::empty({0, int64_t{1} << 40, int64_t{1} << 40}); }, {"strides", "64 bits"});
 }
 
 TEST(TensorPrinting, ContainsValuesShapeAndDtype) {
