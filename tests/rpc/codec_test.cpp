@@ -368,10 +368,13 @@ wire::TensorDesc::Builder tensorEnvelope(capnp::MallocMessageBuilder& builder, u
   desc.setDtype(dtype);
   auto s = desc.initShape(static_cast<uint32_t>(shape.size()));
   auto st = desc.initStrides(static_cast<uint32_t>(shape.size()));
-  Shape strides = tensor::contiguousStrides(shape);
-  for (size_t i = 0; i < shape.size(); ++i) {
+  // Row-major strides with wrapping arithmetic: these envelopes are malformed on purpose, so their strides
+  // may overflow (tensor::contiguousStrides would refuse them).
+  uint64_t stride = 1;
+  for (size_t i = shape.size(); i-- > 0;) {
     s.set(static_cast<uint32_t>(i), shape[i]);
-    st.set(static_cast<uint32_t>(i), strides[i]);
+    st.set(static_cast<uint32_t>(i), static_cast<int64_t>(stride));
+    stride *= static_cast<uint64_t>(std::max<int64_t>(shape[i], 1));
   }
   desc.setPayloadIndex(payloadIndex);
   desc.setByteLength(byteLength);
