@@ -306,7 +306,7 @@ void Agent::adoptConnection(std::shared_ptr<transport::Connection> connection, c
       });
   HandshakeMessage hello;
   hello.stage = kHello;
-  hello.version = transport::kProtocolVersion;
+  hello.version = config_.protocolVersionForTesting;
   hello.name = name_;
   hello.rank = options_.rank;
   hello.nonce.assign(link->nonce.begin(), link->nonce.end());
@@ -388,9 +388,9 @@ void Agent::onHandshake(const std::shared_ptr<Link>& link, const DecodedMessage&
   HandshakeMessage hs = std::move(decoded).value();
   if (hs.stage == kHello) {
     if (link->gotHello) return refuseLink(link, "a second hello");
-    if (hs.version != transport::kProtocolVersion) {
+    if (hs.version != config_.protocolVersionForTesting) {
       return refuseLink(link, "protocol version " + std::to_string(hs.version) + ", this worker speaks " +
-                                  std::to_string(transport::kProtocolVersion));
+                                  std::to_string(config_.protocolVersionForTesting));
     }
     if (hs.nonce.size() != detail::kNonceBytes) return refuseLink(link, "a nonce of the wrong size");
     {
@@ -416,7 +416,7 @@ void Agent::onHandshake(const std::shared_ptr<Link>& link, const DecodedMessage&
     link->gotHello = true;
     HandshakeMessage proof;
     proof.stage = kProof;
-    proof.version = transport::kProtocolVersion;
+    proof.version = config_.protocolVersionForTesting;
     proof.name = name_;
     proof.rank = options_.rank;
     proof.mac = proofMac(options_.secret, hs.nonce, name_);

@@ -57,6 +57,9 @@ struct AgentConfig {
   std::chrono::milliseconds shutdownTimeout{30'000};
   // Prefix of this job's keys in the store (several jobs may share one store).
   std::string storePrefix = "dg";
+  // TEST-ONLY: the protocol version this agent announces in its handshake, so tests can make a peer that
+  // speaks another version. Leave it at the default in real jobs.
+  uint16_t protocolVersionForTesting = transport::kProtocolVersion;
 };
 
 // Per-call settings (rpcAsyncWith / rpcSyncWith).
