@@ -1,0 +1,213 @@
+// Shared setup of the in-process Agent tests (agent_test.cpp, agent_limits_test.cpp): a registry of test
+// functions, a cluster of agents over inproc or tcp started concurrently, and a fixture parameterised by the
+// transport name. Not thread-safe beyond what World's mutex guards.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "async_test_util.h"
+#include "autograd/ops.h"
+#include "rpc/agent.h"
+#include "rpc/store.h"
+#include "rpc/transport/inproc/context.h"
+
+namespace distgrad::rpc::testing {
+
+using namespace std::chrono_literals;
+using SteadyTime = std::chrono::steady_clock;
+
+inline const Function<Tensor(Tensor, Tensor)> kAdd{"add"};
+inline const Function<Tensor(Tensor)> kIdentity{"identity"};
+inline const Function<int64_t(int64_t, int64_t)> kAddInt{"add_int"};
+inline const Function<std::string(std::string)> kEcho{"echo"};
+inline const Function<std::vector<double>(std::vector<double>, double)> kScale{"scale"};
+inline const Function<void(int64_t)> kNoop{"noop"};
+inline const Function<int64_t(int64_t)> kThrow{"throw"};
+inline const Function<int64_t(int64_t)> kNested{"nested"};
+inline const Function<bool(int64_t)> kWaitCancel{"wait_cancel"};
+inline const Function<int64_t(int64_t)> kHang{"hang"};
+inline const Function<std::string(std::string)> kWrongSignature{"add_int"};  // same name, other types
+inline const Function<int64_t()> kMissing{"missing"};
+
+// What handlers share with the test body.
+struct World {
+  std::mutex mutex;
+  std::map<std::string, Agent*> agents;  // filled after start, read by handlers making nested calls
+  std::vector<CancellationRegistration> registrations;
+  std::vector<std::shared_ptr<Promise<int64_t>>> hanging;
+  Event cancelObserved;
+  std::optional<ErrorKind> cancelKind;
+  Event hangStarted;
+  Event waitCancelStarted;
+
+  Agent& agent(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mutex);
+    return *agents.at(name);
+  }
+};
+
+inline Registry makeRegistry(World& world) {
+  Registry reg;
+  reg.bind(kAdd, [](Tensor a, Tensor b) { return a + b; });
+  reg.bind(kIdentity, [](Tensor a) { return a; });
+  reg.bind(kAddInt, [](int64_t a, int64_t b) { return a + b; });
+  reg.bind(kEcho, [](const CallContext& ctx, std::string s) { return s + " from " + ctx.callee + " to " + ctx.caller; });
+  reg.bind(kScale, [](std::vector<double> v, double k) {
+    for (double& x : v) x *= k;
+    return v;
+  });
+  reg.bind(kNoop, [](int64_t) {});
+  reg.bind(kThrow, [](int64_t n) -> int64_t { throw std::out_of_range("index " + std::to_string(n) + " is too big"); });
+  // Calls back into the caller and returns a Future: no executor thread waits meanwhile.
+  reg.bind(kNested, [&world](const CallContext& ctx, int64_t n) -> Future<int64_t> {
+    return world.agent(ctx.callee).rpcAsync(ctx.caller, kAddInt, n, int64_t{1}).then([](int64_t v) { return v * 10; });
+  });
+  reg.bind(kWaitCancel, [&world](const CallContext& ctx, int64_t) -> Future<bool> {
+    auto promise = std::make_shared<Promise<bool>>(*Executor::current());
+    Future<bool> future = promise->getFuture();
+    auto registration = ctx.token.onCancel([&world, promise](const Error& reason) {
+      {
+        std::lock_guard<std::mutex> lock(world.mutex);
+        world.cancelKind = reason.kind;
+      }
+      world.cancelObserved.set();
+      promise->trySetValue(true);
+    });
+    {
+      std::lock_guard<std::mutex> lock(world.mutex);
+      world.registrations.push_back(std::move(registration));
+    }
+    world.waitCancelStarted.set();
+    return future;
+  });
+  reg.bind(kHang, [&world](int64_t) -> Future<int64_t> {
+    auto promise = std::make_shared<Promise<int64_t>>(*Executor::current());
+    Future<int64_t> future = promise->getFuture();
+    {
+      std::lock_guard<std::mutex> lock(world.mutex);
+      world.hanging.push_back(promise);
+    }
+    world.hangStarted.set();
+    return future;
+  });
+  return reg;
+}
+
+struct ClusterSpec {
+  std::string transport = "inproc";
+  int size = 2;
+  int executorThreads = 4;
+  std::vector<std::string> secrets;  // per rank; empty: the same secret for all
+  std::vector<uint16_t> protocolVersions;  // per rank (AgentConfig::protocolVersionForTesting); empty: the real one
+  std::chrono::milliseconds heartbeatInterval{100};
+  std::chrono::milliseconds heartbeatTimeout{3000};
+  std::chrono::milliseconds rendezvousTimeout{10'000};
+  std::chrono::milliseconds shutdownTimeout{10'000};
+};
+
+struct Cluster {
+  std::unique_ptr<StoreServer> store;
+  std::vector<std::unique_ptr<Agent>> agents;
+  std::vector<std::exception_ptr> errors;
+  World* world = nullptr;
+
+  ~Cluster() {
+    if (world != nullptr) {
+      // Hanging promises are bound to their agent's executor: drop them before the agents.
+      for (auto& agent : agents) {
+        if (agent) agent->shutdown(false);
+      }
+      std::lock_guard<std::mutex> lock(world->mutex);
+      world->hanging.clear();
+      world->registrations.clear();
+    }
+    agents.clear();
+  }
+};
+
+// Starts spec.size agents concurrently (start() returns once every peer is connected).
+inline void startCluster(Cluster& cluster, const ClusterSpec& spec, World& world, const Registry& reg) {
+  cluster.world = &world;
+  cluster.store = StoreServer::start("127.0.0.1:0");
+  auto hub = std::make_shared<transport::inproc::InprocHub>();
+  cluster.agents.resize(spec.size);
+  cluster.errors.resize(spec.size);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < spec.size; ++rank) {
+    threads.emplace_back([&, rank] {
+      Options options;
+      options.rank = rank;
+      options.worldSize = spec.size;
+      options.storeAddr = cluster.store->address();
+      options.transport = spec.transport;
+      options.executorThreads = spec.executorThreads;
+      options.secret = spec.secrets.empty() ? "s3cret" : spec.secrets[rank];
+      options.heartbeatInterval = spec.heartbeatInterval;
+      options.heartbeatTimeout = spec.heartbeatTimeout;
+      options.rendezvousTimeout = spec.rendezvousTimeout;
+      options.defaultTimeout = 20s;
+      AgentConfig config;
+      config.inprocHub = hub;
+      config.shutdownTimeout = spec.shutdownTimeout;
+      if (!spec.protocolVersions.empty()) config.protocolVersionForTesting = spec.protocolVersions[rank];
+      try {
+        cluster.agents[rank] = Agent::start(options, reg, config);
+      } catch (...) {
+        cluster.errors[rank] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  std::lock_guard<std::mutex> lock(world.mutex);
+  for (auto& agent : cluster.agents) {
+    if (agent) world.agents[agent->name()] = agent.get();
+  }
+}
+
+inline Error errorOf(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const RpcError& e) {
+    return e.error();
+  }
+  ADD_FAILURE() << "expected an RpcError";
+  return Error::failed("no error");
+}
+
+class AgentFixture : public ::testing::TestWithParam<std::string> {
+ protected:
+  void start(ClusterSpec spec = {}) {
+    spec.transport = GetParam();
+    registry_ = makeRegistry(world_);
+    startCluster(cluster_, spec, world_, registry_);
+    for (size_t i = 0; i < cluster_.errors.size(); ++i) {
+      if (cluster_.errors[i]) {
+        try {
+          std::rethrow_exception(cluster_.errors[i]);
+        } catch (const std::exception& e) {
+          FAIL() << "rank " << i << " failed to start: " << e.what();
+        }
+      }
+    }
+  }
+  Agent& agent(int rank) { return *cluster_.agents.at(rank); }
+
+  World world_;
+  Registry registry_;
+  Cluster cluster_;
+};
+
+}  // namespace distgrad::rpc::testing
