@@ -316,15 +316,18 @@ void Agent::adoptConnection(std::shared_ptr<transport::Connection> connection, c
   if (frame.ok()) sendOn(link, std::move(frame).value());
 }
 
-void Agent::refuseLink(const std::shared_ptr<Link>& link, const std::string& reason) {
+void Agent::refuseLink(const std::shared_ptr<Link>& link, const std::string& reason, const std::string& claimedName) {
   std::string who = !link->peer.empty() ? link->peer
                     : !link->expectedPeer.empty() ? link->expectedPeer
-                                                  : link->connection->peerAddress();
+                    : !claimedName.empty() ? claimedName
+                                           : link->connection->peerAddress();
   warn("refused the connection with " + who + ": " + reason);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     link->refused = true;
-    if (!startError_) startError_ = Error::failed("handshake with " + who + " failed: " + reason);
+    const bool concernsJob = !link->peer.empty() || !link->expectedPeer.empty() ||
+                             (!claimedName.empty() && peers_.count(claimedName) > 0);
+    if (concernsJob && !startError_) startError_ = Error::failed("handshake with " + who + " failed: " + reason);
   }
   changed_.notify_all();
   link->connection->close();
@@ -388,10 +391,6 @@ void Agent::onHandshake(const std::shared_ptr<Link>& link, const DecodedMessage&
   HandshakeMessage hs = std::move(decoded).value();
   if (hs.stage == kHello) {
     if (link->gotHello) return refuseLink(link, "a second hello");
-    if (hs.version != config_.protocolVersionForTesting) {
-      return refuseLink(link, "protocol version " + std::to_string(hs.version) + ", this worker speaks " +
-                                  std::to_string(config_.protocolVersionForTesting));
-    }
     if (hs.nonce.size() != detail::kNonceBytes) return refuseLink(link, "a nonce of the wrong size");
     {
       // An incoming hello can arrive before this agent has read the peer list from the store.
@@ -406,8 +405,14 @@ void Agent::onHandshake(const std::shared_ptr<Link>& link, const DecodedMessage&
       if (it->second->rank != hs.rank) {
         lock.unlock();
         return refuseLink(link, "worker '" + hs.name + "' claims rank " + std::to_string(hs.rank) +
-                                    " but registered rank " + std::to_string(it->second->rank));
+                                    " but registered rank " + std::to_string(it->second->rank), hs.name);
       }
+    }
+    // Checked once the peer list is known, so a mismatch from a registered worker aborts start() on this side
+    // too (an anonymous one is only logged).
+    if (hs.version != config_.protocolVersionForTesting) {
+      return refuseLink(link, "protocol version " + std::to_string(hs.version) + ", this worker speaks " +
+                                  std::to_string(config_.protocolVersionForTesting), hs.name);
     }
     if (!link->expectedPeer.empty() && hs.name != link->expectedPeer) {
       return refuseLink(link, "connected to " + link->expectedPeer + " but '" + hs.name + "' answered");
@@ -548,6 +553,15 @@ void Agent::startCall(const CallOptions& callOptions, const std::string& worker,
     complete(Result<DecodedMessage>(std::move(*refusal)));
     return;
   }
+  // Queue the call before arming the deadline and the cancel registration: frames leave in order, so a
+  // cancel message (sent by either) can never overtake its call and reach the callee first.
+  link->connection->send(std::move(frame), [this, id, worker](const Result<void>& sent) {
+    if (!sent.ok()) {
+      Error error = Error::disconnected("sending to " + worker + " failed: " + sent.error().message);
+      error.worker = worker;
+      failPending(id, std::move(error), /*sendCancel=*/false);
+    }
+  });
   auto timeout = effectiveTimeout(callOptions);
   if (timeout.count() > 0) {
     TimerId timer = timers_->scheduleAfter(timeout, [this, id, worker, timeout, fn = fields.functionName] {
@@ -575,13 +589,6 @@ void Agent::startCall(const CallOptions& callOptions, const std::string& worker,
       lock.unlock();  // the registration dies here, outside the lock
     }
   }
-  link->connection->send(std::move(frame), [this, id, worker](const Result<void>& sent) {
-    if (!sent.ok()) {
-      Error error = Error::disconnected("sending to " + worker + " failed: " + sent.error().message);
-      error.worker = worker;
-      failPending(id, std::move(error), /*sendCancel=*/false);
-    }
-  });
 }
 
 std::unique_ptr<Agent::Pending> Agent::takePending(uint64_t id) {
@@ -803,9 +810,10 @@ size_t Agent::runningHandlers() const {
   return incoming_.size();
 }
 
-void Agent::storeBarrier(const std::string& tag, SteadyTime::time_point deadline) {
+void Agent::storeBarrier(const std::string& tag, SteadyTime::time_point deadline, bool onlyStoreHostWaits) {
   const std::string prefix = config_.storePrefix + "/" + tag + "/";
   store_->set(prefix + std::to_string(options_.rank), "1");
+  if (onlyStoreHostWaits && !storeServer_) return;
   std::vector<int> missing;
   for (int r = 0; r < options_.worldSize; ++r) {
     if (r != options_.rank) missing.push_back(r);
@@ -888,8 +896,9 @@ void Agent::shutdown(bool graceful) {
       waitQuiet(/*outgoing=*/true, deadline);
       storeBarrier("drained", deadline);
       waitQuiet(/*outgoing=*/false, deadline);
-      // The host of the store must not close it while others still use it.
-      storeBarrier("left", deadline);
+      // The host of the store must not close it while others still use it; the others must not poll it
+      // after their last write (the host may already have closed it).
+      storeBarrier("left", deadline, /*onlyStoreHostWaits=*/true);
     } catch (...) {
       failure = std::current_exception();
     }

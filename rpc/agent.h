@@ -197,7 +197,10 @@ class Agent {
   void onFrame(const std::shared_ptr<Link>& link, transport::IncomingFrame&& frame);
   void onHandshake(const std::shared_ptr<Link>& link, const DecodedMessage& message);
   void onLinkClosed(const std::shared_ptr<Link>& link, const Error& error);
-  void refuseLink(const std::shared_ptr<Link>& link, const std::string& reason);
+  // Logs and closes a link that failed the handshake. The failure aborts start() only when it concerns a
+  // worker of this job (a link we opened, or a peer claiming a registered name): an anonymous stray
+  // connection (port scanner, garbage, unknown name) is only logged.
+  void refuseLink(const std::shared_ptr<Link>& link, const std::string& reason, const std::string& claimedName = {});
   void peerDown(const std::string& peer, const Error& error);
 
   void onCall(const std::shared_ptr<Link>& link, DecodedMessage message);
@@ -206,7 +209,10 @@ class Agent {
   void sendFrame(const std::string& peer, transport::OutgoingFrame frame);
   void sendOn(const std::shared_ptr<Link>& link, transport::OutgoingFrame frame);
   void heartbeat();
-  void storeBarrier(const std::string& tag, std::chrono::steady_clock::time_point deadline);
+  // Sets this rank's key under `tag`, then waits for every other rank's; with onlyStoreHostWaits, only the
+  // rank hosting the store waits (the others may leave at once).
+  void storeBarrier(const std::string& tag, std::chrono::steady_clock::time_point deadline,
+                    bool onlyStoreHostWaits = false);
   void waitQuiet(bool outgoing, std::chrono::steady_clock::time_point deadline);
   void warn(const std::string& message) const;
   void teardown();
