@@ -368,7 +368,7 @@ void Agent::onFrame(const std::shared_ptr<Link>& link, transport::IncomingFrame&
       break;
     case MessageKind::kResponse:
     case MessageKind::kError:
-      onReply(std::move(message));
+      onReply(link->peer, std::move(message));
       break;
     case MessageKind::kCancel:
       onCancel(link->peer, message);
@@ -591,10 +591,11 @@ void Agent::startCall(const CallOptions& callOptions, const std::string& worker,
   }
 }
 
-std::unique_ptr<Agent::Pending> Agent::takePending(uint64_t id) {
+std::unique_ptr<Agent::Pending> Agent::takePending(uint64_t id, const std::string* fromPeer) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = pending_.find(id);
   if (it == pending_.end()) return nullptr;
+  if (fromPeer != nullptr && it->second->peer != *fromPeer) return nullptr;  // not this peer's call
   auto pending = std::move(it->second);
   pending_.erase(it);
   auto peer = peers_.find(pending->peer);
@@ -623,8 +624,8 @@ void Agent::failPending(uint64_t id, Error error, bool sendCancel) {
   pending->complete(Result<DecodedMessage>(std::move(error)));
 }
 
-void Agent::onReply(DecodedMessage message) {
-  auto pending = takePending(message.fields().messageId);
+void Agent::onReply(const std::string& peer, DecodedMessage message) {
+  auto pending = takePending(message.fields().messageId, &peer);
   if (!pending) return;  // it timed out or was cancelled before the reply came
   if (pending->timer != kInvalidTimerId) timers_->cancel(pending->timer);
   if (message.kind() == MessageKind::kError) {
@@ -655,6 +656,7 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message) {
   const uint64_t id = message.fields().messageId;
   CancellationToken token;
   std::optional<Error> refusal;
+  bool duplicateId = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     peers_.at(peerName)->callsReceived.fetch_add(1, std::memory_order_relaxed);
@@ -663,7 +665,9 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message) {
     } else {
       auto incoming = std::make_unique<Incoming>();
       token = incoming->source.token();
-      incoming_[{peerName, id}] = std::move(incoming);
+      // A peer reusing the id of a call still running would orphan that call's cancellation and reply:
+      // a protocol violation, answered by closing the link.
+      duplicateId = !incoming_.emplace(std::make_pair(peerName, id), std::move(incoming)).second;
     }
   }
   auto reply = [this, peerName, id, fn = message.fields().functionName](Result<EncodeValueFn>&& result) {
@@ -694,6 +698,12 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message) {
       if (incoming_.empty()) changed_.notify_all();
     }
   };
+  if (duplicateId) {
+    warn("closing the connection with " + peerName + ": it reused call id " + std::to_string(id) +
+         " while that call is still running");
+    link->connection->close();
+    return;
+  }
   if (refusal) {
     reply(Result<EncodeValueFn>(std::move(*refusal)));
     return;

@@ -189,7 +189,9 @@ class Agent {
   void startUp();
   void startCall(const CallOptions& callOptions, const std::string& worker, const EnvelopeFields& fields,
                  transport::OutgoingFrame frame, Completion complete);
-  std::unique_ptr<Pending> takePending(uint64_t id);
+  // Removes and returns pending call `id`; with `fromPeer`, only if that call went to that peer (a reply
+  // from anyone else is ignored).
+  std::unique_ptr<Pending> takePending(uint64_t id, const std::string* fromPeer = nullptr);
   void failPending(uint64_t id, Error error, bool sendCancel);
 
   // Links and handshake (loop thread).
@@ -204,7 +206,7 @@ class Agent {
   void peerDown(const std::string& peer, const Error& error);
 
   void onCall(const std::shared_ptr<Link>& link, DecodedMessage message);
-  void onReply(DecodedMessage message);
+  void onReply(const std::string& peer, DecodedMessage message);
   void onCancel(const std::string& peer, const DecodedMessage& message);
   void sendFrame(const std::string& peer, transport::OutgoingFrame frame);
   void sendOn(const std::shared_ptr<Link>& link, transport::OutgoingFrame frame);
