@@ -581,11 +581,13 @@ void Agent::startCall(const CallOptions& callOptions, const std::string& worker,
       if (error.worker.empty()) error.worker = worker;
       failPending(id, std::move(error), /*sendCancel=*/true);
     });
-    std::unique_lock<std::mutex> lock(mutex_);
-    auto it = pending_.find(id);
+    // Nothing to keep for a default token (the common case) or a callback that already ran: skip the lock.
+    std::unique_lock<std::mutex> lock(mutex_, std::defer_lock);
+    if (registration.active()) lock.lock();
+    auto it = lock.owns_lock() ? pending_.find(id) : pending_.end();
     if (it != pending_.end()) {
       it->second->cancelRegistration = std::move(registration);
-    } else {
+    } else if (lock.owns_lock()) {
       lock.unlock();  // the registration dies here, outside the lock
     }
   }
@@ -731,6 +733,16 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message) {
     ctx.token = token;
     ctx.timeout = std::chrono::microseconds(fields.timeoutMicros);
     Future<EncodeValueFn> result = entry->invoke(message, ctx, *executor_);
+    if (result.isReady()) {
+      // A synchronous handler (or an async one that finished already): we are on an executor thread
+      // inside this task, so encode and send the reply here instead of posting a continuation for it.
+      // This is not a continuation running inline (the task consumes its own ready result), and it
+      // saves one executor round trip (and often a worker wake-up) per call.
+      reply(result.result());
+      return;
+    }
+    // Still running: the reply (which encodes the value) is a normal continuation on the executor, never
+    // on the thread that completes the handler's future (that may be a transport loop thread).
     (void)result.then([reply](Result<EncodeValueFn>&& r) mutable { reply(std::move(r)); });
   };
   if (!executor_->post(std::move(task))) {

@@ -113,8 +113,10 @@ class FutureState : public std::enable_shared_from_this<FutureState<T>> {
       callback = std::move(callback_);
       inlineSafe = callbackInlineSafe_;
       executor = executor_;
-      completed_.notify_all();
     }
+    // Notified after unlocking so a blocked get() does not wake into our held mutex. The state is alive:
+    // the completing Promise holds a reference to it.
+    completed_.notify_all();
     if (callback) dispatch(std::move(callback), inlineSafe, executor);
     return true;
   }

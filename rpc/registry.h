@@ -108,7 +108,9 @@ class Registry {
         using Ret = std::remove_cvref_t<decltype(call())>;
         if constexpr (IsFutureType<Ret>::value) {
           static_assert(std::is_same_v<Ret, Future<R>>, "an async handler must return Future<R>");
-          return call().then([callee = ctx.callee](Result<R>&& result) {
+          // Inline-safe: it only wraps the value in its encoder (no encoding, no blocking), so a handler
+          // future that is already complete stays complete and the agent replies without another hop.
+          return call().then(kInlineSafe, [callee = ctx.callee](Result<R>&& result) {
             return detail::encoderFromResult<R>(std::move(result), callee);
           });
         } else if constexpr (std::is_void_v<R>) {
