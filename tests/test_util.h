@@ -22,6 +22,16 @@ inline void expectValues(const Tensor& t, const Shape& shape, const std::vector<
   for (size_t i = 0; i < v.size(); ++i) EXPECT_NEAR(v[i], expected[i], tol) << "element " << i;
 }
 
+inline void expectNear(const std::vector<double>& actual, const std::vector<double>& expected, double tol) {
+  ASSERT_EQ(actual.size(), expected.size());
+  for (size_t i = 0; i < actual.size(); ++i) EXPECT_NEAR(actual[i], expected[i], tol) << "element " << i;
+}
+
+// A tensor of `shape` holding `values` (row-major), converted to `dtype`.
+inline Tensor shaped(const std::vector<double>& values, const Shape& shape, DType dtype = DType::kFloat64) {
+  return Tensor::fromVector(values, shape).toDType(dtype);
+}
+
 // f must throw distgrad::ValueError whose message contains every needle.
 template <typename F>
 void expectThrowsWith(F&& f, const std::vector<std::string>& needles) {

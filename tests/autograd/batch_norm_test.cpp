@@ -10,20 +10,15 @@
 #include "tensor/cpu/batch_norm.h"
 #include "tensor/cpu/dnnl_context.h"
 #include "tensor/random.h"
+#include "test_util.h"
 
 namespace distgrad {
 namespace {
 
 namespace kernels = tensor::kernels;
 
-void expectNear(const std::vector<double>& actual, const std::vector<double>& expected, double tol) {
-  ASSERT_EQ(actual.size(), expected.size());
-  for (size_t i = 0; i < actual.size(); ++i) EXPECT_NEAR(actual[i], expected[i], tol) << "element " << i;
-}
-
-Tensor shaped(const std::vector<double>& values, const Shape& shape, DType dtype = DType::kFloat64) {
-  return Tensor::fromVector(values, shape).toDType(dtype);
-}
+using testing::expectNear;
+using testing::shaped;
 
 Tensor randn(const Shape& shape, uint64_t seed, DType dtype = DType::kFloat64, double mean = 0, double sd = 1) {
   tensor::Generator gen(seed);
