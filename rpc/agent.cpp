@@ -25,38 +25,85 @@ int64_t unixMicros() {
       .count();
 }
 
-// The handshake message (both stages travel in MessageKind::kHandshake frames).
-//   stage 1 (hello): version, name, rank, nonce          sent by both ends as soon as the link exists
-//   stage 2 (proof): mac = HMAC-SHA256(secret, peer's nonce || own name || kHandshakeLabel)
-struct HandshakeMessage {
-  int64_t stage = 0;
-  int64_t version = 0;
-  std::string name;
-  int64_t rank = -1;
-  std::vector<uint8_t> nonce;
-  std::vector<uint8_t> mac;
-  template <class V>
-  void visitFields(V& v) {
-    v("stage", stage);
-    v("version", version);
-    v("name", name);
-    v("rank", rank);
-    v("nonce", nonce);
-    v("mac", mac);
-  }
-};
-
+// The handshake (docs/wire_protocol.md section 8). Every stage travels as a MessageKind::kHandshake frame
+// whose value is Agent::HandshakeMessage; the connector is the lower rank, which opened the link:
+//   1 hello      connector -> acceptor  version, name, rank, nonce_c
+//   2 challenge  acceptor -> connector  version, name, rank, nonce_a        (only after checking the hello)
+//   3 proof      connector -> acceptor  mac = MAC("c2a")                    (the connector proves first)
+//   4 accept     acceptor -> connector  mac = MAC("a2c")                    (only after checking the proof)
+// MAC(d) = HMAC-SHA256(secret, kHandshakeLabel || d || nonce_c || nonce_a || u32le(|name_c|) || name_c ||
+//                      u32le(|name_a|) || name_a): both nonces, both names and the direction, so a proof is
+// valid for exactly one link and one direction and cannot be relayed to another link or reflected back.
 constexpr int64_t kHello = 1;
-constexpr int64_t kProof = 2;
-constexpr std::string_view kHandshakeLabel = "distgrad-handshake-v1";
+constexpr int64_t kChallenge = 2;
+constexpr int64_t kProof = 3;
+constexpr int64_t kAccept = 4;
+constexpr std::string_view kHandshakeLabel = "distgrad-handshake-v2 ";
+constexpr std::string_view kConnectorToAcceptor = "c2a";
+constexpr std::string_view kAcceptorToConnector = "a2c";
+// A worker name in a hello longer than this is refused (names come from the store and are short).
+constexpr size_t kMaxNameBytes = 256;
+// Before a link is ready, a frame must look like a handshake message: no payloads, a small envelope.
+constexpr size_t kMaxHandshakeEnvelopeBytes = 4096;
+// Default bound on one link's handshake (AgentConfig::handshakeTimeout).
+constexpr std::chrono::milliseconds kDefaultHandshakeTimeout{10'000};
 
-std::vector<uint8_t> proofMac(const std::string& secret, std::span<const uint8_t> nonce, const std::string& prover) {
-  std::vector<uint8_t> message(nonce.begin(), nonce.end());
-  message.insert(message.end(), prover.begin(), prover.end());
-  message.insert(message.end(), kHandshakeLabel.begin(), kHandshakeLabel.end());
+const char* stageName(int64_t stage) {
+  switch (stage) {
+    case kHello:
+      return "hello";
+    case kChallenge:
+      return "challenge";
+    case kProof:
+      return "proof";
+    case kAccept:
+      return "accept";
+    default:
+      return "unknown";
+  }
+}
+
+void appendBytes(std::vector<uint8_t>& out, std::string_view bytes) { out.insert(out.end(), bytes.begin(), bytes.end()); }
+
+void appendName(std::vector<uint8_t>& out, const std::string& name) {
+  // Length-prefixed, so ("ab", "c") and ("a", "bc") never give the same message.
+  const auto n = static_cast<uint32_t>(name.size());
+  for (int i = 0; i < 4; ++i) out.push_back(static_cast<uint8_t>(n >> (8 * i)));
+  appendBytes(out, name);
+}
+
+std::vector<uint8_t> handshakeMac(const std::string& secret, std::string_view direction,
+                                  std::span<const uint8_t> connectorNonce, std::span<const uint8_t> acceptorNonce,
+                                  const std::string& connector, const std::string& acceptor) {
+  std::vector<uint8_t> message;
+  appendBytes(message, kHandshakeLabel);
+  appendBytes(message, direction);
+  message.insert(message.end(), connectorNonce.begin(), connectorNonce.end());
+  message.insert(message.end(), acceptorNonce.begin(), acceptorNonce.end());
+  appendName(message, connector);
+  appendName(message, acceptor);
   auto digest = detail::hmacSha256(
       std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(secret.data()), secret.size()), message);
   return {digest.begin(), digest.end()};
+}
+
+// A name a peer claimed, safe for a log line: bytes outside printable ASCII (and the backslash) become
+// \xHH escapes, and an over-long name is cut (its length is given).
+std::string printable(std::string_view text) {
+  constexpr size_t kShown = 64;
+  std::string out;
+  for (size_t i = 0; i < text.size() && i < kShown; ++i) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    if (c >= 0x20 && c < 0x7f && c != '\\') {
+      out += static_cast<char>(c);
+    } else {
+      char escaped[5];
+      std::snprintf(escaped, sizeof(escaped), "\\x%02x", c);
+      out += escaped;
+    }
+  }
+  if (text.size() > kShown) out += "... (" + std::to_string(text.size()) + " bytes)";
+  return out;
 }
 
 bool isLoopback(const std::string& host) {
@@ -77,14 +124,51 @@ std::string joinNames(const std::vector<std::string>& names) {
 
 }  // namespace
 
+struct Agent::HandshakeMessage {
+  int64_t stage = 0;
+  int64_t version = 0;
+  std::string name;
+  int64_t rank = -1;
+  std::vector<uint8_t> nonce;
+  std::vector<uint8_t> mac;
+  template <class V>
+  void visitFields(V& v) {
+    v("stage", stage);
+    v("version", version);
+    v("name", name);
+    v("rank", rank);
+    v("nonce", nonce);
+    v("mac", mac);
+  }
+};
+
+namespace {
+
+// Where a link's handshake stands; the stage this end waits for.
+enum class HandshakeStep {
+  kAwaitHello,      // acceptor
+  kHelloPending,    // acceptor: a hello came before the peer list was known and waits on the link
+  kAwaitChallenge,  // connector
+  kAwaitProof,      // acceptor
+  kAwaitAccept,     // connector
+  kDone,
+};
+
+}  // namespace
+
+// Fields marked "loop" are read and written only on the transport's loop thread.
 struct Agent::Link {
   std::shared_ptr<transport::Connection> connection;
-  std::string expectedPeer;  // set for the links this agent opened
-  std::string peer;          // the name the peer's hello gave
-  std::array<uint8_t, detail::kNonceBytes> nonce{};
-  bool gotHello = false;
-  bool ready = false;
-  bool refused = false;
+  std::string expectedPeer;  // set for the links this agent opened (it is then the connector)
+  std::string peer;          // loop: the registered worker the peer's hello / challenge named, once checked
+  std::array<uint8_t, detail::kNonceBytes> nonce{};  // this end's
+  std::vector<uint8_t> peerNonce;                     // loop
+  HandshakeStep step = HandshakeStep::kAwaitHello;    // loop
+  TimerId handshakeTimer = kInvalidTimerId;           // loop
+  bool closed = false;                                // loop: onLinkClosed ran
+  std::optional<HandshakeMessage> deferredHello;      // GUARDED_BY(Agent::mutex_)
+  bool ready = false;    // written on the loop thread under Agent::mutex_
+  bool refused = false;  // written on the loop thread under Agent::mutex_
 };
 
 struct Agent::Peer {
@@ -215,6 +299,12 @@ void Agent::startUp() {
     peers_ = std::move(peers);
     peersKnown_ = true;
     callsOpen_ = true;
+    // Hellos that came before the peer list was known waited on their links; answer them now, on the loop.
+    for (const auto& link : links_) {
+      if (!link->deferredHello) continue;
+      context_->defer([this, link, hello = std::move(*link->deferredHello)] { onHello(link, hello); });
+      link->deferredHello.reset();
+    }
   }
   changed_.notify_all();
 
@@ -287,6 +377,7 @@ void Agent::adoptConnection(std::shared_ptr<transport::Connection> connection, c
   link->connection = connection;
   link->expectedPeer = expectedPeer;
   link->nonce = detail::makeNonce();
+  link->step = expectedPeer.empty() ? HandshakeStep::kAwaitHello : HandshakeStep::kAwaitChallenge;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (closed_) {
@@ -297,43 +388,107 @@ void Agent::adoptConnection(std::shared_ptr<transport::Connection> connection, c
   }
   std::weak_ptr<Link> weak = link;
   connection->start(
-      allocator_,
+      linkAllocator(weak),
       [this, weak](transport::IncomingFrame&& frame) {
         if (auto l = weak.lock()) onFrame(l, std::move(frame));
       },
       [this, weak](const Error& error) {
         if (auto l = weak.lock()) onLinkClosed(l, error);
       });
-  HandshakeMessage hello;
-  hello.stage = kHello;
-  hello.version = config_.protocolVersionForTesting;
-  hello.name = name_;
-  hello.rank = options_.rank;
-  hello.nonce.assign(link->nonce.begin(), link->nonce.end());
-  EnvelopeFields fields;
-  fields.kind = MessageKind::kHandshake;
-  auto frame = encodeMessageWith(fields, hello);
-  if (frame.ok()) sendOn(link, std::move(frame).value());
+  // A link that does not finish its handshake in time is closed (the check itself runs on the loop).
+  link->handshakeTimer = timers_->scheduleAfter(handshakeTimeout(), [this, weak] {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto l = weak.lock();
+    if (closed_ || !l || l->ready) return;
+    try {
+      context_->defer([this, l] { onHandshakeTimeout(l); });  // the context is open while !closed_
+    } catch (const std::exception& e) {
+      warn(std::string("cannot check a handshake timeout: ") + e.what());
+    }
+  });
+  if (!expectedPeer.empty()) {
+    // This end opened the link: it is the connector and speaks first.
+    HandshakeMessage hello;
+    hello.stage = kHello;
+    hello.version = config_.protocolVersionForTesting;
+    hello.name = name_;
+    hello.rank = options_.rank;
+    hello.nonce.assign(link->nonce.begin(), link->nonce.end());
+    EnvelopeFields fields;
+    fields.kind = MessageKind::kHandshake;
+    auto frame = encodeMessageWith(fields, hello);
+    if (frame.ok()) sendOn(link, std::move(frame).value());
+  }
 }
 
-void Agent::refuseLink(const std::shared_ptr<Link>& link, const std::string& reason, const std::string& claimedName) {
+transport::PayloadAllocator Agent::linkAllocator(const std::weak_ptr<Link>& weak) {
+  return [this, weak](std::span<const uint8_t> envelope,
+                      std::span<const uint64_t> sizes) -> Result<std::vector<transport::PayloadBuffer>> {
+    auto link = weak.lock();
+    if (link && link->ready) return allocator_(envelope, sizes);
+    uint64_t bytes = 0;
+    for (uint64_t size : sizes) bytes += size;
+    std::string reason = "a frame with " + std::to_string(sizes.size()) + " payloads (" + std::to_string(bytes) +
+                         " bytes) before the handshake completed; refused without allocating them";
+    if (link) refuseLink(link, reason);
+    return Error::failed(reason);
+  };
+}
+
+std::chrono::milliseconds Agent::handshakeTimeout() const {
+  if (config_.handshakeTimeout.count() > 0) return config_.handshakeTimeout;
+  return std::min(options_.rendezvousTimeout, kDefaultHandshakeTimeout);
+}
+
+void Agent::onHandshakeTimeout(const std::shared_ptr<Link>& link) {
+  if (link->ready || link->closed || link->refused) return;
+  refuseLink(link, std::string("no handshake within ") + std::to_string(handshakeTimeout().count()) +
+                       " ms (waiting for its " +
+                       (link->step == HandshakeStep::kAwaitHello || link->step == HandshakeStep::kHelloPending
+                            ? "hello"
+                        : link->step == HandshakeStep::kAwaitChallenge ? "challenge"
+                        : link->step == HandshakeStep::kAwaitProof     ? "proof"
+                                                                       : "accept") +
+                       ")");
+}
+
+void Agent::refuseLink(const std::shared_ptr<Link>& link, const std::string& reason, const std::string& claimedName,
+                       std::optional<transport::OutgoingFrame> lastWords) {
+  if (link->refused) return;
   std::string who = !link->peer.empty() ? link->peer
                     : !link->expectedPeer.empty() ? link->expectedPeer
-                    : !claimedName.empty() ? claimedName
+                    : !claimedName.empty() ? printable(claimedName)
                                            : link->connection->peerAddress();
   warn("refused the connection with " + who + ": " + reason);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     link->refused = true;
+    link->deferredHello.reset();
     const bool concernsJob = !link->peer.empty() || !link->expectedPeer.empty() ||
                              (!claimedName.empty() && peers_.count(claimedName) > 0);
     if (concernsJob && !startError_) startError_ = Error::failed("handshake with " + who + " failed: " + reason);
   }
   changed_.notify_all();
+  if (link->handshakeTimer != kInvalidTimerId) timers_->cancel(link->handshakeTimer);
+  if (lastWords) {
+    // Closed once the frame left (a close would drop a frame still queued); the handshake timeout is
+    // not needed for this: the send completes or fails when the connection closes.
+    auto connection = link->connection;
+    connection->send(std::move(*lastWords), [connection](const Result<void>&) { connection->close(); });
+    return;
+  }
   link->connection->close();
 }
 
 void Agent::onFrame(const std::shared_ptr<Link>& link, transport::IncomingFrame&& frame) {
+  if (!link->ready && (!frame.payloads.empty() || frame.envelope.size() > kMaxHandshakeEnvelopeBytes)) {
+    // Only handshake messages may come before the link is ready (the tcp allocator refused payloads
+    // before this point; inproc frames get here).
+    refuseLink(link, "a frame with " + std::to_string(frame.payloads.size()) + " payloads and a " +
+                         std::to_string(frame.envelope.size()) + "-byte envelope before the handshake completed (" +
+                         "at most " + std::to_string(kMaxHandshakeEnvelopeBytes) + " bytes and no payloads)");
+    return;
+  }
   uint64_t bytes = frame.envelope.size();
   for (const auto& p : frame.payloads) bytes += p.size;
   auto decoded = decodeMessage(std::move(frame));
@@ -383,74 +538,175 @@ void Agent::onFrame(const std::shared_ptr<Link>& link, transport::IncomingFrame&
 }
 
 void Agent::onHandshake(const std::shared_ptr<Link>& link, const DecodedMessage& message) {
+  if (link->refused) return;
   auto decoded = message.decodeValue<HandshakeMessage>();
-  if (!decoded.ok()) {
-    refuseLink(link, "malformed handshake: " + decoded.error().message);
-    return;
-  }
+  if (!decoded.ok()) return refuseLink(link, "malformed handshake: " + decoded.error().message);
   HandshakeMessage hs = std::move(decoded).value();
-  if (hs.stage == kHello) {
-    if (link->gotHello) return refuseLink(link, "a second hello");
-    if (hs.nonce.size() != detail::kNonceBytes) return refuseLink(link, "a nonce of the wrong size");
-    {
-      // An incoming hello can arrive before this agent has read the peer list from the store.
-      std::unique_lock<std::mutex> lock(mutex_);
-      changed_.wait_for(lock, options_.rendezvousTimeout, [&] { return peersKnown_ || closed_; });
-      if (!peersKnown_) return;
-      auto it = peers_.find(hs.name);
-      if (it == peers_.end()) {
-        lock.unlock();
-        return refuseLink(link, "unknown worker '" + hs.name + "' (rank " + std::to_string(hs.rank) + ")");
-      }
-      if (it->second->rank != hs.rank) {
-        lock.unlock();
-        return refuseLink(link, "worker '" + hs.name + "' claims rank " + std::to_string(hs.rank) +
-                                    " but registered rank " + std::to_string(it->second->rank), hs.name);
-      }
-    }
-    // Checked once the peer list is known, so a mismatch from a registered worker aborts start() on this side
-    // too (an anonymous one is only logged).
-    if (hs.version != config_.protocolVersionForTesting) {
-      return refuseLink(link, "protocol version " + std::to_string(hs.version) + ", this worker speaks " +
-                                  std::to_string(config_.protocolVersionForTesting), hs.name);
-    }
-    if (!link->expectedPeer.empty() && hs.name != link->expectedPeer) {
-      return refuseLink(link, "connected to " + link->expectedPeer + " but '" + hs.name + "' answered");
-    }
-    link->peer = hs.name;
-    link->gotHello = true;
-    HandshakeMessage proof;
-    proof.stage = kProof;
-    proof.version = config_.protocolVersionForTesting;
-    proof.name = name_;
-    proof.rank = options_.rank;
-    proof.mac = proofMac(options_.secret, hs.nonce, name_);
-    EnvelopeFields fields;
-    fields.kind = MessageKind::kHandshake;
-    auto frame = encodeMessageWith(fields, proof);
-    if (frame.ok()) sendOn(link, std::move(frame).value());
-  } else if (hs.stage == kProof) {
-    if (!link->gotHello || link->ready) return refuseLink(link, "a proof out of order");
-    auto expected = proofMac(options_.secret, link->nonce, link->peer);
-    if (!detail::constantTimeEqual(expected, hs.mac)) {
-      return refuseLink(link, "HMAC mismatch: the peer does not know the cluster secret (DISTGRAD_SECRET)");
-    }
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      Peer& peer = *peers_.at(link->peer);
-      if (peer.link != nullptr || peer.dead) {
-        // Fall through to refuse outside the lock.
-      } else {
-        peer.link = link;
-        link->ready = true;
-        peer.lastSeenNanos.store(nowNanos(), std::memory_order_relaxed);
-      }
-    }
-    if (!link->ready) return refuseLink(link, "a second connection from " + link->peer);
-    changed_.notify_all();
-  } else {
-    refuseLink(link, "unknown handshake stage " + std::to_string(hs.stage));
+  const bool connector = !link->expectedPeer.empty();
+  const HandshakeStep expected = hs.stage == kHello       ? HandshakeStep::kAwaitHello
+                                 : hs.stage == kChallenge ? HandshakeStep::kAwaitChallenge
+                                 : hs.stage == kProof     ? HandshakeStep::kAwaitProof
+                                 : hs.stage == kAccept    ? HandshakeStep::kAwaitAccept
+                                                          : HandshakeStep::kDone;
+  if (expected == HandshakeStep::kDone) return refuseLink(link, "unknown handshake stage " + std::to_string(hs.stage));
+  if (link->step != expected) {
+    return refuseLink(link, std::string("a handshake ") + stageName(hs.stage) + " out of order (this end " +
+                                (connector ? "opened the link: the lower rank connects and says hello first"
+                                           : "accepted the link") +
+                                ")");
   }
+  if (hs.stage == kHello || hs.stage == kChallenge) {
+    if (hs.name.size() > kMaxNameBytes) {
+      return refuseLink(link, std::string("a ") + stageName(hs.stage) + " with a name of " +
+                                  std::to_string(hs.name.size()) + " bytes (at most " + std::to_string(kMaxNameBytes) +
+                                  ")");
+    }
+    if (hs.nonce.size() != detail::kNonceBytes) {
+      return refuseLink(link, "a nonce of " + std::to_string(hs.nonce.size()) + " bytes (expected " +
+                                  std::to_string(detail::kNonceBytes) + ")");
+    }
+  }
+  EnvelopeFields fields;
+  fields.kind = MessageKind::kHandshake;
+  switch (hs.stage) {
+    case kHello: {
+      link->step = HandshakeStep::kHelloPending;
+      {
+        // A hello can come before this agent has read the peer list from the store: it waits on the link
+        // (startUp replays it on the loop) so that the loop thread never blocks.
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (!peersKnown_) {
+          link->deferredHello = std::move(hs);
+          return;
+        }
+      }
+      onHello(link, hs);
+      return;
+    }
+    case kChallenge: {
+      // Connector: the acceptor named itself; it must be the worker we dialled, at its registered rank.
+      if (hs.name != link->expectedPeer) {
+        return refuseLink(link, "connected to " + link->expectedPeer + " but '" + printable(hs.name) + "' answered");
+      }
+      int registeredRank = -1;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        registeredRank = peers_.at(link->expectedPeer)->rank;
+      }
+      if (hs.rank != registeredRank) {
+        return refuseLink(link, "worker '" + link->expectedPeer + "' claims rank " + std::to_string(hs.rank) +
+                                    " but registered rank " + std::to_string(registeredRank));
+      }
+      if (hs.version != config_.protocolVersionForTesting) {
+        return refuseLink(link, "protocol version " + std::to_string(hs.version) + ", this worker speaks " +
+                                    std::to_string(config_.protocolVersionForTesting));
+      }
+      link->peer = hs.name;
+      link->peerNonce = std::move(hs.nonce);
+      HandshakeMessage proof;
+      proof.stage = kProof;
+      proof.version = config_.protocolVersionForTesting;
+      proof.mac = handshakeMac(options_.secret, kConnectorToAcceptor, link->nonce, link->peerNonce, name_, link->peer);
+      link->step = HandshakeStep::kAwaitAccept;
+      auto frame = encodeMessageWith(fields, proof);
+      if (frame.ok()) sendOn(link, std::move(frame).value());
+      return;
+    }
+    case kProof: {
+      // Acceptor: the connector proves first, over both nonces and both names.
+      auto expectedMac = handshakeMac(options_.secret, kConnectorToAcceptor, link->peerNonce, link->nonce, link->peer,
+                                      name_);
+      if (!detail::constantTimeEqual(expectedMac, hs.mac)) {
+        return refuseLink(link, "HMAC mismatch: the peer does not know the cluster secret (DISTGRAD_SECRET)");
+      }
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        const Peer& peer = *peers_.at(link->peer);
+        if (peer.link != nullptr || peer.dead) {
+          return refuseLink(link, "a second connection from " + link->peer);
+        }
+      }
+      // The accept is queued before the link is published, so no call can overtake it. Handshakes run on
+      // this loop thread only, so nobody registers another link for this peer in between.
+      HandshakeMessage accept;
+      accept.stage = kAccept;
+      accept.version = config_.protocolVersionForTesting;
+      accept.mac = handshakeMac(options_.secret, kAcceptorToConnector, link->peerNonce, link->nonce, link->peer, name_);
+      auto frame = encodeMessageWith(fields, accept);
+      if (frame.ok()) sendOn(link, std::move(frame).value());
+      if (!registerLink(link)) return refuseLink(link, "a second connection from " + link->peer);
+      return;
+    }
+    case kAccept: {
+      // Connector: the acceptor answers only after checking our proof; its MAC has the other direction.
+      auto expectedMac = handshakeMac(options_.secret, kAcceptorToConnector, link->nonce, link->peerNonce, name_,
+                                      link->peer);
+      if (!detail::constantTimeEqual(expectedMac, hs.mac)) {
+        return refuseLink(link, "HMAC mismatch: the peer does not know the cluster secret (DISTGRAD_SECRET)");
+      }
+      if (!registerLink(link)) return refuseLink(link, "a second connection to " + link->peer);
+      return;
+    }
+    default:
+      return;
+  }
+}
+
+void Agent::onHello(const std::shared_ptr<Link>& link, const HandshakeMessage& hello) {
+  if (link->closed || link->refused) return;
+  std::optional<int> registeredRank;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = peers_.find(hello.name);
+    if (it != peers_.end()) registeredRank = it->second->rank;
+  }
+  if (!registeredRank) {
+    return refuseLink(link, "unknown worker '" + printable(hello.name) + "' (rank " + std::to_string(hello.rank) + ")");
+  }
+  if (*registeredRank != hello.rank) {
+    return refuseLink(link, "worker '" + hello.name + "' claims rank " + std::to_string(hello.rank) +
+                                " but registered rank " + std::to_string(*registeredRank), hello.name);
+  }
+  if (hello.rank >= options_.rank) {
+    return refuseLink(link, "worker '" + hello.name + "' (rank " + std::to_string(hello.rank) +
+                                ") opened a connection to this worker (rank " + std::to_string(options_.rank) +
+                                "), but only a lower rank connects to a higher one", hello.name);
+  }
+  link->peer = hello.name;
+  link->peerNonce = hello.nonce;
+  HandshakeMessage challenge;
+  challenge.stage = kChallenge;
+  challenge.version = config_.protocolVersionForTesting;
+  challenge.name = name_;
+  challenge.rank = options_.rank;
+  challenge.nonce.assign(link->nonce.begin(), link->nonce.end());
+  EnvelopeFields fields;
+  fields.kind = MessageKind::kHandshake;
+  auto frame = encodeMessageWith(fields, challenge);
+  if (!frame.ok()) return refuseLink(link, "cannot encode the challenge: " + frame.error().message);
+  if (hello.version != config_.protocolVersionForTesting) {
+    // The challenge (which carries our version) goes out first, so the connector can name the mismatch too.
+    return refuseLink(link, "protocol version " + std::to_string(hello.version) + ", this worker speaks " +
+                                std::to_string(config_.protocolVersionForTesting), hello.name,
+                      std::move(frame).value());
+  }
+  link->step = HandshakeStep::kAwaitProof;
+  sendOn(link, std::move(frame).value());
+}
+
+bool Agent::registerLink(const std::shared_ptr<Link>& link) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Peer& peer = *peers_.at(link->peer);
+    if (peer.link != nullptr || peer.dead) return false;
+    peer.link = link;
+    link->ready = true;
+    peer.lastSeenNanos.store(nowNanos(), std::memory_order_relaxed);
+  }
+  link->step = HandshakeStep::kDone;
+  if (link->handshakeTimer != kInvalidTimerId) timers_->cancel(link->handshakeTimer);
+  changed_.notify_all();
+  return true;
 }
 
 void Agent::onLinkClosed(const std::shared_ptr<Link>& link, const Error& error) {
@@ -458,6 +714,8 @@ void Agent::onLinkClosed(const std::shared_ptr<Link>& link, const Error& error) 
   {
     std::lock_guard<std::mutex> lock(mutex_);
     links_.erase(std::remove(links_.begin(), links_.end(), link), links_.end());
+    link->closed = true;
+    link->deferredHello.reset();
     wasReady = link->ready;
     if (!wasReady && !link->refused && !closed_ && !startError_ &&
         (!link->peer.empty() || !link->expectedPeer.empty())) {
@@ -468,6 +726,7 @@ void Agent::onLinkClosed(const std::shared_ptr<Link>& link, const Error& error) 
     }
   }
   changed_.notify_all();
+  if (link->handshakeTimer != kInvalidTimerId) timers_->cancel(link->handshakeTimer);
   if (wasReady) {
     Error down = Error::disconnected("the connection to " + link->peer + " closed: " + error.message);
     down.worker = link->peer;

@@ -60,6 +60,9 @@ struct AgentConfig {
   // TEST-ONLY: the protocol version this agent announces in its handshake, so tests can make a peer that
   // speaks another version. Leave it at the default in real jobs.
   uint16_t protocolVersionForTesting = transport::kProtocolVersion;
+  // Bound on one connection's handshake (from the moment it exists to the last proof): a connection that
+  // has not finished by then is closed with a logged reason. 0 = min(Options::rendezvousTimeout, 10 s).
+  std::chrono::milliseconds handshakeTimeout{0};
 };
 
 // Per-call settings (rpcAsyncWith / rpcSyncWith).
@@ -173,6 +176,7 @@ class Agent {
   struct Link;
   struct Pending;
   struct Incoming;
+  struct HandshakeMessage;
 
   Agent(const Options& options, const Registry& registry, AgentConfig config);
   // The argument as the declared parameter type: passed through when it already is one (no copy).
@@ -194,15 +198,27 @@ class Agent {
   std::unique_ptr<Pending> takePending(uint64_t id, const std::string* fromPeer = nullptr);
   void failPending(uint64_t id, Error error, bool sendCancel);
 
-  // Links and handshake (loop thread).
+  // Links and handshake (loop thread; docs/wire_protocol.md section 8).
   void adoptConnection(std::shared_ptr<transport::Connection> connection, const std::string& expectedPeer);
+  // The allocator of a link: refuses every payload until the link is ready (an unauthenticated peer must
+  // not make this process allocate up to maxMessageBytes), then defers to allocator_.
+  transport::PayloadAllocator linkAllocator(const std::weak_ptr<Link>& weak);
   void onFrame(const std::shared_ptr<Link>& link, transport::IncomingFrame&& frame);
   void onHandshake(const std::shared_ptr<Link>& link, const DecodedMessage& message);
+  // The acceptor's answer to a connector's hello, once the peer list is known (a hello that came earlier
+  // waits on its link and is replayed by startUp on the loop thread: the loop never blocks).
+  void onHello(const std::shared_ptr<Link>& link, const HandshakeMessage& hello);
+  // Makes `link` the peer's link; false when the peer already has one or is dead.
+  bool registerLink(const std::shared_ptr<Link>& link);
+  void onHandshakeTimeout(const std::shared_ptr<Link>& link);
+  std::chrono::milliseconds handshakeTimeout() const;
   void onLinkClosed(const std::shared_ptr<Link>& link, const Error& error);
   // Logs and closes a link that failed the handshake. The failure aborts start() only when it concerns a
   // worker of this job (a link we opened, or a peer claiming a registered name): an anonymous stray
-  // connection (port scanner, garbage, unknown name) is only logged.
-  void refuseLink(const std::shared_ptr<Link>& link, const std::string& reason, const std::string& claimedName = {});
+  // connection (port scanner, garbage, unknown name) is only logged. `lastWords` (optional) is sent first
+  // and the link closed once it left, so the peer can name the reason too.
+  void refuseLink(const std::shared_ptr<Link>& link, const std::string& reason, const std::string& claimedName = {},
+                  std::optional<transport::OutgoingFrame> lastWords = std::nullopt);
   void peerDown(const std::string& peer, const Error& error);
 
   void onCall(const std::shared_ptr<Link>& link, DecodedMessage message);

@@ -292,7 +292,8 @@ TEST(AgentStray, GarbageOnTheAgentsPortClosesOnlyThatConnection) {
       std::memcpy(junk.data(), &prefix, sizeof(prefix));
     }
     ASSERT_EQ(::send(fd, junk.data(), junk.size(), MSG_NOSIGNAL), static_cast<ssize_t>(junk.size()));
-    // The agent closes the connection (after its hello, which may arrive first): read until EOF.
+    // The agent closes the connection (it sends nothing to a connection that has not said hello): read
+    // until EOF.
     char buf[4096];
     ssize_t n = 0;
     while ((n = ::recv(fd, buf, sizeof(buf), 0)) > 0) {
