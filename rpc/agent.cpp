@@ -444,8 +444,8 @@ void Agent::onHandshakeTimeout(const std::shared_ptr<Link>& link) {
   if (link->ready || link->closed || link->refused) return;
   refuseLink(link, std::string("no handshake within ") + std::to_string(handshakeTimeout().count()) +
                        " ms (waiting for its " +
-                       (link->step == HandshakeStep::kAwaitHello || link->step == HandshakeStep::kHelloPending
-                            ? "hello"
+                       (link->step == HandshakeStep::kAwaitHello       ? "hello"
+                        : link->step == HandshakeStep::kHelloPending   ? "hello to be answered: the peer list is unknown"
                         : link->step == HandshakeStep::kAwaitChallenge ? "challenge"
                         : link->step == HandshakeStep::kAwaitProof     ? "proof"
                                                                        : "accept") +
