@@ -9,7 +9,8 @@
 //   rpc        tensor_echo_SIZE        rpcSync of tensor(tensor) returning its float32 argument, SIZE = 1KB,
 //                                      64KB, 1MB, 16MB, 64MB: GB/s counting both directions (2 x bytes per
 //                                      round trip), with the ratio to raw_socket echo_SIZE (target at 64MB:
-//                                      >= 0.8)
+//                                      >= 0.8); cpu_busy_workerN = CPU seconds of that process per wall
+//                                      second of the echo loop
 //   rpc        idle_cpu_percent        CPU time of each agent's process over an idle stretch (heartbeats
 //                                      only) / wall time, right after start and again after the traffic:
 //                                      ~0 unless something polls
@@ -210,7 +211,8 @@ void measureRpcAsync(rpc::Agent& agent, int calls, bool pinned) {
   }
 }
 
-void measureTensorEcho(rpc::Agent& agent, const Config& config, size_t bytes, const Measurement& raw, bool pinned) {
+void measureTensorEcho(AgentPair& pair, const Config& config, size_t bytes, const Measurement& raw, bool pinned) {
+  rpc::Agent& agent = pair.agent();
   const int64_t n = static_cast<int64_t>(bytes / sizeof(float));
   Tensor t = Tensor::empty({n});
   float* data = t.data<float>();
@@ -220,6 +222,9 @@ void measureTensorEcho(rpc::Agent& agent, const Config& config, size_t bytes, co
   check(first.numel() == n && std::memcmp(first.rawData(), data, bytes) == 0, "echo result");
   const int rounds = echoRounds(config, bytes);
   std::vector<double> rates;
+  const double parentCpu0 = processCpuSeconds();
+  const double childCpu0 = pair.childCpuSeconds();
+  const auto wall0 = std::chrono::steady_clock::now();
   for (int i = 0; i < rounds; ++i) {
     auto t0 = std::chrono::steady_clock::now();
     Tensor back = agent.rpcSync("worker1", kEcho, t);
@@ -228,9 +233,16 @@ void measureTensorEcho(rpc::Agent& agent, const Config& config, size_t bytes, co
           "echo result");
     rates.push_back(2.0 * static_cast<double>(bytes) / s / 1e9);
   }
+  // CPU time of each process per wall second of the loop: well below 1 + 1 while the bandwidth is below raw
+  // means time is lost waiting (wake-ups, stalls), not copying.
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count();
+  const double parentCpu = (processCpuSeconds() - parentCpu0) / wall;
+  const double childCpu = (pair.childCpuSeconds() - childCpu0) / wall;
   Measurement m = measurementOf(std::move(rates));
   emitMeasurement("rpc", "tensor_echo_" + sizeName(bytes), "GB/s", m, pinned,
                   {{"bytes", std::to_string(bytes)},
+                   {"cpu_busy_worker0", number(parentCpu)},
+                   {"cpu_busy_worker1", number(childCpu)},
                    {"raw_median", number(raw.stats.median)},
                    {"ratio_vs_raw", number(m.stats.median / raw.stats.median)}});
 }
@@ -266,7 +278,7 @@ int main(int argc, char** argv) {
     measureRpcSync(pair.agent(), config.rounds, rawRtt, pinned);
     measureRpcAsync(pair.agent(), config.calls, pinned);
     for (size_t i = 0; i < std::size(kEchoSizes); ++i) {
-      measureTensorEcho(pair.agent(), config, kEchoSizes[i], rawEcho[i], pinned);
+      measureTensorEcho(pair, config, kEchoSizes[i], rawEcho[i], pinned);
     }
     measureIdle(pair, config.idleSeconds, "after_traffic", pinned);
   }
