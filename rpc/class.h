@@ -31,12 +31,15 @@
 //
 // Calling with the wrong number or types of arguments is a compile error on both sides: the callee's
 // invoker is generated from the member function type, and callers encode the argument types the declaration
-// fixes (MethodTraits<M>::WireArgs) — the rref layer static_asserts the count, as Agent::rpcAsync does.
+// fixes (MethodTraits<M>::WireArgs): the rref layer's call entry points must static_assert the count
+// against it, as Agent::rpcAsync does for functions.
 //
 // Objects. A constructor returns an ObjectHandle: a std::shared_ptr<void> to the T plus its class name and
 // type id. Methods take the handle and check the type id (a handle of another class is an error, never a
 // wrong cast). An async method's object is kept alive until its Future completes.
 //
+// A declaration like kLinear above is initialised dynamically (it allocates): use it from main() or later,
+// never from another static initialiser.
 // Thread-safety: Class<T> is built once (declaration) and then read-only; its const methods may be called
 // from any thread. The Registry's bindClass/ClassBinder are not thread-safe (build the registry before
 // starting agents). ClassEntry and its bound constructors and methods are immutable and safe from any
