@@ -202,7 +202,11 @@ struct Agent::Incoming {
 // ---- start ----
 
 Agent::Agent(const Options& options, const Registry& registry, AgentConfig config)
-    : options_(options), config_(std::move(config)), registry_(registry), name_(options.name()) {}
+    : options_(options), config_(std::move(config)), registry_(registry), name_(options.name()) {
+  self_ = std::make_unique<Peer>();
+  self_->name = name_;
+  self_->rank = options_.rank;
+}
 
 std::unique_ptr<Agent> Agent::start(const Options& options, const Registry& registry, AgentConfig config) {
   options.validate();
@@ -778,6 +782,7 @@ void Agent::prepareCall(const CallOptions& callOptions, EnvelopeFields& fields) 
 void Agent::startCall(const CallOptions& callOptions, const std::string& worker, const EnvelopeFields& fields,
                       transport::OutgoingFrame frame, Completion complete) {
   const uint64_t id = fields.messageId;
+  const bool toSelf = worker == name_;  // Note [Self calls]
   std::shared_ptr<Link> link;
   std::optional<Error> refusal;
   {
@@ -786,17 +791,15 @@ void Agent::startCall(const CallOptions& callOptions, const std::string& worker,
     if (closed_ || (!callsOpen_ && !executor_->isCurrentThread())) {
       refusal = Error::failed("agent " + name_ + " is shut down: call of '" + fields.functionName + "' on " +
                               worker + " refused");
-    } else if (it == peers_.end()) {
+    } else if (it == peers_.end() && !toSelf) {
       std::vector<std::string> names;
       for (const auto& [name, peer] : peers_) names.push_back(name);
-      refusal = Error::failed("unknown worker '" + worker + "'" +
-                              (worker == name_ ? " (calls to this worker itself are not supported)"
-                                               : " (peers: " + joinNames(names) + ")"));
-    } else if (it->second->dead || !it->second->link) {
+      refusal = Error::failed("unknown worker '" + worker + "' (peers: " + joinNames(names) + ")");
+    } else if (!toSelf && (it->second->dead || !it->second->link)) {
       refusal = it->second->deadReason.value_or(Error::disconnected("worker " + worker + " is not connected"));
       refusal->worker = worker;
     } else {
-      Peer& peer = *it->second;
+      Peer& peer = toSelf ? *self_ : *it->second;
       link = peer.link;
       auto pending = std::make_unique<Pending>();
       pending->peer = worker;
@@ -813,14 +816,19 @@ void Agent::startCall(const CallOptions& callOptions, const std::string& worker,
     return;
   }
   // Queue the call before arming the deadline and the cancel registration: frames leave in order, so a
-  // cancel message (sent by either) can never overtake its call and reach the callee first.
-  link->connection->send(std::move(frame), [this, id, worker](const Result<void>& sent) {
-    if (!sent.ok()) {
-      Error error = Error::disconnected("sending to " + worker + " failed: " + sent.error().message);
-      error.worker = worker;
-      failPending(id, std::move(error), /*sendCancel=*/false);
-    }
-  });
+  // cancel message (sent by either) can never overtake its call and reach the callee first. A self call is
+  // registered as running (onCall) before deliverToSelf returns, which gives the same guarantee.
+  if (toSelf) {
+    deliverToSelf(std::move(frame), id);
+  } else {
+    link->connection->send(std::move(frame), [this, id, worker](const Result<void>& sent) {
+      if (!sent.ok()) {
+        Error error = Error::disconnected("sending to " + worker + " failed: " + sent.error().message);
+        error.worker = worker;
+        failPending(id, std::move(error), /*sendCancel=*/false);
+      }
+    });
+  }
   auto timeout = effectiveTimeout(callOptions);
   if (timeout.count() > 0) {
     TimerId timer = timers_->scheduleAfter(timeout, [this, id, worker, timeout, fn = fields.functionName] {
@@ -859,8 +867,7 @@ std::unique_ptr<Agent::Pending> Agent::takePending(uint64_t id, const std::strin
   if (fromPeer != nullptr && it->second->peer != *fromPeer) return nullptr;  // not this peer's call
   auto pending = std::move(it->second);
   pending_.erase(it);
-  auto peer = peers_.find(pending->peer);
-  if (peer != peers_.end()) --peer->second->pending;
+  if (Peer* peer = peerLocked(pending->peer)) --peer->pending;
   if (pending_.empty()) changed_.notify_all();
   return pending;
 }
@@ -871,8 +878,7 @@ void Agent::failPending(uint64_t id, Error error, bool sendCancel) {
   if (pending->timer != kInvalidTimerId) timers_->cancel(pending->timer);
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto peer = peers_.find(pending->peer);
-    if (peer != peers_.end()) peer->second->errors.fetch_add(1, std::memory_order_relaxed);
+    if (Peer* peer = peerLocked(pending->peer)) peer->errors.fetch_add(1, std::memory_order_relaxed);
   }
   if (sendCancel) {
     EnvelopeFields fields;
@@ -880,7 +886,7 @@ void Agent::failPending(uint64_t id, Error error, bool sendCancel) {
     fields.messageId = id;
     fields.functionName = pending->function;
     auto frame = encodeMessageWith(fields, static_cast<int64_t>(error.kind));
-    if (frame.ok()) sendFrame(pending->peer, std::move(frame).value());
+    if (frame.ok()) sendFrame(pending->peer, std::move(frame).value(), id);
   }
   pending->complete(Result<DecodedMessage>(std::move(error)));
 }
@@ -891,8 +897,7 @@ void Agent::onReply(const std::string& peer, DecodedMessage message) {
   if (pending->timer != kInvalidTimerId) timers_->cancel(pending->timer);
   if (message.kind() == MessageKind::kError) {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto peer = peers_.find(pending->peer);
-    if (peer != peers_.end()) peer->second->errors.fetch_add(1, std::memory_order_relaxed);
+    if (Peer* peer = peerLocked(pending->peer)) peer->errors.fetch_add(1, std::memory_order_relaxed);
   }
   pending->complete(Result<DecodedMessage>(std::move(message)));
 }
@@ -913,14 +918,14 @@ void Agent::onCancel(const std::string& peer, const DecodedMessage& message) {
 }
 
 void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message) {
-  const std::string peerName = link->peer;
+  const std::string peerName = link ? link->peer : name_;  // no link: a call of this agent to itself
   const uint64_t id = message.fields().messageId;
   CancellationToken token;
   std::optional<Error> refusal;
   bool duplicateId = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    peers_.at(peerName)->callsReceived.fetch_add(1, std::memory_order_relaxed);
+    peerLocked(peerName)->callsReceived.fetch_add(1, std::memory_order_relaxed);
     if (!accepting_ || closed_) {
       refusal = Error::failed("worker " + name_ + " is shutting down");
     } else {
@@ -947,7 +952,7 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message) {
       fields.error = std::move(error);
       frame = encodeMessage(fields);
     }
-    if (frame.ok()) sendFrame(peerName, std::move(frame).value());
+    if (frame.ok()) sendFrame(peerName, std::move(frame).value(), id);
     std::unique_ptr<Incoming> done;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -962,6 +967,7 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message) {
   if (duplicateId) {
     warn("closing the connection with " + peerName + ": it reused call id " + std::to_string(id) +
          " while that call is still running");
+    DG_ASSERT(link != nullptr, "a call of agent ", name_, " to itself reused call id ", id);
     link->connection->close();
     return;
   }
@@ -1009,7 +1015,15 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message) {
   }
 }
 
-void Agent::sendFrame(const std::string& peerName, transport::OutgoingFrame frame) {
+void Agent::sendFrame(const std::string& peerName, transport::OutgoingFrame frame, uint64_t callId) {
+  if (peerName == name_) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (closed_) return;
+    }
+    deliverToSelf(std::move(frame), callId);
+    return;
+  }
   std::shared_ptr<Link> link;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -1023,6 +1037,53 @@ void Agent::sendFrame(const std::string& peerName, transport::OutgoingFrame fram
 
 void Agent::sendOn(const std::shared_ptr<Link>& link, transport::OutgoingFrame frame) {
   link->connection->send(std::move(frame), [](const Result<void>&) {});
+}
+
+// ---- calls of this agent to itself ----
+
+// Note [Self calls]: a call to this agent's own name has the semantics of a remote call without a
+// transport. startCall registers it as pending (counted in self_'s metrics) and hands the encoded frame to
+// deliverToSelf, which decodes it as a received frame would be (decodeLoopback copies the tensor payloads,
+// so the handler gets its own values) and feeds it to the same paths a link's frames take: onCall
+// registers the running call and posts the handler to the executor (it never runs inline in the caller),
+// its reply comes back through sendFrame -> deliverToSelf -> onReply, and a deadline or cancel reaches the
+// handler's token through onCancel. Deadlines, cancellation, errors and shutdown draining are therefore the
+// same as for peers. Only a handler's cancellation callbacks are posted to the executor here (a remote
+// callee runs them on its loop thread), so they never run inside the caller's CancellationSource::cancel().
+void Agent::deliverToSelf(transport::OutgoingFrame frame, uint64_t callId) {
+  const uint64_t bytes = frameBytes(frame);
+  auto decoded = decodeLoopback(std::move(frame));
+  if (!decoded.ok()) {
+    // Our own encoding failed to decode: a bug, but the call must still end (not wait for its deadline).
+    warn("a message of " + name_ + " to itself does not decode: " + decoded.error().message);
+    failPending(callId, decoded.error(), /*sendCancel=*/false);
+    return;
+  }
+  self_->bytesReceived.fetch_add(bytes, std::memory_order_relaxed);
+  DecodedMessage message = std::move(decoded).value();
+  switch (message.kind()) {
+    case MessageKind::kCall:
+      onCall(nullptr, std::move(message));
+      break;
+    case MessageKind::kResponse:
+    case MessageKind::kError:
+      onReply(name_, std::move(message));
+      break;
+    case MessageKind::kCancel: {
+      auto shared = std::make_shared<DecodedMessage>(std::move(message));
+      (void)executor_->post([this, shared] { onCancel(name_, *shared); });  // refused only by teardown,
+      break;                                                               // which cancels every handler
+    }
+    default:
+      warn(std::string("ignoring a ") + messageKindName(message.kind()) + " message of " + name_ + " to itself");
+      break;
+  }
+}
+
+Agent::Peer* Agent::peerLocked(const std::string& worker) const {
+  if (worker == name_) return self_.get();
+  auto it = peers_.find(worker);
+  return it == peers_.end() ? nullptr : it->second.get();
 }
 
 // ---- heartbeats ----
@@ -1067,9 +1128,9 @@ void Agent::heartbeat() {
 
 PeerMetrics Agent::metrics(const std::string& worker) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = peers_.find(worker);
-  DG_CHECK(it != peers_.end(), "Agent::metrics: unknown worker '", worker, "'");
-  const Peer& peer = *it->second;
+  const Peer* found = peerLocked(worker);
+  DG_CHECK(found != nullptr, "Agent::metrics: unknown worker '", worker, "'");
+  const Peer& peer = *found;
   PeerMetrics m;
   m.callsSent = peer.callsSent.load();
   m.callsReceived = peer.callsReceived.load();
@@ -1077,7 +1138,7 @@ PeerMetrics Agent::metrics(const std::string& worker) const {
   m.bytesReceived = peer.bytesReceived.load();
   m.errors = peer.errors.load();
   m.pending = peer.pending;
-  m.connected = peer.link != nullptr && !peer.dead;
+  m.connected = worker == name_ ? !closed_ : peer.link != nullptr && !peer.dead;
   return m;
 }
 

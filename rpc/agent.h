@@ -8,6 +8,9 @@
 //   rpc::Future<Tensor> f = agent->rpcAsync("worker1", kAdd, a, b);
 //   agent->shutdown();
 //
+// A worker may call itself (worker == name()) with the same semantics as a peer: values are encoded and
+// decoded (copied), the handler runs on the executor, deadlines, cancellation and errors behave the same,
+// and metrics(name()) counts those calls (docs/thread_model.md, "Calls to itself").
 // Errors of a call come back through its future (Future::get() throws RpcError): `unimplemented` (no such
 // function / signature mismatch), `remote` (the handler threw), `timeout` (deadline; the callee's
 // CallContext token is cancelled too), `cancelled` (CallOptions::cancel), `disconnected` (the peer's
@@ -224,7 +227,12 @@ class Agent {
   void onCall(const std::shared_ptr<Link>& link, DecodedMessage message);
   void onReply(const std::string& peer, DecodedMessage message);
   void onCancel(const std::string& peer, const DecodedMessage& message);
-  void sendFrame(const std::string& peer, transport::OutgoingFrame frame);
+  // `callId`: the call the frame belongs to (a self call fails it if its loopback frame does not decode).
+  void sendFrame(const std::string& peer, transport::OutgoingFrame frame, uint64_t callId);
+  // Note [Self calls] in agent.cpp: a frame of this agent to itself, received without a transport.
+  void deliverToSelf(transport::OutgoingFrame frame, uint64_t callId);
+  // The peer named `worker` (self_ for this agent's own name), or nullptr. Caller holds mutex_.
+  Peer* peerLocked(const std::string& worker) const;
   void sendOn(const std::shared_ptr<Link>& link, transport::OutgoingFrame frame);
   void heartbeat();
   // Sets this rank's key under `tag`, then waits for every other rank's; with onlyStoreHostWaits, only the
@@ -252,6 +260,7 @@ class Agent {
   mutable std::mutex mutex_;
   std::condition_variable changed_;
   std::map<std::string, std::unique_ptr<Peer>> peers_;          // GUARDED_BY(mutex_), fixed after start
+  std::unique_ptr<Peer> self_;  // this agent as the target of its own calls (metrics; never has a link)
   std::vector<std::shared_ptr<Link>> links_;                    // GUARDED_BY(mutex_): every live link
   std::unordered_map<uint64_t, std::unique_ptr<Pending>> pending_;        // GUARDED_BY(mutex_)
   std::map<std::pair<std::string, uint64_t>, std::unique_ptr<Incoming>> incoming_;  // GUARDED_BY(mutex_)

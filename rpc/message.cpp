@@ -214,6 +214,20 @@ Result<DecodedMessage> decodeMessage(transport::IncomingFrame frame, const Decod
   });
 }
 
+Result<DecodedMessage> decodeLoopback(transport::OutgoingFrame frame, const DecodeLimits& limits) {
+  transport::IncomingFrame incoming;
+  incoming.flags = frame.flags;
+  incoming.envelope = std::move(frame.envelope);
+  incoming.payloads.reserve(frame.payloads.size());
+  for (const auto& buffer : frame.payloads) {
+    auto storage = std::make_shared<tensor::Storage>(tensor::Storage::allocate(buffer.size));
+    if (buffer.size > 0) std::memcpy(storage->data(), buffer.data, buffer.size);
+    incoming.payloads.push_back(transport::PayloadBuffer{storage->data(), buffer.size, storage});
+  }
+  frame.payloads.clear();  // the sender's buffers are no longer needed
+  return decodeMessage(std::move(incoming), limits);
+}
+
 transport::PayloadAllocator makePayloadAllocator(DecodeLimits limits) {
   return [limits](std::span<const uint8_t> envelope,
                   std::span<const uint64_t> sizes) -> Result<std::vector<transport::PayloadBuffer>> {

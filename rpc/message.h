@@ -148,6 +148,12 @@ class DecodedMessage {
 // payload: index in range and used once, dtype, shape x itemsize == byteLength == payload size).
 Result<DecodedMessage> decodeMessage(transport::IncomingFrame frame, const DecodeLimits& limits = {});
 
+// A frame this process encoded, received without a transport (calls of an agent to itself, tests): the
+// payloads are copied into freshly allocated, 64-byte aligned CPU storage, exactly as a network hop would
+// leave them, so the receiver's tensors never alias the sender's (value semantics; the inproc transport
+// instead shares them). Then validated and decoded as decodeMessage does.
+Result<DecodedMessage> decodeLoopback(transport::OutgoingFrame frame, const DecodeLimits& limits = {});
+
 // The allocator transports call with a frame's envelope and payload sizes: validates as decodeMessage
 // does and returns one freshly allocated, 64-byte aligned CPU Storage per payload, exactly its size.
 transport::PayloadAllocator makePayloadAllocator(DecodeLimits limits = {});

@@ -1,4 +1,4 @@
-// Registry: the explicit table of functions an Agent serves (no static self-registration).
+// Registry: the explicit table of functions and classes an Agent serves (no static self-registration).
 //
 //   rpc::Registry reg;
 //   reg.bind(kAdd, [](Tensor a, Tensor b) { return a + b; });                          // returns R
@@ -9,8 +9,10 @@
 // and returns R or Future<R> (void / Future<void> for R = void). Its result travels back with Codec<R>; an
 // exception it throws becomes an Error of kind `remote` with the exception's type, message and this
 // worker's name (an RpcError it lets escape, e.g. from a nested call, keeps its own kind).
+// Classes (rpc/class.h): reg.bindClass(kLinear).ctor<int64_t, int64_t>() serves every method kLinear
+// declares and the constructors the binder adds; findClass() gives the type-erased ClassEntry.
 // The Agent copies the Registry at start(); binding afterwards does not affect running agents.
-// Thread-safety: bind() is not thread-safe (build the registry before starting agents); find() and the
+// Thread-safety: bind() and bindClass() are not thread-safe (build the registry before starting agents); find() and the
 // invoke functions of bound entries are safe from any thread (a handler may run on several executor threads at
 // once, so it must be safe to call concurrently; it is copied, so it must be copyable).
 #pragma once
@@ -24,7 +26,9 @@
 #include <utility>
 #include <vector>
 
+#include "rpc/class.h"
 #include "rpc/codec.h"
+#include "rpc/detail/handler.h"
 #include "rpc/error.h"
 #include "rpc/executor.h"
 #include "rpc/function.h"
@@ -43,30 +47,8 @@ struct BoundFunction {
   std::function<Future<EncodeValueFn>(const DecodedMessage&, const CallContext&, Executor&)> invoke;
 };
 
-namespace detail {
-
-// The Error a handler's exception turns into (see the header comment).
-Error handlerError(Error error, const std::string& callee);
-Error handlerError(std::exception_ptr exception, const std::string& callee);
-
-template <typename R>
-EncodeValueFn makeResultEncoder(R value) {
-  return [v = std::make_shared<R>(std::move(value))](wire::Value::Builder out, EncodeContext& ctx) {
-    Codec<R>::encode(out, *v, ctx);
-  };
-}
-
-template <typename R>
-Result<EncodeValueFn> encoderFromResult(Result<R>&& result, const std::string& callee) {
-  if (!result.ok()) return handlerError(result.error(), callee);
-  if constexpr (std::is_void_v<R>) {
-    return EncodeValueFn{};
-  } else {
-    return makeResultEncoder<R>(std::move(result).value());
-  }
-}
-
-}  // namespace detail
+template <typename T>
+class ClassBinder;
 
 class Registry {
  public:
@@ -80,50 +62,17 @@ class Registry {
     entry->name = fn.name();
     entry->signature = fn.signature();
     entry->hash = fn.hash();
-    entry->invoke = [handler = std::move(handler), name = fn.name()](
+    entry->invoke = [handler = std::move(handler), what = "function '" + fn.name() + "'"](
                         const DecodedMessage& message, const CallContext& ctx,
                         Executor& executor) -> Future<EncodeValueFn> {
-      Promise<EncodeValueFn> promise(executor);
-      Future<EncodeValueFn> out = promise.getFuture();
-      auto args = message.decodeArgs<std::decay_t<Args>...>();
-      if (!args.ok()) {
-        Error error = args.error();
-        error.message = "bad arguments for '" + name + "': " + error.message;
-        error.worker = ctx.callee;
-        promise.setError(std::move(error));
-        return out;
-      }
-      try {
-        auto call = [&]() -> decltype(auto) {
-          return std::apply(
-              [&](auto&... a) -> decltype(auto) {
-                if constexpr (kTakesContext) {
-                  return handler(ctx, std::move(a)...);
-                } else {
-                  return handler(std::move(a)...);
-                }
-              },
-              args.value());
-        };
-        using Ret = std::remove_cvref_t<decltype(call())>;
-        if constexpr (IsFutureType<Ret>::value) {
-          static_assert(std::is_same_v<Ret, Future<R>>, "an async handler must return Future<R>");
-          // Inline-safe: it only wraps the value in its encoder (no encoding, no blocking), so a handler
-          // future that is already complete stays complete and the agent replies without another hop.
-          return call().then(kInlineSafe, [callee = ctx.callee](Result<R>&& result) {
-            return detail::encoderFromResult<R>(std::move(result), callee);
-          });
-        } else if constexpr (std::is_void_v<R>) {
-          call();
-          promise.setValue(EncodeValueFn{});
-        } else {
-          static_assert(std::is_convertible_v<Ret, R>, "a handler must return R or Future<R>");
-          promise.setValue(detail::makeResultEncoder<R>(R(call())));
-        }
-      } catch (...) {
-        promise.trySetError(detail::handlerError(std::current_exception(), ctx.callee));
-      }
-      return out;
+      return detail::invokeDecoded<R>(detail::TypeList<Args...>{}, what, message, ctx, executor, nullptr,
+                                      [&](auto&&... a) -> decltype(auto) {
+                                        if constexpr (kTakesContext) {
+                                          return handler(ctx, std::forward<decltype(a)>(a)...);
+                                        } else {
+                                          return handler(std::forward<decltype(a)>(a)...);
+                                        }
+                                      });
     };
     DG_CHECK(functions_.find(entry->name) == functions_.end(), "Registry::bind: function '", entry->name,
              "' is already bound");
@@ -135,13 +84,64 @@ class Registry {
   std::vector<std::string> names() const;
   size_t size() const { return functions_.size(); }
 
+  // Serves class T under cls.name(): every method cls declares. Constructors are added through the returned
+  // binder (a class without one can still be served: its objects are made locally, e.g. by an RRef owner).
+  // Throws ValueError when the name is already bound.
+  template <typename T>
+  ClassBinder<T> bindClass(const Class<T>& cls);
+
+  // The class bound under `name`, or nullptr.
+  std::shared_ptr<const ClassEntry> findClass(const std::string& name) const;
+  // The class bound under `name`, or an `unimplemented` Error naming it, `worker` and the bound classes.
+  Result<std::shared_ptr<const ClassEntry>> resolveClass(const std::string& name, const std::string& worker) const;
+  std::vector<std::string> classNames() const;
+
  private:
-  template <typename X>
-  struct IsFutureType : std::false_type {};
-  template <typename X>
-  struct IsFutureType<Future<X>> : std::true_type {};
+  template <typename T>
+  friend class ClassBinder;
+  // Copy-on-write: entries already shared with a running agent (which copied this registry) never change.
+  void addConstructor(const std::string& className, BoundConstructor constructor);
 
   std::map<std::string, std::shared_ptr<const BoundFunction>> functions_;
+  std::map<std::string, std::shared_ptr<const ClassEntry>> classes_;
 };
+
+// Adds constructors to a class bound with Registry::bindClass. Valid while its Registry lives.
+template <typename T>
+class ClassBinder {
+ public:
+  // Peers may construct T from Args (the caller's argument types must be exactly these, after decay).
+  template <typename... Args>
+  ClassBinder& ctor() {
+    static_assert(std::is_constructible_v<T, Args&&...>, "ClassBinder::ctor<Args...>: T is not constructible from Args");
+    return factory<Args...>([](Args&&... args) { return std::make_shared<T>(std::forward<Args>(args)...); });
+  }
+  // Peers may construct T from Args through `make`, which takes Args (optionally preceded by
+  // const CallContext&) and returns std::shared_ptr<T>; it runs on an executor thread and may throw (the
+  // caller gets a `remote` error).
+  template <typename... Args, typename F>
+  ClassBinder& factory(F make) {
+    registry_->addConstructor(name_, detail::makeBoundConstructor<T, Args...>(name_, std::move(make)));
+    return *this;
+  }
+
+ private:
+  friend class Registry;
+  ClassBinder(Registry* registry, std::string name) : registry_(registry), name_(std::move(name)) {}
+  Registry* registry_;
+  std::string name_;
+};
+
+template <typename T>
+ClassBinder<T> Registry::bindClass(const Class<T>& cls) {
+  DG_CHECK(classes_.find(cls.name()) == classes_.end(), "Registry::bindClass: class '", cls.name(),
+           "' is already bound");
+  auto entry = std::make_shared<ClassEntry>();
+  entry->name = cls.name();
+  entry->type = std::type_index(typeid(T));
+  entry->methods = cls.boundMethods();
+  classes_.emplace(cls.name(), std::move(entry));
+  return ClassBinder<T>(this, cls.name());
+}
 
 }  // namespace distgrad::rpc
