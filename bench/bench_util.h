@@ -52,6 +52,13 @@ inline double threadCpuSeconds() {
   return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
 
+// CPU seconds consumed by the whole process (every thread), e.g. an RPC agent's background threads.
+inline double processCpuSeconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
 // Wall and thread-CPU seconds of each of `reps` calls of fn, after `warmup` untimed calls.
 struct Timings {
   std::vector<double> wall, cpu;
@@ -87,5 +94,12 @@ inline void emit(const std::string& bench, const std::string& metric, const std:
 }
 
 inline std::string quoted(const std::string& s) { return "\"" + s + "\""; }
+
+// A number for an `extra` value (4 significant digits), e.g. a ratio.
+inline std::string number(double v) {
+  char text[64];
+  std::snprintf(text, sizeof(text), "%.4g", v);
+  return text;
+}
 
 }  // namespace distgrad::bench

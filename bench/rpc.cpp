@@ -1,18 +1,63 @@
-// RPC overhead against the raw loopback limit, two processes (fork) over tcp on 127.0.0.1:
-//   raw_socket pingpong_rtt_64B        blocking sockets, 64 B each way (the floor)
-//   rpc        rpcsync_rtt_noop        rpcSync of a no-op i64(i64) function, median/p99 round trip
+// The RPC agent against the raw loopback limit, measured in one run: two processes (fork) on 127.0.0.1,
+// rank 0 (this process, hosting the store) calling rank 1 (the child) over tcp.
+//   raw_socket pingpong_rtt_64B        blocking sockets, 64 B each way (the floor of a round trip)
+//   raw_socket stream_64MB             blocking sockets, 64 MB messages one way, 1-byte ack (GB/s)
+//   raw_socket echo_SIZE               blocking sockets, SIZE bytes there and the same back (GB/s, both ways)
+//   rpc        rpcsync_rtt_noop        rpcSync of a no-op i64(i64) function, median/p99 round trip, with the
+//                                      ratios to the raw ping-pong of the same placement
 //   rpc        rpcasync_throughput_wW  rpcAsync calls/s with W = 1, 8, 64 calls in flight
-// JSON lines (bench/bench_util.h). Usage: bench_rpc [rounds=5000] [calls=20000]
+//   rpc        tensor_echo_SIZE        rpcSync of tensor(tensor) returning its float32 argument, SIZE = 1KB,
+//                                      64KB, 1MB, 16MB, 64MB: GB/s counting both directions (2 x bytes per
+//                                      round trip), with the ratio to raw_socket echo_SIZE (target at 64MB:
+//                                      >= 0.8); cpu_busy_workerN = CPU seconds of that process per wall
+//                                      second of the echo loop
+//   rpc        idle_cpu_percent        CPU time of each agent's process over an idle stretch (heartbeats
+//                                      only) / wall time, right after start and again after the traffic:
+//                                      ~0 unless something polls
+// Every figure is taken with both processes free to run anywhere ("placement":"free"); the ping-pong,
+// rpcSync and rpcAsync figures again with both processes pinned to CPU 0 ("placement":"one_core"), where
+// every wake-up of the other side is a context switch. Ratios: ratio_vs_raw = ours / raw (time: above 1 is
+// our overhead; bandwidth: below 1 is).
+// JSON lines (bench/bench_util.h). Usage:
+//   bench_rpc [rounds=5000] [calls=20000] [echo_mb=512] [idle_s=2]
+// rounds: ping-pong and rpcSync round trips; calls: rpcAsync calls per window size (5 reps); echo_mb: MB
+// sent per echo size (1 KB and 64 KB stop at 2000 round trips, large sizes do at least 5); idle_s: seconds
+// of each idle stretch.
+#include <csignal>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
+#include <thread>
 
 #include "bench/socket_bench_util.h"
 #include "rpc/agent.h"
 
+namespace distgrad::bench {
 namespace {
 
-using namespace distgrad;
+using tensor::Tensor;
+
 inline const rpc::Function<int64_t(int64_t)> kPing{"ping"};
+inline const rpc::Function<Tensor(Tensor)> kEcho{"echo"};
+
+struct Config {
+  int rounds = 5000;
+  int calls = 20000;
+  double echoMegabytes = 512;
+  double idleSeconds = 2;
+};
+
+constexpr size_t kEchoSizes[] = {1u << 10, 64u << 10, 1u << 20, 16u << 20, 64u << 20};
+
+std::string sizeName(size_t bytes) {
+  if (bytes >= (1u << 20)) return std::to_string(bytes >> 20) + "MB";
+  return std::to_string(bytes >> 10) + "KB";
+}
+
+int echoRounds(const Config& config, size_t bytes) {
+  double rounds = config.echoMegabytes * 1048576.0 / static_cast<double>(bytes);
+  return static_cast<int>(std::clamp(rounds, 5.0, 2000.0));
+}
 
 rpc::Options optionsFor(int rank, int storePort) {
   rpc::Options options;
@@ -25,53 +70,134 @@ rpc::Options optionsFor(int rank, int storePort) {
   return options;
 }
 
-}  // namespace
+// Commands the parent sends the child through a pipe (the child's main thread blocks on it, so it costs
+// the child no CPU while the agent's own threads run).
+constexpr char kReportCpu = 'c';
+constexpr char kQuit = 'q';
 
-int main(int argc, char** argv) {
-  using namespace distgrad::bench;
-  const int rounds = argc > 1 ? std::atoi(argv[1]) : 5000;
-  const int calls = argc > 2 ? std::atoi(argv[2]) : 20000;
-  emitMeasurement("raw_socket", "pingpong_rtt_64B", "us", rawPingPong(rounds, false), false);
+// Two agents in two processes: the child (forked first, before any thread of this process exists, and
+// pinned with it when `pinned`) serves ping and echo as worker1; this process runs worker0, which hosts the
+// store. Pin this process before constructing a pinned pair so that the agent's threads inherit the mask.
+class AgentPair {
+ public:
+  explicit AgentPair(bool pinned) {
+    int toChild[2], fromChild[2];
+    check(pipe(toChild) == 0 && pipe(fromChild) == 0, "pipe");
+    child_ = forkChild(pinned, [&] {
+      ::close(toChild[1]);
+      ::close(fromChild[0]);
+      runChild(toChild[0], fromChild[1]);
+    });
+    ::close(toChild[0]);
+    ::close(fromChild[1]);
+    toChild_ = toChild[1];
+    fromChild_ = fromChild[0];
+    store_ = rpc::StoreServer::start("127.0.0.1:0");
+    int storePort = store_->port();
+    check(::write(toChild_, &storePort, sizeof(storePort)) == sizeof(storePort), "write store port");
+    agent_ = rpc::Agent::start(optionsFor(0, storePort), rpc::Registry{});
+  }
+  AgentPair(const AgentPair&) = delete;
+  AgentPair& operator=(const AgentPair&) = delete;
 
-  int ports[2];
-  check(pipe(ports) == 0, "pipe");
-  pid_t child = forkChild(false, [&] {
+  ~AgentPair() {
+    check(::write(toChild_, &kQuit, 1) == 1, "write quit");
+    agent_->shutdown();  // meets the child's shutdown at the store barrier
+    agent_.reset();
+    store_.reset();
+    reap(child_);
+    ::close(toChild_);
+    ::close(fromChild_);
+  }
+
+  rpc::Agent& agent() { return *agent_; }
+
+  // The child process's CPU seconds so far (all its threads).
+  double childCpuSeconds() {
+    check(::write(toChild_, &kReportCpu, 1) == 1, "write cpu request");
+    double seconds = 0;
+    check(::read(fromChild_, &seconds, sizeof(seconds)) == sizeof(seconds), "read child cpu");
+    return seconds;
+  }
+
+ private:
+  static void runChild(int commands, int replies) {
     int storePort = 0;
-    check(::read(ports[0], &storePort, sizeof(storePort)) == sizeof(storePort), "read store port");
-    rpc::Registry reg;
-    reg.bind(kPing, [](int64_t x) { return x; });
-    auto agent = rpc::Agent::start(optionsFor(1, storePort), reg);
-    agent->shutdown();  // returns once the parent shuts down too
-  });
-  auto store = rpc::StoreServer::start("127.0.0.1:0");
-  int storePort = store->port();
-  check(::write(ports[1], &storePort, sizeof(storePort)) == sizeof(storePort), "write store port");
-  rpc::Registry reg;
-  auto agent = rpc::Agent::start(optionsFor(0, storePort), reg);
+    check(::read(commands, &storePort, sizeof(storePort)) == sizeof(storePort), "read store port");
+    rpc::Registry registry;
+    registry.bind(kPing, [](int64_t x) { return x; });
+    registry.bind(kEcho, [](Tensor t) { return t; });
+    auto agent = rpc::Agent::start(optionsFor(1, storePort), registry);
+    char command = 0;
+    while (::read(commands, &command, 1) == 1 && command != kQuit) {
+      if (command == kReportCpu) {
+        double seconds = processCpuSeconds();
+        check(::write(replies, &seconds, sizeof(seconds)) == sizeof(seconds), "write child cpu");
+      }
+    }
+    agent->shutdown();
+  }
 
+  pid_t child_ = -1;
+  int toChild_ = -1, fromChild_ = -1;
+  std::unique_ptr<rpc::StoreServer> store_;
+  std::unique_ptr<rpc::Agent> agent_;
+};
+
+Measurement single(double value) {
+  Measurement m;
+  m.stats = Stats{value, value, value, 1};
+  m.p99 = value;
+  return m;
+}
+
+// CPU-% of each process over `seconds` of no calls (heartbeats only).
+void measureIdle(AgentPair& pair, double seconds, const char* phase, bool pinned) {
+  double parent0 = processCpuSeconds();
+  double child0 = pair.childCpuSeconds();
+  auto wall0 = std::chrono::steady_clock::now();
+  std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  double parent1 = processCpuSeconds();
+  double child1 = pair.childCpuSeconds();
+  double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count();
+  emitMeasurement("rpc", "idle_cpu_percent", "%", single(100 * (parent1 - parent0) / wall), pinned,
+                  {{"agent", quoted("worker0 (hosts the store)")}, {"phase", quoted(phase)},
+                   {"idle_s", number(wall)}});
+  emitMeasurement("rpc", "idle_cpu_percent", "%", single(100 * (child1 - child0) / wall), pinned,
+                  {{"agent", quoted("worker1")}, {"phase", quoted(phase)}, {"idle_s", number(wall)}});
+}
+
+void measureRpcSync(rpc::Agent& agent, int rounds, const Measurement& raw, bool pinned) {
   std::vector<double> us;
   us.reserve(static_cast<size_t>(rounds));
   for (int i = 0; i < rounds; ++i) {
     auto t0 = std::chrono::steady_clock::now();
-    int64_t r = agent->rpcSync("worker1", kPing, int64_t{i});
+    int64_t r = agent.rpcSync("worker1", kPing, int64_t{i});
     us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
     check(r == i, "ping result");
   }
   us.erase(us.begin(), us.begin() + std::min<size_t>(us.size() / 10, 500));  // warm-up
-  emitMeasurement("rpc", "rpcsync_rtt_noop", "us", measurementOf(us), false);
+  Measurement m = measurementOf(std::move(us));
+  emitMeasurement("rpc", "rpcsync_rtt_noop", "us", m, pinned,
+                  {{"raw_median", number(raw.stats.median)},
+                   {"raw_p99", number(raw.p99)},
+                   {"ratio_vs_raw", number(m.stats.median / raw.stats.median)},
+                   {"p99_ratio_vs_raw", number(m.p99 / raw.p99)}});
+}
 
+void measureRpcAsync(rpc::Agent& agent, int calls, bool pinned) {
   for (int window : {1, 8, 64}) {
     std::vector<double> rates;
     for (int rep = 0; rep < 5; ++rep) {
       std::deque<rpc::Future<int64_t>> inFlight;
-      const int n = calls / 5;
+      const int n = std::max(calls / 5, 1);
       auto t0 = std::chrono::steady_clock::now();
       for (int i = 0; i < n; ++i) {
         if (static_cast<int>(inFlight.size()) == window) {
           inFlight.front().get();
           inFlight.pop_front();
         }
-        inFlight.push_back(agent->rpcAsync("worker1", kPing, int64_t{i}));
+        inFlight.push_back(agent.rpcAsync("worker1", kPing, int64_t{i}));
       }
       while (!inFlight.empty()) {
         inFlight.front().get();
@@ -80,11 +206,96 @@ int main(int argc, char** argv) {
       double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       rates.push_back(n / s);
     }
-    emitMeasurement("rpc", "rpcasync_throughput_w" + std::to_string(window), "calls/s", measurementOf(rates), false,
+    emitMeasurement("rpc", "rpcasync_throughput_w" + std::to_string(window), "calls/s", measurementOf(rates), pinned,
                     {{"in_flight", std::to_string(window)}});
   }
-  agent->shutdown();
-  agent.reset();
-  reap(child);
+}
+
+void measureTensorEcho(AgentPair& pair, const Config& config, size_t bytes, const Measurement& raw, bool pinned) {
+  rpc::Agent& agent = pair.agent();
+  const int64_t n = static_cast<int64_t>(bytes / sizeof(float));
+  Tensor t = Tensor::empty({n});
+  float* data = t.data<float>();
+  for (int64_t i = 0; i < n; ++i) data[i] = static_cast<float>(i % 65521);
+  // The warm-up round trip is checked in full; the timed ones by size and a few elements.
+  Tensor first = agent.rpcSync("worker1", kEcho, t);
+  check(first.numel() == n && std::memcmp(first.rawData(), data, bytes) == 0, "echo result");
+  const int rounds = echoRounds(config, bytes);
+  std::vector<double> rates;
+  const double parentCpu0 = processCpuSeconds();
+  const double childCpu0 = pair.childCpuSeconds();
+  const auto wall0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < rounds; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    Tensor back = agent.rpcSync("worker1", kEcho, t);
+    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    check(back.numel() == n && back.data<float>()[n - 1] == data[n - 1] && back.data<float>()[n / 2] == data[n / 2],
+          "echo result");
+    rates.push_back(2.0 * static_cast<double>(bytes) / s / 1e9);
+  }
+  // CPU time of each process per wall second of the loop: well below 1 + 1 while the bandwidth is below raw
+  // means time is lost waiting (wake-ups, stalls), not copying.
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count();
+  const double parentCpu = (processCpuSeconds() - parentCpu0) / wall;
+  const double childCpu = (pair.childCpuSeconds() - childCpu0) / wall;
+  Measurement m = measurementOf(std::move(rates));
+  emitMeasurement("rpc", "tensor_echo_" + sizeName(bytes), "GB/s", m, pinned,
+                  {{"bytes", std::to_string(bytes)},
+                   {"cpu_busy_worker0", number(parentCpu)},
+                   {"cpu_busy_worker1", number(childCpu)},
+                   {"raw_median", number(raw.stats.median)},
+                   {"ratio_vs_raw", number(m.stats.median / raw.stats.median)}});
+}
+
+}  // namespace
+}  // namespace distgrad::bench
+
+int main(int argc, char** argv) {
+  using namespace distgrad::bench;
+  Config config;
+  if (argc > 1) config.rounds = std::max(std::atoi(argv[1]), 10);
+  if (argc > 2) config.calls = std::max(std::atoi(argv[2]), 5);
+  if (argc > 3) config.echoMegabytes = std::atof(argv[3]);
+  if (argc > 4) config.idleSeconds = std::atof(argv[4]);
+  const cpu_set_t freeAffinity = currentAffinity();
+  std::signal(SIGPIPE, SIG_IGN);  // a dead child shows as a failed write (check() names it), not a silent exit
+
+  // Free placement. Every raw figure forks its own child before any agent thread exists in this process
+  // (fork and threads do not mix), so the raw references come first.
+  {
+    const bool pinned = false;
+    Measurement rawRtt = rawPingPong(config.rounds, pinned);
+    emitMeasurement("raw_socket", "pingpong_rtt_64B", "us", rawRtt, pinned);
+    emitMeasurement("raw_socket", "stream_64MB", "GB/s", rawStream(echoRounds(config, kStreamBytes), pinned), pinned);
+    std::vector<Measurement> rawEcho;
+    for (size_t bytes : kEchoSizes) {
+      rawEcho.push_back(rawExchange(bytes, bytes, echoRounds(config, bytes), pinned));
+      emitMeasurement("raw_socket", "echo_" + sizeName(bytes), "GB/s", rawEcho.back(), pinned,
+                      {{"bytes", std::to_string(bytes)}});
+    }
+    AgentPair pair(pinned);
+    measureIdle(pair, config.idleSeconds, "after_start", pinned);
+    measureRpcSync(pair.agent(), config.rounds, rawRtt, pinned);
+    measureRpcAsync(pair.agent(), config.calls, pinned);
+    for (size_t i = 0; i < std::size(kEchoSizes); ++i) {
+      measureTensorEcho(pair, config, kEchoSizes[i], rawEcho[i], pinned);
+    }
+    measureIdle(pair, config.idleSeconds, "after_traffic", pinned);
+  }
+
+  // Both processes on CPU 0: this process is pinned before the agent starts its threads (they inherit the
+  // mask), the child right after fork; the original mask is restored afterwards.
+  {
+    const bool pinned = true;
+    pinToCpu0();
+    Measurement rawRtt = rawPingPong(config.rounds, pinned);
+    emitMeasurement("raw_socket", "pingpong_rtt_64B", "us", rawRtt, pinned);
+    {
+      AgentPair pair(pinned);
+      measureRpcSync(pair.agent(), config.rounds, rawRtt, pinned);
+      measureRpcAsync(pair.agent(), config.calls, pinned);
+    }
+    restoreAffinity(freeAffinity);
+  }
   return 0;
 }

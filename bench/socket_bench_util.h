@@ -1,5 +1,6 @@
-// Raw-socket and transport measurements shared by bench/raw_socket.cpp and bench/transport.cpp:
-// a 64-byte ping-pong round trip and a 64 MB message stream between two processes (fork) on 127.0.0.1.
+// Raw-socket measurements shared by bench/raw_socket.cpp, bench/transport.cpp and bench/rpc.cpp: a 64-byte
+// ping-pong round trip, a 64 MB message stream and an echo of any size between two processes (fork) on
+// 127.0.0.1, plus the emit helper that tags every line with its placement ("free" or "one_core").
 // Every measurement forks a fresh child before any thread exists in the parent's measurement (fork and
 // threads do not mix); the child gets PR_SET_PDEATHSIG. `pinned` puts both processes on CPU 0.
 // Thread-safety: single-threaded drivers.
@@ -161,17 +162,19 @@ inline Measurement rawPingPong(int rounds, bool pinned) {
   return measurementOf(us);
 }
 
-// Plain blocking sockets: 64 MB messages, each acknowledged by one byte; GB/s per message.
-inline Measurement rawStream(int messages, bool pinned) {
+// Plain blocking sockets: `rounds` messages of `bytes` bytes, each answered by `replyBytes` bytes (after
+// the whole message arrived) before the next is sent; one untimed warm-up message first. Returns GB/s per
+// message counting the bytes of both directions. replyBytes = 1 is a one-way stream with an acknowledgement;
+// replyBytes = bytes is an echo, the raw reference of an RPC that returns its argument.
+inline Measurement rawExchange(size_t bytes, size_t replyBytes, int rounds, bool pinned) {
   int port = 0;
   int listener = listenEphemeral(port);
   pid_t child = forkChild(pinned, [&] {
     int fd = connectLoopback(port);
-    std::vector<uint8_t> buf(kStreamBytes);
-    char ack = 1;
-    for (int i = 0; i < messages + 1; ++i) {
-      readFully(fd, buf.data(), buf.size());
-      writeFully(fd, &ack, 1);
+    std::vector<uint8_t> buf(std::max(bytes, replyBytes));
+    for (int i = 0; i < rounds + 1; ++i) {
+      readFully(fd, buf.data(), bytes);
+      writeFully(fd, buf.data(), replyBytes);
     }
     ::close(fd);
   });
@@ -179,20 +182,35 @@ inline Measurement rawStream(int messages, bool pinned) {
   int fd = ::accept(listener, nullptr, nullptr);
   check(fd >= 0, "accept");
   setNoDelay(fd);
-  std::vector<uint8_t> data(kStreamBytes, 7);
+  std::vector<uint8_t> data(bytes, 7);
+  std::vector<uint8_t> reply(replyBytes);
   std::vector<double> rates;
-  for (int i = 0; i < messages + 1; ++i) {
+  for (int i = 0; i < rounds + 1; ++i) {
     auto t0 = std::chrono::steady_clock::now();
     writeFully(fd, data.data(), data.size());
-    char ack = 0;
-    readFully(fd, &ack, 1);
+    readFully(fd, reply.data(), reply.size());
     double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (i > 0) rates.push_back(static_cast<double>(kStreamBytes) / s / 1e9);  // first one is warm-up
+    if (i > 0) rates.push_back(static_cast<double>(bytes + replyBytes) / s / 1e9);  // first one is warm-up
   }
   ::close(fd);
   ::close(listener);
   reap(child);
   return measurementOf(rates);
+}
+
+// Plain blocking sockets: 64 MB messages, each acknowledged by one byte; GB/s per message.
+inline Measurement rawStream(int messages, bool pinned) { return rawExchange(kStreamBytes, 1, messages, pinned); }
+
+// The process's CPU affinity now, to restore after pinToCpu0().
+inline cpu_set_t currentAffinity() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  check(sched_getaffinity(0, sizeof(set), &set) == 0, "sched_getaffinity");
+  return set;
+}
+
+inline void restoreAffinity(const cpu_set_t& set) {
+  if (sched_setaffinity(0, sizeof(set), &set) != 0) std::perror("sched_setaffinity");
 }
 
 inline void emitMeasurement(const std::string& bench, const std::string& metric, const std::string& unit,
@@ -201,6 +219,7 @@ inline void emitMeasurement(const std::string& bench, const std::string& metric,
   std::snprintf(p99, sizeof(p99), "%.6g", m.p99);
   extra["p99"] = p99;
   extra["pinned_cpu0"] = pinned ? "true" : "false";
+  extra["placement"] = pinned ? quoted("one_core") : quoted("free");
   emit(bench, metric, unit, m.stats, extra);
 }
 
