@@ -57,7 +57,6 @@
 #include <vector>
 
 #include "rpc/detail/move_only_function.h"
-#include "rpc/detail/spin.h"
 #include "rpc/error.h"
 #include "rpc/executor.h"
 #include "tensor/error.h"
@@ -143,8 +142,6 @@ class FutureState : public std::enable_shared_from_this<FutureState<T>> {
   bool isReady() const { return ready_.load(std::memory_order_acquire); }
 
   void wait() {
-    // The result of a call usually arrives within microseconds: poll briefly before sleeping.
-    if (spinUntil([this] { return ready_.load(std::memory_order_acquire); })) return;
     std::unique_lock<std::mutex> lock(mutex_);
     completed_.wait(lock, [&] { return ready_.load(std::memory_order_relaxed); });
   }
