@@ -55,6 +55,34 @@ TEST(TensorFactories, StorageIsAlignedAndAccounted) {
   EXPECT_EQ(cpuBytesInUse(), before);
 }
 
+TEST(TensorFactories, LargeFreedBlocksAreCachedAndReused) {
+  emptyCpuCache();
+  const size_t bytes = (size_t{3} << 20) + 100;  // rounds up to a 4 MiB block
+  void* first = nullptr;
+  {
+    Storage s = Storage::allocate(bytes);
+    first = s.data();
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(first) % kStorageAlignment, 0u);
+    EXPECT_EQ(cpuBytesCached(), 0u);
+  }
+  EXPECT_EQ(cpuBytesCached(), size_t{4} << 20);
+  {
+    // Any size that rounds to the same block reuses it; the cache no longer holds it meanwhile.
+    Storage again = Storage::allocate((size_t{4} << 20) - 1);
+    EXPECT_EQ(again.data(), first);
+    EXPECT_EQ(cpuBytesCached(), 0u);
+    Storage other = Storage::allocate(size_t{2} << 20);  // another size: a fresh block
+    EXPECT_NE(other.data(), first);
+  }
+  EXPECT_EQ(cpuBytesCached(), size_t{6} << 20);
+  emptyCpuCache();
+  EXPECT_EQ(cpuBytesCached(), 0u);
+  {
+    Storage small = Storage::allocate(4096);  // below 1 MiB: never cached
+  }
+  EXPECT_EQ(cpuBytesCached(), 0u);
+}
+
 TEST(TensorMetadata, StridesAndContiguity) {
   Tensor t = Tensor::zeros({2, 3, 4});
   EXPECT_EQ(t.strides(), (Shape{12, 4, 1}));

@@ -1,7 +1,10 @@
 #include "rpc/transport/tcp/context.h"
 
 #include <arpa/inet.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <future>
@@ -16,15 +19,25 @@ std::string uvError(int code) { return std::string(uv_strerror(code)) + " (" + u
 TcpLoop::TcpLoop(const ContextOptions& options) : options_(options) {
   int rc = uv_loop_init(&loop_);
   DG_CHECK(rc == 0, "tcp transport: uv_loop_init failed: ", uvError(rc));
-  async_.data = this;
+  wakeFd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  DG_CHECK(wakeFd_ >= 0, "tcp transport: eventfd failed: ", std::strerror(errno));
+  wakePoll_.data = this;
   prepare_.data = this;
   check_.data = this;
-  uv_async_init(&loop_, &async_, [](uv_async_t* h) { static_cast<TcpLoop*>(h->data)->runTasks(); });
+  rc = uv_poll_init(&loop_, &wakePoll_, wakeFd_);
+  DG_CHECK(rc == 0, "tcp transport: uv_poll_init failed: ", uvError(rc));
+  uv_poll_start(&wakePoll_, UV_READABLE,
+                [](uv_poll_t* h, int, int) { static_cast<TcpLoop*>(h->data)->onWakeFromLoop(); });
   uv_prepare_init(&loop_, &prepare_);
-  uv_prepare_start(&prepare_, [](uv_prepare_t* h) { static_cast<TcpLoop*>(h->data)->flushDirtyFromLoop(); });
+  uv_prepare_start(&prepare_, [](uv_prepare_t* h) {
+    auto* self = static_cast<TcpLoop*>(h->data);
+    // Tasks posted from the loop itself (or while it was busy) run now instead of after a wake-up.
+    self->runTasks();
+    self->flushDirtyFromLoop();
+  });
   uv_check_init(&loop_, &check_);
   uv_check_start(&check_, [](uv_check_t* h) { static_cast<TcpLoop*>(h->data)->flushDirtyFromLoop(); });
-  // Only the async handle (and real I/O) keep the loop alive.
+  // Only the wake-up handle (and real I/O) keep the loop alive.
   uv_unref(reinterpret_cast<uv_handle_t*>(&prepare_));
   uv_unref(reinterpret_cast<uv_handle_t*>(&check_));
   std::promise<void> started;
@@ -47,21 +60,39 @@ TcpLoop::~TcpLoop() {
   shutdown();
   int rc = uv_loop_close(&loop_);
   if (rc != 0) std::fprintf(stderr, "distgrad tcp: uv_loop_close: %s\n", uvError(rc).c_str());
+  ::close(wakeFd_);
 }
 
 bool TcpLoop::post(std::function<void()> fn) {
   std::lock_guard lock(mutex_);
   if (stopping_ && !inLoop()) return false;
+  const bool wasEmpty = tasks_.empty();
   tasks_.push_back(std::move(fn));
-  // uv_async_send is called under the mutex so it can never race with the async handle's uv_close.
-  if (asyncOpen_) uv_async_send(&async_);
+  // A non-empty queue means a wake-up is already on its way (or the loop runs the queue before it next
+  // blocks). Written under the mutex so it never races with closing the wake-up handle.
+  if (wasEmpty && wakeOpen_) wake();
   return true;
+}
+
+void TcpLoop::wake() {
+  const uint64_t one = 1;
+  // EAGAIN (counter saturated) still leaves the fd readable: the wake-up is not lost.
+  while (::write(wakeFd_, &one, sizeof(one)) < 0 && errno == EINTR) {
+  }
+}
+
+void TcpLoop::onWakeFromLoop() {
+  uint64_t count = 0;
+  while (::read(wakeFd_, &count, sizeof(count)) < 0 && errno == EINTR) {
+  }
+  runTasks();
 }
 
 void TcpLoop::runTasks() {
   std::deque<std::function<void()>> batch;
   {
     std::lock_guard lock(mutex_);
+    if (tasks_.empty()) return;
     batch.swap(tasks_);
   }
   for (auto& task : batch) task();
@@ -91,7 +122,7 @@ void TcpLoop::shutdown() {
     } else {
       stopping_ = true;
       tasks_.push_back([this] { closeAllFromLoop(); });
-      uv_async_send(&async_);
+      wake();
     }
   }
   if (thread_.joinable() && !inLoop()) {
@@ -109,8 +140,8 @@ void TcpLoop::closeAllFromLoop() {
   dirty_.clear();
   {
     std::lock_guard lock(mutex_);
-    asyncOpen_ = false;
-    uv_close(reinterpret_cast<uv_handle_t*>(&async_), nullptr);
+    wakeOpen_ = false;
+    uv_close(reinterpret_cast<uv_handle_t*>(&wakePoll_), nullptr);
   }
   uv_close(reinterpret_cast<uv_handle_t*>(&prepare_), nullptr);
   uv_close(reinterpret_cast<uv_handle_t*>(&check_), nullptr);

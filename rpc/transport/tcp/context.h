@@ -3,8 +3,10 @@
 // large payloads directly in the buffers the PayloadAllocator returns.
 //
 // Threads: TcpLoop owns the uv_loop_t and its thread; only that thread touches libuv handles (methods named
-// ...FromLoop). Other threads post closures through a uv_async_t. Context methods may be called from any
-// thread; Context::close() must not be called from the loop thread (it joins it).
+// ...FromLoop). Other threads post closures; the loop is woken through an eventfd, written only when the
+// task queue goes from empty to non-empty (a loop that is busy anyway costs the poster no syscall). Context
+// methods may be called from any thread; Context::close() must not be called from the loop thread (it
+// joins it).
 #pragma once
 
 #include <uv.h>
@@ -59,18 +61,23 @@ class TcpLoop {
  private:
   void run();
   void runTasks();
+  void wake();  // under mutex_
+  void onWakeFromLoop();
   void closeAllFromLoop();
   void flushDirtyFromLoop();
 
   ContextOptions options_;
   uv_loop_t loop_{};
-  uv_async_t async_{};
-  uv_prepare_t prepare_{};  // flushes before the loop blocks in poll
+  // Not uv_async_t: its uv_async_send/uv__async_spin handshake made the loop thread spin (about 6% of a
+  // no-op RPC's CPU on a loaded 2-core box) whenever a poster was preempted inside the send.
+  int wakeFd_ = -1;         // eventfd
+  uv_poll_t wakePoll_{};
+  uv_prepare_t prepare_{};  // runs queued tasks and flushes before the loop blocks in poll
   uv_check_t check_{};      // flushes right after the I/O callbacks of an iteration
   std::mutex mutex_;
   std::deque<std::function<void()>> tasks_;  // GUARDED_BY(mutex_)
   bool stopping_ = false;                    // GUARDED_BY(mutex_)
-  bool asyncOpen_ = true;                    // GUARDED_BY(mutex_)
+  bool wakeOpen_ = true;                     // GUARDED_BY(mutex_): wakeFd_ may be written
   std::mutex joinMutex_;  // concurrent close() calls join the thread once
   std::thread thread_;
   std::thread::id threadId_;
