@@ -742,6 +742,7 @@ void Agent::peerDown(const std::string& peerName, const Error& error) {
   std::shared_ptr<Link> link;
   std::vector<uint64_t> calls;
   std::vector<CancellationSource> handlers;
+  Error reason = error;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = peers_.find(peerName);
@@ -751,6 +752,10 @@ void Agent::peerDown(const std::string& peerName, const Error& error) {
       peer.dead = true;
       peer.deadReason = error;
     }
+    // Every call to a dead peer fails with the FIRST reason (e.g. the heartbeat timeout), also when the
+    // link's close, which this death causes, reports it again from the loop thread and wins the race for
+    // the pending calls.
+    reason = *peer.deadReason;
     link = std::move(peer.link);
     for (const auto& [id, pending] : pending_) {
       if (pending->peer == peerName) calls.push_back(id);
@@ -761,8 +766,8 @@ void Agent::peerDown(const std::string& peerName, const Error& error) {
   }
   changed_.notify_all();
   if (link) link->connection->close();
-  for (uint64_t id : calls) failPending(id, error, /*sendCancel=*/false);
-  for (auto& source : handlers) source.cancel(error);
+  for (uint64_t id : calls) failPending(id, reason, /*sendCancel=*/false);
+  for (auto& source : handlers) source.cancel(reason);
 }
 
 // ---- calls ----
