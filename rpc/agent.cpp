@@ -739,6 +739,7 @@ void Agent::onLinkClosed(const std::shared_ptr<Link>& link, const Error& error) 
 }
 
 void Agent::peerDown(const std::string& peerName, const Error& error) {
+  bool firstDeath = false;
   std::shared_ptr<Link> link;
   std::vector<uint64_t> calls;
   std::vector<CancellationSource> handlers;
@@ -751,6 +752,7 @@ void Agent::peerDown(const std::string& peerName, const Error& error) {
     if (!peer.dead) {
       peer.dead = true;
       peer.deadReason = error;
+      firstDeath = true;
     }
     // Every call to a dead peer fails with the FIRST reason (e.g. the heartbeat timeout), also when the
     // link's close, which this death causes, reports it again from the loop thread and wins the race for
@@ -768,6 +770,38 @@ void Agent::peerDown(const std::string& peerName, const Error& error) {
   if (link) link->connection->close();
   for (uint64_t id : calls) failPending(id, reason, /*sendCancel=*/false);
   for (auto& source : handlers) source.cancel(reason);
+  if (firstDeath) {
+    for (auto& extension : extensionList()) extension->onPeerDown(peerName, reason);
+  }
+}
+
+std::shared_ptr<AgentExtension> Agent::extension(const std::string& key,
+                                                 const std::function<std::shared_ptr<AgentExtension>(Agent&)>& make) {
+  std::lock_guard<std::mutex> lock(extensionsMutex_);
+  auto it = extensions_.find(key);
+  if (it != extensions_.end()) return it->second;
+  DG_CHECK(!extensionsClosed_, "Agent::extension: agent ", name_, " is shut down (extension '", key, "')");
+  auto made = make(*this);
+  DG_CHECK(made != nullptr, "Agent::extension: the factory of '", key, "' returned nothing");
+  extensions_.emplace(key, made);
+  return made;
+}
+
+void Agent::rpcRaw(const CallOptions& callOptions, const std::string& worker, const std::string& functionName,
+                   uint64_t signatureHash, const EncodeValueFn& encodeValue, RawCompletion complete) {
+  EnvelopeFields fields;
+  fields.kind = MessageKind::kCall;
+  fields.messageId = nextMessageId_.fetch_add(1, std::memory_order_relaxed);
+  fields.functionName = functionName;
+  fields.signatureHash = signatureHash;
+  prepareCall(callOptions, fields);
+  const CodecScope scope{this, worker};
+  auto frame = encodeMessage(fields, encodeValue, &scope);
+  if (!frame.ok()) {
+    complete(Result<DecodedMessage>(frame.error()));
+    return;
+  }
+  startCall(callOptions, worker, fields, std::move(frame).value(), std::move(complete));
 }
 
 // ---- calls ----
@@ -899,6 +933,7 @@ void Agent::failPending(uint64_t id, Error error, bool sendCancel) {
 void Agent::onReply(const std::string& peer, DecodedMessage message) {
   auto pending = takePending(message.fields().messageId, &peer);
   if (!pending) return;  // it timed out or was cancelled before the reply came
+  message.setScope(CodecScope{this, peer});
   if (pending->timer != kInvalidTimerId) timers_->cancel(pending->timer);
   if (message.kind() == MessageKind::kError) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -948,7 +983,8 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message) {
     Result<transport::OutgoingFrame> frame = Error::failed("unset");
     if (result.ok()) {
       fields.kind = MessageKind::kResponse;
-      frame = encodeMessage(fields, result.value());
+      const CodecScope scope{this, peerName};
+      frame = encodeMessage(fields, result.value(), &scope);
     }
     if (!result.ok() || !frame.ok()) {
       Error error = result.ok() ? frame.error() : result.error();
@@ -995,7 +1031,9 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message) {
       error.worker = name_;
       return reply(Result<EncodeValueFn>(std::move(error)));
     }
+    message.setScope(CodecScope{this, peerName});
     CallContext ctx;
+    ctx.agent = this;
     ctx.caller = peerName;
     ctx.callee = name_;
     ctx.function = fields.functionName;
@@ -1274,6 +1312,13 @@ void Agent::teardown() {
   }
   for (uint64_t id : ids) failPending(id, Error::failed("agent " + name_ + " shut down"), false);
   for (auto& source : handlers) source.cancel(Error::cancelled("agent " + name_ + " shut down"));
+  std::vector<std::shared_ptr<AgentExtension>> extensions;
+  {
+    std::lock_guard<std::mutex> lock(extensionsMutex_);
+    extensionsClosed_ = true;
+    for (auto& [key, extension] : extensions_) extensions.push_back(extension);
+  }
+  for (auto& extension : extensions) extension->onAgentClosed();
   if (executor_) executor_->shutdown();
   store_.reset();
   storeServer_.reset();

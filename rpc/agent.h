@@ -24,6 +24,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -66,6 +67,23 @@ struct AgentConfig {
   // Bound on one connection's handshake (from the moment it exists to the last proof): a connection that
   // has not finished by then is closed with a logged reason. 0 = min(Options::rendezvousTimeout, 10 s).
   std::chrono::milliseconds handshakeTimeout{0};
+};
+
+// Per-agent state of a layer above rpc/ (rref/, autograd/distributed/), kept in the agent's extension slot
+// so that rpc/ never depends on those layers. The agent tells every extension when a peer is declared dead
+// and when the agent closes; both calls come from a thread of the agent (loop, timer, executor or the one
+// shutting down), never under the agent's locks, and must not block.
+class AgentExtension {
+ public:
+  virtual ~AgentExtension() = default;
+  // `peer` was declared dead (its connection closed or its heartbeats stopped); once per peer.
+  virtual void onPeerDown(const std::string& peer, const Error& error) {
+    (void)peer;
+    (void)error;
+  }
+  // The agent is tearing down (after its pending calls failed, before its executor stops): drop every
+  // reference to it. Extensions may outlive the agent (values above rpc/ hold them).
+  virtual void onAgentClosed() {}
 };
 
 // Per-call settings (rpcAsyncWith / rpcSyncWith).
@@ -117,7 +135,8 @@ class Agent {
     fields.signatureHash = fn.hash();
     // Converting to the declared parameter types first makes the wire type the declared one.
     prepareCall(callOptions, fields);
-    auto frame = encodeCall(fields, asParam<Params>(std::forward<A>(args))...);
+    const CodecScope scope{this, worker};
+    auto frame = encodeCallIn(&scope, fields, asParam<Params>(std::forward<A>(args))...);
     std::string signature = fn.signature();
     Completion complete = [promise = std::move(promise), signature](Result<DecodedMessage>&& reply) mutable {
       if (!reply.ok()) {
@@ -166,6 +185,22 @@ class Agent {
   // both ways, then close connections and stop threads. Non-graceful: fail pending calls and stop at once.
   // The agent is always torn down when shutdown returns or throws. Idempotent.
   void shutdown(bool graceful = true);
+
+  // Untyped call, for layers above rpc/ that build their own call values (rref/): calls `functionName` on
+  // `worker` with `signatureHash` and the value `encodeValue` writes (encoded with this agent's CodecScope),
+  // with the deadline and cancellation of callOptions. `complete` gets the reply (a kResponse or kError
+  // message, scoped to this agent) or the failure, exactly once, on whichever thread ends the call (a
+  // transport loop, the timer thread, an executor thread or the caller): it must not block.
+  using RawCompletion = detail::MoveOnlyFunction<void(Result<DecodedMessage>&&)>;
+  void rpcRaw(const CallOptions& callOptions, const std::string& worker, const std::string& functionName,
+              uint64_t signatureHash, const EncodeValueFn& encodeValue, RawCompletion complete);
+
+  // The extension stored under `key` (see AgentExtension), created by `make` on first use. `make` runs
+  // under the slot's lock: it must not call extension() again. Throws ValueError after the agent closed.
+  std::shared_ptr<AgentExtension> extension(const std::string& key,
+                                            const std::function<std::shared_ptr<AgentExtension>(Agent&)>& make);
+  // The functions and classes this agent serves (its copy of the Registry given to start()).
+  const Registry& registry() const { return registry_; }
 
   Executor& executor() { return *executor_; }
   PeerMetrics metrics(const std::string& worker) const;
@@ -272,6 +307,15 @@ class Agent {
   TimerId heartbeatTimer_ = kInvalidTimerId;                    // GUARDED_BY(mutex_)
   std::mutex shutdownMutex_;
   bool shutDown_ = false;  // GUARDED_BY(shutdownMutex_)
+  std::mutex extensionsMutex_;
+  std::map<std::string, std::shared_ptr<AgentExtension>> extensions_;  // GUARDED_BY(extensionsMutex_)
+  bool extensionsClosed_ = false;                                      // GUARDED_BY(extensionsMutex_)
+  std::vector<std::shared_ptr<AgentExtension>> extensionList() {
+    std::lock_guard<std::mutex> lock(extensionsMutex_);
+    std::vector<std::shared_ptr<AgentExtension>> out;
+    for (auto& [key, extension] : extensions_) out.push_back(extension);
+    return out;
+  }
 };
 
 }  // namespace distgrad::rpc

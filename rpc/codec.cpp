@@ -36,8 +36,8 @@ void EncodeContext::enter() {
   }
 }
 
-DecodeContext::DecodeContext(std::span<const transport::PayloadBuffer> payloads, int maxDepth)
-    : payloads_(payloads), used_(payloads.size(), false), maxDepth_(maxDepth) {}
+DecodeContext::DecodeContext(std::span<const transport::PayloadBuffer> payloads, int maxDepth, CodecScope scope)
+    : payloads_(payloads), used_(payloads.size(), false), maxDepth_(maxDepth), scope_(std::move(scope)) {}
 
 void DecodeContext::enter() {
   if (++depth_ > maxDepth_) {

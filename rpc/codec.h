@@ -69,9 +69,23 @@ struct RRefId {
   friend bool operator==(const RRefId&, const RRefId&) = default;
 };
 
+class Agent;
+
+// Which agent encodes or decodes a message and the worker at the other end (the callee of a call, the
+// caller of a reply; the sender of a received message). Codecs of values that stand for per-worker state
+// (rref::RRef<T>) need both: an RRef is registered with the agent's reference table and forked to `peer`.
+// Empty (agent == nullptr) outside an agent (tests, tools): such codecs then refuse to run.
+struct CodecScope {
+  Agent* agent = nullptr;
+  std::string peer;
+};
+
 // Collects the payload buffers of one message while its value tree is encoded.
 class EncodeContext {
  public:
+  EncodeContext() = default;
+  explicit EncodeContext(CodecScope scope) : scope_(std::move(scope)) {}
+  const CodecScope& scope() const { return scope_; }
   // Appends a payload; returns its index.
   uint32_t addPayload(transport::SendBuffer buffer);
   const std::vector<transport::SendBuffer>& payloads() const { return payloads_; }
@@ -83,12 +97,15 @@ class EncodeContext {
  private:
   std::vector<transport::SendBuffer> payloads_;
   int depth_ = 0;
+  CodecScope scope_;
 };
 
 // The received payloads of one message; hands each to at most one tensor.
 class DecodeContext {
  public:
-  explicit DecodeContext(std::span<const transport::PayloadBuffer> payloads, int maxDepth = kMaxValueDepth);
+  explicit DecodeContext(std::span<const transport::PayloadBuffer> payloads, int maxDepth = kMaxValueDepth,
+                         CodecScope scope = {});
+  const CodecScope& scope() const { return scope_; }
   // Validates the descriptor against its payload and wraps the payload's memory as the tensor's storage
   // (no copy; the payload's owner stays alive as long as the tensor's storage).
   Tensor takeTensor(wire::TensorDesc::Reader desc);
@@ -102,6 +119,7 @@ class DecodeContext {
   std::vector<bool> used_;
   int depth_ = 0;
   int maxDepth_;
+  CodecScope scope_;
 };
 
 namespace detail {

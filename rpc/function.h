@@ -20,6 +20,8 @@
 
 namespace distgrad::rpc {
 
+class Agent;
+
 template <typename Sig>
 class Function;
 
@@ -48,6 +50,9 @@ struct CallContext {
   // register onCancel() to stop early; the caller has already given up on the result.
   CancellationToken token;
   std::chrono::microseconds timeout{0};  // the caller's timeout, 0 if none
+  // The agent serving the call (for nested calls and the per-agent state of layers above rpc/, e.g.
+  // rref::RRefContext::of(*ctx.agent)). Valid while the handler runs and the agent lives.
+  Agent* agent = nullptr;
 };
 
 }  // namespace distgrad::rpc

@@ -101,7 +101,8 @@ void checkEnvelope(wire::Envelope::Reader env, std::span<const uint64_t> payload
 
 }  // namespace
 
-Result<transport::OutgoingFrame> encodeMessage(const EnvelopeFields& fields, const EncodeValueFn& encodeValue) {
+Result<transport::OutgoingFrame> encodeMessage(const EnvelopeFields& fields, const EncodeValueFn& encodeValue,
+                                               const CodecScope* scope) {
   return detail::guard("cannot encode message", [&] {
     DG_CHECK((fields.kind == MessageKind::kError) == fields.error.has_value(),
              "encodeMessage: an error message needs EnvelopeFields::error and no other kind may carry one (kind ",
@@ -128,7 +129,7 @@ Result<transport::OutgoingFrame> encodeMessage(const EnvelopeFields& fields, con
       error.setWorker(textOf(fields.error->worker));
       error.setRemoteType(textOf(fields.error->remoteType));
     }
-    EncodeContext ctx;
+    EncodeContext ctx(scope != nullptr ? *scope : CodecScope{});
     auto value = env.initValue();
     if (encodeValue) {
       encodeValue(value, ctx);
@@ -155,13 +156,35 @@ struct DecodedMessage::State {
   DecodeLimits limits;
 };
 
-DecodedMessage::DecodedMessage(std::unique_ptr<State> state) : state_(std::move(state)) {}
+DecodedMessage::DecodedMessage(std::shared_ptr<State> state) : state_(std::move(state)) {}
 DecodedMessage::DecodedMessage(DecodedMessage&&) noexcept = default;
 DecodedMessage& DecodedMessage::operator=(DecodedMessage&&) noexcept = default;
 DecodedMessage::~DecodedMessage() = default;
 
 wire::Value::Reader DecodedMessage::value() const {
-  return state_->envelope.reader->getRoot<wire::Envelope>().getValue();
+  return selectValue(state_->envelope.reader->getRoot<wire::Envelope>().getValue());
+}
+
+wire::Value::Reader DecodedMessage::selectValue(wire::Value::Reader root) const {
+  for (uint32_t index : fieldPath_) {
+    if (!root.isStruct()) detail::throwKindMismatch("struct", root);
+    auto fields = root.getStruct();
+    if (index >= fields.size()) {
+      throw CodecError("expected a struct with at least " + std::to_string(index + 1) + " fields, got " +
+                       std::to_string(fields.size()));
+    }
+    root = fields[index].getValue();
+  }
+  return root;
+}
+
+DecodedMessage DecodedMessage::fieldView(uint32_t index) const {
+  DecodedMessage view(state_);
+  view.fields_ = fields_;
+  view.fieldPath_ = fieldPath_;
+  view.fieldPath_.push_back(index);
+  view.scope_ = scope_;
+  return view;
 }
 
 Result<std::shared_ptr<capnp::MessageReader>> DecodedMessage::openReader() const {
@@ -177,7 +200,7 @@ const std::vector<transport::PayloadBuffer>& DecodedMessage::payloads() const { 
 
 Result<DecodedMessage> decodeMessage(transport::IncomingFrame frame, const DecodeLimits& limits) {
   return detail::guard("malformed message", [&] {
-    auto state = std::make_unique<DecodedMessage::State>();
+    auto state = std::make_shared<DecodedMessage::State>();
     state->envelopeBytes = std::move(frame.envelope);
     state->payloads = std::move(frame.payloads);
     state->limits = limits;

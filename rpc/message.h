@@ -79,7 +79,9 @@ using EncodeValueFn = std::function<void(wire::Value::Builder, EncodeContext&)>;
 
 // Serialises fields + value into a frame whose payloads are the tensors' bytes in place (their storages
 // are held by the SendBuffers). An empty encodeValue writes a null value.
-Result<transport::OutgoingFrame> encodeMessage(const EnvelopeFields& fields, const EncodeValueFn& encodeValue = {});
+// `scope` (optional) is handed to the codecs (see CodecScope): the agent passes itself and the peer.
+Result<transport::OutgoingFrame> encodeMessage(const EnvelopeFields& fields, const EncodeValueFn& encodeValue = {},
+                                               const CodecScope* scope = nullptr);
 
 // encodeMessage with `value` encoded by Codec<T>.
 template <typename T>
@@ -91,11 +93,19 @@ Result<transport::OutgoingFrame> encodeMessageWith(const EnvelopeFields& fields,
 
 // A call message: the arguments travel as a tuple (a struct with empty field names).
 template <typename... Args>
+Result<transport::OutgoingFrame> encodeCallIn(const CodecScope* scope, const EnvelopeFields& fields,
+                                              const Args&... args) {
+  return encodeMessage(
+      fields,
+      [&](wire::Value::Builder out, EncodeContext& ctx) {
+        detail::TupleCodec<std::tuple<std::decay_t<Args>...>, std::decay_t<Args>...>::encode(
+            out, std::forward_as_tuple(args...), ctx);
+      },
+      scope);
+}
+template <typename... Args>
 Result<transport::OutgoingFrame> encodeCall(const EnvelopeFields& fields, const Args&... args) {
-  return encodeMessage(fields, [&](wire::Value::Builder out, EncodeContext& ctx) {
-    detail::TupleCodec<std::tuple<std::decay_t<Args>...>, std::decay_t<Args>...>::encode(
-        out, std::forward_as_tuple(args...), ctx);
-  });
+  return encodeCallIn(nullptr, fields, args...);
 }
 
 // A parsed, validated message. Owns the envelope bytes, the Cap'n Proto reader over them and the
@@ -122,8 +132,8 @@ class DecodedMessage {
     auto reader = openReader();
     if (!reader) return reader.error();
     return detail::guard("malformed value", [&]() -> T {
-      DecodeContext ctx(payloads());
-      T out = Codec<T>::decode(reader.value()->getRoot<wire::Envelope>().getValue(), ctx);
+      DecodeContext ctx(payloads(), kMaxValueDepth, scope_);
+      T out = Codec<T>::decode(selectValue(reader.value()->getRoot<wire::Envelope>().getValue()), ctx);
       ctx.finish();
       return out;
     });
@@ -134,13 +144,29 @@ class DecodedMessage {
     return decodeValue<std::tuple<Args...>>();
   }
 
+  // The agent and peer handed to codecs when this message is decoded (see CodecScope); the agent sets it
+  // on every message it receives.
+  const CodecScope& scope() const { return scope_; }
+  void setScope(CodecScope scope) { scope_ = std::move(scope); }
+
+  // A view of this message (same fields, bytes, payloads and scope) whose value is field `index` of this
+  // message's value, which must be a struct (a tuple). Layers above rpc/ wrap a call as (header, arguments)
+  // and hand the arguments view to a bound function or method, which decodes it as its own call. Reading a
+  // missing field is an Error when decoding, never undefined behaviour.
+  DecodedMessage fieldView(uint32_t index) const;
+
  private:
   friend Result<DecodedMessage> decodeMessage(transport::IncomingFrame frame, const DecodeLimits& limits);
   struct State;
-  explicit DecodedMessage(std::unique_ptr<State> state);
+  explicit DecodedMessage(std::shared_ptr<State> state);
   Result<std::shared_ptr<capnp::MessageReader>> openReader() const;
-  std::unique_ptr<State> state_;
+  // The value this message stands for inside the envelope's value (itself, or the fieldView path). Throws
+  // CodecError when a field of the path is missing.
+  wire::Value::Reader selectValue(wire::Value::Reader root) const;
+  std::shared_ptr<State> state_;  // shared with field views (immutable once decoded)
   EnvelopeFields fields_;
+  std::vector<uint32_t> fieldPath_;
+  CodecScope scope_;
 };
 
 // Parses and validates a received frame: the envelope (alignment, Cap'n Proto limits), its kind, the

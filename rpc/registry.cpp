@@ -18,6 +18,15 @@ Error handlerError(std::exception_ptr exception, const std::string& callee) {
 
 }  // namespace detail
 
+void Registry::bindEntry(BoundFunction entry) {
+  DG_CHECK(!entry.name.empty(), "Registry::bindEntry: the function name must not be empty");
+  DG_CHECK(static_cast<bool>(entry.invoke), "Registry::bindEntry: function '", entry.name, "' has no invoke");
+  DG_CHECK(functions_.find(entry.name) == functions_.end(), "Registry::bindEntry: function '", entry.name,
+           "' is already bound");
+  std::string name = entry.name;
+  functions_.emplace(std::move(name), std::make_shared<const BoundFunction>(std::move(entry)));
+}
+
 std::shared_ptr<const BoundFunction> Registry::find(const std::string& name) const {
   auto it = functions_.find(name);
   return it == functions_.end() ? nullptr : it->second;

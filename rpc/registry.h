@@ -79,6 +79,11 @@ class Registry {
     functions_.emplace(entry->name, std::move(entry));
   }
 
+  // Binds a type-erased entry: for layers above rpc/ whose calls carry their own value layout (rref/'s
+  // "dg.rref.*" functions read a header and hand the rest to a bound function or method). Callers reach it
+  // with Agent::rpcRaw and entry.hash. Throws ValueError when the name is already bound.
+  void bindEntry(BoundFunction entry);
+
   // The entry bound under `name`, or nullptr.
   std::shared_ptr<const BoundFunction> find(const std::string& name) const;
   std::vector<std::string> names() const;

@@ -40,11 +40,17 @@ struct WireResult<Future<X>> {
 Error handlerError(Error error, const std::string& callee);
 Error handlerError(std::exception_ptr exception, const std::string& callee);
 
+// The encoder of a handler's result. A named type (not a lambda) so that a layer keeping results instead of
+// sending them (the rref owner table) can recover the typed value: fn.target<ResultEncoder<R>>()->value.
+template <typename R>
+struct ResultEncoder {
+  std::shared_ptr<R> value;
+  void operator()(wire::Value::Builder out, EncodeContext& ctx) const { Codec<R>::encode(out, *value, ctx); }
+};
+
 template <typename R>
 EncodeValueFn makeResultEncoder(R value) {
-  return [v = std::make_shared<R>(std::move(value))](wire::Value::Builder out, EncodeContext& ctx) {
-    Codec<R>::encode(out, *v, ctx);
-  };
+  return ResultEncoder<R>{std::make_shared<R>(std::move(value))};
 }
 
 template <typename R>

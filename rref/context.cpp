@@ -1,0 +1,686 @@
+#include "rref/context.h"
+
+#include <algorithm>
+#include <iostream>
+
+#include "rref/rref.h"
+
+namespace distgrad::rref {
+
+namespace {
+
+const char* const kExtensionKey = "dg.rref";
+// Control messages (Note [Control messages]). Each is idempotent: a retry after a lost answer is harmless.
+const rpc::Function<void(RRefId, uint64_t)> kForkRequest{"dg.rref.fork"};
+const rpc::Function<void(RRefId, uint64_t)> kUserDelete{"dg.rref.delete"};
+const rpc::Function<void(uint64_t)> kChildAccept{"dg.rref.accept"};
+constexpr int kControlAttempts = 5;
+constexpr size_t kMaxTombstones = size_t{1} << 16;
+
+std::pair<uint32_t, uint64_t> keyOf(RRefId id) { return {id.ownerWorkerId, id.localId}; }
+
+std::string describe(RRefId id) {
+  return "RRef(" + std::to_string(id.ownerWorkerId) + ":" + std::to_string(id.localId >> 48) + "." +
+         std::to_string(id.localId & ((uint64_t{1} << 48) - 1)) + ")";
+}
+
+rpc::Future<rpc::EncodeValueFn> failedFuture(rpc::Executor& executor, rpc::Error error) {
+  rpc::Promise<rpc::EncodeValueFn> promise(executor);
+  promise.setError(std::move(error));
+  return promise.getFuture();
+}
+
+}  // namespace
+
+// ---- handles ----
+
+namespace detail {
+
+RRefState::RRefState(std::shared_ptr<RRefContext> ctx, RRefId rrefId, ForkId forkId, std::string ownerName,
+                     bool owned)
+    : context(std::move(ctx)), id(rrefId), fork(forkId), owner(std::move(ownerName)), isOwner(owned) {
+  confirmed.store(owned);
+}
+
+RRefState::~RRefState() {
+  try {
+    context->release(*this);
+  } catch (const std::exception& e) {
+    std::cerr << "[distgrad rref] releasing " << describe(id) << " failed: " << e.what() << "\n";
+  }
+}
+
+}  // namespace detail
+
+// ---- setup ----
+
+std::shared_ptr<RRefContext> RRefContext::of(rpc::Agent& agent) {
+  auto extension = agent.extension(kExtensionKey, [](rpc::Agent& a) -> std::shared_ptr<rpc::AgentExtension> {
+    return std::make_shared<RRefContext>(a);
+  });
+  return std::static_pointer_cast<RRefContext>(extension);
+}
+
+void RRefContext::install(rpc::Registry& registry) {
+  registry.bind(kForkRequest, [](const rpc::CallContext& ctx, RRefId id, uint64_t fork) {
+    RRefContext::of(*ctx.agent)->serveForkRequest(id, fork, ctx.caller);
+  });
+  registry.bind(kUserDelete, [](const rpc::CallContext& ctx, RRefId id, uint64_t fork) {
+    RRefContext::of(*ctx.agent)->serveDelete(id, fork);
+  });
+  registry.bind(kChildAccept, [](const rpc::CallContext& ctx, uint64_t fork) {
+    RRefContext::of(*ctx.agent)->serveChildAccept(fork);
+  });
+  rpc::BoundFunction call;
+  call.name = detail::kCallFunction;
+  call.signature = "dg.rref.call(header,args)";
+  call.hash = detail::kCallHash;
+  call.invoke = [](const rpc::DecodedMessage& message, const rpc::CallContext& ctx, rpc::Executor&) {
+    return RRefContext::of(*ctx.agent)->serveCall(message, ctx);
+  };
+  registry.bindEntry(std::move(call));
+  rpc::BoundFunction fetch;
+  fetch.name = detail::kFetchFunction;
+  fetch.signature = "dg.rref.fetch(rref)";
+  fetch.hash = detail::kFetchHash;
+  fetch.invoke = [](const rpc::DecodedMessage& message, const rpc::CallContext& ctx,
+                    rpc::Executor& executor) -> rpc::Future<rpc::EncodeValueFn> {
+    auto args = message.decodeArgs<RRefId>();
+    if (!args.ok()) return failedFuture(executor, args.error());
+    return RRefContext::of(*ctx.agent)->serveFetch(std::get<0>(args.value()));
+  };
+  registry.bindEntry(std::move(fetch));
+}
+
+RRefContext::RRefContext(rpc::Agent& agent)
+    : name_(agent.name()),
+      rank_(static_cast<uint32_t>(agent.rank())),
+      workers_(agent.workerNames()),
+      executor_(&agent.executor()),
+      agent_(&agent) {}
+
+RRefContext::~RRefContext() = default;
+
+std::string RRefContext::workerOfRank(uint32_t rank) const {
+  if (rank >= workers_.size()) {
+    throw rpc::CodecError("RRef owner rank " + std::to_string(rank) + " is not in this job (" +
+                          std::to_string(workers_.size()) + " workers)");
+  }
+  return workers_[rank];
+}
+
+uint32_t RRefContext::rankOf(const std::string& worker) const {
+  auto it = std::find(workers_.begin(), workers_.end(), worker);
+  if (it == workers_.end()) {
+    std::string names;
+    for (const auto& w : workers_) names += (names.empty() ? "" : ", ") + w;
+    DG_CHECK(false, "rref: unknown worker '", worker, "' (workers: ", names, ")");
+  }
+  return static_cast<uint32_t>(it - workers_.begin());
+}
+
+rpc::Executor& RRefContext::executor() { return *executor_; }
+
+rpc::Agent* RRefContext::beginUse() {
+  std::lock_guard<std::mutex> lock(useMutex_);
+  if (agent_ == nullptr) return nullptr;
+  ++activeUses_;
+  return agent_;
+}
+
+void RRefContext::endUse() {
+  std::lock_guard<std::mutex> lock(useMutex_);
+  if (--activeUses_ == 0) useChanged_.notify_all();
+}
+
+rpc::Error RRefContext::ownerLost(const std::string& owner, const rpc::Error& cause) const {
+  rpc::Error error = rpc::Error::disconnected("OwnerLost: " + owner + ", the owner of the RRef, is gone (" +
+                                             cause.message + ")");
+  error.worker = owner;
+  error.remoteType = kOwnerLostType;
+  return error;
+}
+
+size_t RRefContext::ownedCount() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return owned_.size();
+}
+size_t RRefContext::userCount() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return users_table_.size();
+}
+size_t RRefContext::pendingChildCount() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return children_.size();
+}
+size_t RRefContext::pendingControlCount() const { return pendingControl_.load(); }
+
+// ---- sending ----
+
+void RRefContext::callOwner(const std::string& owner, const detail::CallHeader& header, rpc::EncodeValueFn args,
+                            std::function<void(rpc::Result<rpc::DecodedMessage>&&)> done) {
+  rpc::Agent* agent = beginUse();
+  if (agent == nullptr) {
+    done(rpc::Error::failed("agent " + name_ + " is shut down: RRef call refused"));
+    return;
+  }
+  auto encode = [&header, &args](rpc::wire::Value::Builder out, rpc::EncodeContext& ctx) {
+    auto fields = out.initStruct(2);
+    rpc::Codec<detail::CallHeader>::encode(fields[0].initValue(), header, ctx);
+    if (args) {
+      args(fields[1].initValue(), ctx);
+    } else {
+      fields[1].initValue().setNull();
+    }
+  };
+  auto self = shared_from_this();
+  agent->rpcRaw(rpc::CallOptions{}, owner, detail::kCallFunction, detail::kCallHash, encode,
+                [self, owner, done = std::move(done)](rpc::Result<rpc::DecodedMessage>&& reply) {
+                  if (!reply.ok()) {
+                    rpc::Error error = reply.error();
+                    if (error.kind == rpc::ErrorKind::kDisconnected && (error.worker == owner || error.worker.empty())) {
+                      error = self->ownerLost(owner, error);
+                    }
+                    return done(std::move(error));
+                  }
+                  if (reply.value().kind() == rpc::MessageKind::kError) return done(*reply.value().fields().error);
+                  done(std::move(reply));
+                });
+  endUse();
+}
+
+void RRefContext::fetch(const std::string& owner, RRefId id, std::chrono::milliseconds timeout,
+                        std::function<void(rpc::Result<rpc::DecodedMessage>&&)> done) {
+  rpc::Agent* agent = beginUse();
+  if (agent == nullptr) {
+    done(rpc::Error::failed("agent " + name_ + " is shut down: RRef fetch refused"));
+    return;
+  }
+  rpc::CallOptions options;
+  options.timeout = timeout;
+  auto encode = [id](rpc::wire::Value::Builder out, rpc::EncodeContext& ctx) {
+    rpc::detail::TupleCodec<std::tuple<RRefId>, RRefId>::encode(out, std::make_tuple(id), ctx);
+  };
+  auto self = shared_from_this();
+  agent->rpcRaw(options, owner, detail::kFetchFunction, detail::kFetchHash, encode,
+                [self, owner, done = std::move(done)](rpc::Result<rpc::DecodedMessage>&& reply) {
+                  if (!reply.ok()) {
+                    rpc::Error error = reply.error();
+                    if (error.kind == rpc::ErrorKind::kDisconnected && (error.worker == owner || error.worker.empty())) {
+                      error = self->ownerLost(owner, error);
+                    }
+                    return done(std::move(error));
+                  }
+                  if (reply.value().kind() == rpc::MessageKind::kError) return done(*reply.value().fields().error);
+                  done(std::move(reply));
+                });
+  endUse();
+}
+
+// Note [Control messages]: fork requests, child accepts and user deletions are calls of idempotent
+// functions (a fork already known, a deleted fork or an accepted child is a no-op; deleted forks are
+// remembered as tombstones so a late duplicate fork request cannot resurrect one). A call that timed out or
+// met an overloaded peer is retried (kControlAttempts in all); one to a dead worker is dropped, since the
+// death itself settles the count (Note [Worker death]).
+void RRefContext::sendControl(const std::string& worker, std::function<rpc::Future<void>(rpc::Agent&)> send,
+                              std::function<void(bool)> done, int attempt) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (deadPeers_.count(worker) != 0) {
+      if (done) done(false);
+      return;
+    }
+  }
+  rpc::Agent* agent = beginUse();
+  if (agent == nullptr) {
+    if (done) done(false);
+    return;
+  }
+  ++pendingControl_;
+  rpc::Future<void> future = send(*agent);
+  endUse();
+  auto self = shared_from_this();
+  (void)std::move(future).then([self, worker, send = std::move(send), done = std::move(done),
+                                attempt](rpc::Result<void>&& result) mutable {
+    if (!result.ok()) {
+      const auto kind = result.error().kind;
+      if ((kind == rpc::ErrorKind::kTimeout || kind == rpc::ErrorKind::kOverloaded) &&
+          attempt + 1 < kControlAttempts) {
+        self->sendControl(worker, std::move(send), std::move(done), attempt + 1);
+        --self->pendingControl_;
+        return;
+      }
+      if (kind != rpc::ErrorKind::kDisconnected) {
+        std::cerr << "[distgrad rref] " << self->name_ << ": control message to " << worker
+                  << " failed: " << result.error().describe() << "\n";
+      }
+    }
+    if (done) done(result.ok());
+    --self->pendingControl_;
+  });
+}
+
+void RRefContext::sendDelete(const std::string& owner, RRefId id, ForkId fork) {
+  sendControl(owner, [owner, id, fork](rpc::Agent& agent) { return agent.rpcAsync(owner, kUserDelete, id, fork); });
+}
+
+void RRefContext::sendChildAccept(const std::string& parent, ForkId fork) {
+  sendControl(parent, [parent, fork](rpc::Agent& agent) { return agent.rpcAsync(parent, kChildAccept, fork); });
+}
+
+// ---- handles of this process ----
+
+std::shared_ptr<detail::RRefState> RRefContext::makeOwnerHandle(RRefId id) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++entryLocked(id).localRefs;
+  }
+  return std::make_shared<detail::RRefState>(shared_from_this(), id, 0, name_, /*isOwner=*/true);
+}
+
+std::shared_ptr<detail::RRefState> RRefContext::makeUserHandle(RRefId id, ForkId fork, bool confirmed) {
+  const std::string owner = workerOfRank(id.ownerWorkerId);
+  auto state = std::make_shared<detail::RRefState>(shared_from_this(), id, fork, owner, /*isOwner=*/false);
+  state->confirmed.store(confirmed);
+  std::lock_guard<std::mutex> lock(mutex_);
+  UserEntry entry;
+  entry.id = id;
+  entry.owner = owner;
+  entry.state = state;
+  entry.confirmed = confirmed;
+  users_table_[fork] = std::move(entry);
+  return state;
+}
+
+// Note [User deletion]: the last handle of a fork in this process is gone. Its owner must hear of it
+// (G2), but only after it knew the fork: an unconfirmed fork (its creating call or fork request not
+// answered yet) is marked released and its deletion is sent by confirmUser. Otherwise a deletion could
+// overtake the fork request and the owner would free a value another fork still needs.
+void RRefContext::release(detail::RRefState& state) {
+  if (state.isOwner) {
+    std::unique_ptr<OwnerEntry> freed;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = owned_.find(keyOf(state.id));
+      if (it == owned_.end()) return;
+      --it->second->localRefs;
+      freed = maybeFreeLocked(state.id);
+    }
+    return;  // `freed` (the value) is destroyed here, outside the lock
+  }
+  bool sendNow = false;
+  bool ownerDead = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = users_table_.find(state.fork);
+    if (it == users_table_.end()) return;
+    ownerDead = deadPeers_.count(it->second.owner) != 0;
+    if (it->second.confirmed || ownerDead) {
+      users_table_.erase(it);
+      sendNow = !ownerDead;
+    } else {
+      it->second.released = true;
+    }
+  }
+  if (sendNow) sendDelete(state.owner, state.id, state.fork);
+}
+
+void RRefContext::confirmUser(ForkId fork, bool ownerKnowsIt) {
+  std::optional<UserEntry> toDelete;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = users_table_.find(fork);
+    if (it == users_table_.end()) return;
+    it->second.confirmed = true;
+    if (auto state = it->second.state.lock()) state->confirmed.store(true);
+    if (it->second.released) {
+      if (ownerKnowsIt && deadPeers_.count(it->second.owner) == 0) toDelete = it->second;
+      users_table_.erase(it);
+    }
+  }
+  if (toDelete) sendDelete(toDelete->owner, toDelete->id, fork);
+}
+
+// Note [Fork on send]: every RRef written into a message gets a new fork id for its receiver.
+//  - Sent by the owner: the owner adds the fork to its table at once, held by the receiver (Note [Early
+//    fork registration]); the receiver's reference is confirmed on arrival.
+//  - Sent by a user: the sender keeps its own reference alive as a pending child (Note [Parent kept])
+//    until the receiver says the owner knows the new fork (child accept). So the owner's count never
+//    drops to zero while a reference is in flight between users (G1).
+detail::WireRRef RRefContext::fork(const std::shared_ptr<detail::RRefState>& state, const std::string& peer) {
+  const ForkId child = nextId();
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (state->isOwner) {
+    entryLocked(state->id).forks[child] = peer;
+  } else {
+    children_[child] = PendingChild{state, peer};
+  }
+  return detail::WireRRef{state->id, child};
+}
+
+// Note [Fork on receive]: the receiver of a fork, sent by `from` (the parent):
+//  - the owner itself: a local reference. From itself (a self call) it removes the fork it registered on
+//    send; from a user it answers child accept at once (Note [Phantom fork]: the fork never enters the
+//    owner's table, the local reference counts instead).
+//  - a user, from the owner: already registered, confirmed.
+//  - a user, from another user: a fork request to the owner; once answered, the reference is confirmed
+//    and a child accept goes to the parent, which then drops its pending child.
+std::shared_ptr<detail::RRefState> RRefContext::receive(const detail::WireRRef& wire, const std::string& from) {
+  const std::string owner = workerOfRank(wire.id.ownerWorkerId);
+  if (owner == name_) {
+    auto handle = makeOwnerHandle(wire.id);
+    if (from == name_) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      entryLocked(wire.id).forks.erase(wire.fork);
+    } else {
+      sendChildAccept(from, wire.fork);
+    }
+    return handle;
+  }
+  if (from == owner) return makeUserHandle(wire.id, wire.fork, /*confirmed=*/true);
+  auto handle = makeUserHandle(wire.id, wire.fork, /*confirmed=*/false);
+  auto self = shared_from_this();
+  const RRefId id = wire.id;
+  const ForkId fork = wire.fork;
+  sendControl(
+      owner, [owner, id, fork](rpc::Agent& agent) { return agent.rpcAsync(owner, kForkRequest, id, fork); },
+      [self, from, fork](bool delivered) {
+        self->confirmUser(fork, delivered);
+        // Even when the owner is gone the parent may let go of its pending child.
+        self->sendChildAccept(from, fork);
+      });
+  return handle;
+}
+
+// ---- owner side ----
+
+RRefContext::OwnerEntry& RRefContext::entryLocked(RRefId id) {
+  auto& slot = owned_[keyOf(id)];
+  if (!slot) slot = std::make_unique<OwnerEntry>();
+  return *slot;
+}
+
+// The owner frees a value exactly when nothing refers to it: no user fork, no local reference, no call
+// waiting for it, and its creating call has arrived (before that, a placeholder made by an early fork
+// request or pipelined call must stay).
+std::unique_ptr<RRefContext::OwnerEntry> RRefContext::maybeFreeLocked(RRefId id) {
+  auto it = owned_.find(keyOf(id));
+  if (it == owned_.end()) return nullptr;
+  OwnerEntry& entry = *it->second;
+  if (!entry.created || !entry.forks.empty() || entry.localRefs > 0 || !entry.waiters.empty()) return nullptr;
+  auto freed = std::move(it->second);
+  owned_.erase(it);
+  return freed;
+}
+
+void RRefContext::tombstoneLocked(ForkId fork) {
+  if (!tombstones_.insert(fork).second) return;
+  tombstoneOrder_.push_back(fork);
+  if (tombstoneOrder_.size() > kMaxTombstones) {
+    tombstones_.erase(tombstoneOrder_.front());
+    tombstoneOrder_.pop_front();
+  }
+}
+
+void RRefContext::resolve(RRefId id, rpc::Result<detail::OwnedValue> value) {
+  std::vector<std::function<void(rpc::Result<detail::OwnedValue>)>> waiters;
+  std::unique_ptr<OwnerEntry> freed;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = owned_.find(keyOf(id));
+    if (it == owned_.end() || it->second->value) return;  // freed meanwhile: nobody wants the value
+    it->second->value = value;
+    waiters = std::move(it->second->waiters);
+    it->second->waiters.clear();
+    freed = maybeFreeLocked(id);
+  }
+  for (auto& waiter : waiters) {
+    auto task = [waiter = std::move(waiter), value]() mutable { waiter(value); };
+    if (!executor_->post(task)) task();
+  }
+}
+
+void RRefContext::whenResolved(RRefId id, std::function<void(rpc::Result<detail::OwnedValue>)> callback) {
+  std::optional<rpc::Result<detail::OwnedValue>> ready;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    OwnerEntry& entry = entryLocked(id);
+    if (entry.value) {
+      ready = *entry.value;
+    } else {
+      entry.waiters.push_back(std::move(callback));
+      return;
+    }
+  }
+  auto task = [callback = std::move(callback), value = std::move(*ready)]() mutable { callback(std::move(value)); };
+  if (!executor_->post(task)) task();
+}
+
+std::optional<rpc::Result<detail::OwnedValue>> RRefContext::tryValue(RRefId id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = owned_.find(keyOf(id));
+  if (it == owned_.end()) return std::nullopt;
+  return it->second->value;
+}
+
+rpc::Result<detail::OwnedValue> RRefContext::construct(const detail::CallHeader& header,
+                                                       const rpc::DecodedMessage& args, const rpc::CallContext& ctx) {
+  auto cls = ctx.agent->registry().resolveClass(header.target, name_);
+  if (!cls.ok()) return cls.error();
+  auto ctor = cls.value()->findConstructor(header.hash, name_);
+  if (!ctor.ok()) return ctor.error();
+  auto object = ctor.value()->construct(args, ctx);
+  if (!object.ok()) return object.error();
+  return detail::OwnedValue{std::move(object).value(), {}};
+}
+
+rpc::Future<rpc::EncodeValueFn> RRefContext::invokeMethod(const detail::OwnedValue& owned,
+                                                          const detail::CallHeader& header,
+                                                          const std::shared_ptr<rpc::DecodedMessage>& args,
+                                                          const rpc::CallContext& ctx) {
+  if (!owned.object) {
+    rpc::Error error = rpc::Error::failed("method '" + header.target + "::" + header.method + "' called on " +
+                                          describe(header.receiver) + ", which holds a value, not an object");
+    error.worker = name_;
+    return failedFuture(*executor_, std::move(error));
+  }
+  auto cls = ctx.agent->registry().resolveClass(owned.object.className, name_);
+  if (!cls.ok()) return failedFuture(*executor_, cls.error());
+  auto method = cls.value()->findMethod(header.method, header.hash, name_);
+  if (!method.ok()) return failedFuture(*executor_, method.error());
+  return method.value()->invoke(owned.object, *args, ctx, *executor_);
+}
+
+// Note [Promise pipelining]: calls on an RRef are sent to its owner at once, whether or not the value
+// exists yet, and wait there: whenResolved queues them on the owner's entry (a placeholder if even the
+// creating call has not arrived: calls from one worker travel in order, but their handlers may start in
+// any order on the executor) and resolve() posts them when the value arrives. So
+// a.remote(f).remote(g).remote(h) is three one-way sends and one round trip of latency, and no executor
+// thread waits for a value. The caller keeps its reference to the receiver until the owner answered the
+// call, so the receiver is never freed while a call for it is queued.
+rpc::Future<rpc::EncodeValueFn> RRefContext::serveCall(const rpc::DecodedMessage& message,
+                                                       const rpc::CallContext& ctx) {
+  auto header = rpc::detail::guard("malformed rref call header", [&] {
+    rpc::DecodeContext decode(message.payloads(), rpc::kMaxValueDepth, message.scope());
+    return rpc::Codec<detail::CallHeader>::decode(message.fieldView(0).value(), decode);
+  });
+  if (!header.ok()) {
+    rpc::Error error = header.error();
+    error.worker = name_;
+    return failedFuture(*executor_, std::move(error));
+  }
+  const detail::CallHeader h = std::move(header).value();
+  auto args = std::make_shared<rpc::DecodedMessage>(message.fieldView(1));
+  auto self = shared_from_this();
+  const auto kind = static_cast<detail::CallKind>(h.kind);
+  if (kind == detail::CallKind::kMethodValue) {
+    auto promise = std::make_shared<rpc::Promise<rpc::EncodeValueFn>>(*executor_);
+    auto future = promise->getFuture();
+    whenResolved(h.receiver, [self, promise, h, args, ctx](rpc::Result<detail::OwnedValue> receiver) {
+      if (!receiver.ok()) return promise->setError(receiver.error());
+      (void)self->invokeMethod(receiver.value(), h, args, ctx)
+          .then(rpc::kInlineSafe, [promise](rpc::Result<rpc::EncodeValueFn>&& r) { promise->setResult(std::move(r)); });
+    });
+    return future;
+  }
+  if (kind != detail::CallKind::kFunction && kind != detail::CallKind::kConstruct &&
+      kind != detail::CallKind::kMethodStore) {
+    return failedFuture(*executor_, rpc::Error::failed("unknown rref call kind " + std::to_string(h.kind)).onWorker(name_));
+  }
+  {
+    // Note [Creation confirms]: the owner registers the caller's fork before it answers, and answers
+    // before the value exists; that answer is what confirms the caller's reference.
+    std::lock_guard<std::mutex> lock(mutex_);
+    OwnerEntry& entry = entryLocked(h.result);
+    entry.created = true;
+    if (h.resultFork != 0 && tombstones_.count(h.resultFork) == 0 && deadPeers_.count(ctx.caller) == 0) {
+      entry.forks[h.resultFork] = ctx.caller;
+    }
+  }
+  const RRefId result = h.result;
+  auto store = [self, result](rpc::Result<rpc::EncodeValueFn>&& value) {
+    if (!value.ok()) return self->resolve(result, value.error());
+    self->resolve(result, detail::OwnedValue{{}, std::move(value).value()});
+  };
+  if (kind == detail::CallKind::kFunction) {
+    auto fn = ctx.agent->registry().find(h.target);
+    if (!fn) {
+      resolve(result, rpc::Error::unimplemented("no function '" + h.target + "' on " + name_).onWorker(name_));
+    } else if (fn->hash != h.hash) {
+      resolve(result, rpc::Error::unimplemented("function '" + h.target + "' on " + name_ + " has signature " +
+                                                fn->signature + ", which does not match the caller's")
+                          .onWorker(name_));
+    } else {
+      (void)fn->invoke(*args, ctx, *executor_).then(rpc::kInlineSafe, store);
+    }
+  } else if (kind == detail::CallKind::kConstruct) {
+    resolve(result, construct(h, *args, ctx));
+  } else {
+    whenResolved(h.receiver, [self, h, args, ctx, store](rpc::Result<detail::OwnedValue> receiver) mutable {
+      if (!receiver.ok()) return self->resolve(h.result, receiver.error());
+      (void)self->invokeMethod(receiver.value(), h, args, ctx).then(rpc::kInlineSafe, std::move(store));
+    });
+  }
+  std::unique_ptr<OwnerEntry> freed;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    freed = maybeFreeLocked(result);
+  }
+  rpc::Promise<rpc::EncodeValueFn> done(*executor_);
+  done.setValue(rpc::EncodeValueFn{});
+  return done.getFuture();
+}
+
+rpc::Future<rpc::EncodeValueFn> RRefContext::serveFetch(RRefId id) {
+  auto promise = std::make_shared<rpc::Promise<rpc::EncodeValueFn>>(*executor_);
+  auto future = promise->getFuture();
+  const std::string name = name_;
+  whenResolved(id, [promise, id, name](rpc::Result<detail::OwnedValue> owned) {
+    if (!owned.ok()) return promise->setError(owned.error());
+    if (owned.value().object) {
+      return promise->setError(rpc::Error::failed(describe(id) + " holds an object of class '" +
+                                                  owned.value().object.className +
+                                                  "': objects stay at their owner (call their methods)")
+                                   .onWorker(name));
+    }
+    promise->setValue(owned.value().value);
+  });
+  return future;
+}
+
+void RRefContext::serveForkRequest(RRefId id, ForkId fork, const std::string& user) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (tombstones_.count(fork) != 0 || deadPeers_.count(user) != 0) return;
+  entryLocked(id).forks[fork] = user;
+}
+
+void RRefContext::serveDelete(RRefId id, ForkId fork) {
+  std::unique_ptr<OwnerEntry> freed;
+  std::lock_guard<std::mutex> lock(mutex_);
+  tombstoneLocked(fork);
+  auto it = owned_.find(keyOf(id));
+  if (it == owned_.end()) return;
+  it->second->forks.erase(fork);
+  freed = maybeFreeLocked(id);
+  // `freed` must die outside the lock: it is declared before the guard.
+}
+
+void RRefContext::serveChildAccept(ForkId fork) {
+  PendingChild child;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = children_.find(fork);
+    if (it == children_.end()) return;
+    child = std::move(it->second);
+    children_.erase(it);
+  }
+  // child.parent is released here, outside the lock (it may be this process's last handle).
+}
+
+// Note [Worker death]: when `peer` dies, the owner drops every fork `peer` held (after the agent's
+// heartbeat bound, or at once when its connection closed), the pending children sent to `peer` are let go,
+// and forks owned by `peer` need no deletion any more. Waiters on RRefs `peer` owns fail through their
+// calls, which the agent fails when the peer dies; the rref layer reports them as OwnerLost.
+void RRefContext::onPeerDown(const std::string& peer, const rpc::Error&) {
+  std::vector<std::unique_ptr<OwnerEntry>> freed;
+  std::vector<PendingChild> children;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    deadPeers_.insert(peer);
+    std::vector<RRefId> touched;
+    for (auto& [key, entry] : owned_) {
+      for (auto it = entry->forks.begin(); it != entry->forks.end();) {
+        if (it->second == peer) {
+          tombstoneLocked(it->first);
+          it = entry->forks.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      touched.push_back(RRefId{key.first, key.second});
+    }
+    for (RRefId id : touched) {
+      if (auto f = maybeFreeLocked(id)) freed.push_back(std::move(f));
+    }
+    for (auto it = children_.begin(); it != children_.end();) {
+      if (it->second.receiver == peer) {
+        children.push_back(std::move(it->second));
+        it = children_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    for (auto it = users_table_.begin(); it != users_table_.end();) {
+      if (it->second.owner == peer && it->second.released) {
+        it = users_table_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+}
+
+// Note [Agent lifetime]: handles may outlive their agent (a user keeps an RRef after shutdown). When the
+// agent closes, sends stop (beginUse answers nullptr, after in-flight sends finished), queued calls fail,
+// and the tables are dropped.
+void RRefContext::onAgentClosed() {
+  {
+    std::unique_lock<std::mutex> lock(useMutex_);
+    agent_ = nullptr;
+    useChanged_.wait(lock, [&] { return activeUses_ == 0; });
+  }
+  std::map<std::pair<uint32_t, uint64_t>, std::unique_ptr<OwnerEntry>> owned;
+  std::unordered_map<ForkId, PendingChild> children;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    owned.swap(owned_);
+    children.swap(children_);
+    users_table_.clear();
+  }
+  const rpc::Error closed = rpc::Error::failed("agent " + name_ + " shut down").onWorker(name_);
+  for (auto& [key, entry] : owned) {
+    for (auto& waiter : entry->waiters) waiter(closed);
+  }
+}
+
+}  // namespace distgrad::rref
