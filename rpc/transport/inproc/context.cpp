@@ -57,7 +57,15 @@ void InprocLoop::run() {
       task = std::move(tasks_.front());
       tasks_.pop_front();
     }
-    task();
+    // A task (frame, close or send callback) that throws must not end the loop thread (std::terminate):
+    // log and carry on. Frame handlers are also guarded per connection (InprocConnection::deliverFromLoop).
+    try {
+      task();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "distgrad inproc: a task on the loop threw: %s; the loop carries on\n", e.what());
+    } catch (...) {
+      std::fprintf(stderr, "distgrad inproc: a task on the loop threw a non-standard exception; the loop carries on\n");
+    }
   }
 }
 
