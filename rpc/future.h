@@ -111,6 +111,10 @@ class FutureState : public std::enable_shared_from_this<FutureState<T>> {
 
   // Returns false if already completed (the result is then dropped).
   bool complete(Result<T>&& result) {
+    // Once the lock is released a waiter may return from get() and destroy the Promise it shares with us
+    // (e.g. a Promise owned by the waiting thread, completed by reference on a worker): keep the state
+    // alive until the notify and dispatch below are done (TSan found the notify on a destroyed state).
+    std::shared_ptr<FutureState> keepAlive = this->shared_from_this();
     Callback callback;
     bool inlineSafe = false;
     Executor* executor = nullptr;
@@ -123,8 +127,7 @@ class FutureState : public std::enable_shared_from_this<FutureState<T>> {
       inlineSafe = callbackInlineSafe_;
       executor = executor_;
     }
-    // Notified after unlocking so a blocked get() does not wake into our held mutex. The state is alive:
-    // the completing Promise holds a reference to it.
+    // Notified after unlocking so a blocked get() does not wake into our held mutex (keepAlive holds it).
     completed_.notify_all();
     if (callback) dispatch(std::move(callback), inlineSafe, executor);
     return true;

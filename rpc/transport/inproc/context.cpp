@@ -18,8 +18,10 @@ InprocLoop::InprocLoop() {
       std::lock_guard inner(started);
       threadId_ = std::this_thread::get_id();
       ok = true;
+      // Notified under the lock: once the constructor sees `ok` it returns and `ready` (on its stack) dies,
+      // so notifying after unlocking could touch a destroyed condition variable (found by TSan).
+      ready.notify_one();
     }
-    ready.notify_one();
     run();
   });
   ready.wait(lock, [&] { return ok; });
