@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <thread>
+#include <utility>
 
 #include "rpc/detail/hmac.h"
 #include "rpc/transport/inproc/context.h"
@@ -197,6 +199,8 @@ struct Agent::Pending {
 
 struct Agent::Incoming {
   CancellationSource source;
+  // The callee's own deadline for this call (onCallDeadline), cancelled when the handler finishes.
+  TimerId timer = kInvalidTimerId;
 };
 
 // ---- start ----
@@ -215,6 +219,7 @@ std::unique_ptr<Agent> Agent::start(const Options& options, const Registry& regi
     agent->startUp();
   } catch (...) {
     agent->teardown();
+    agent->tornDown_.store(true, std::memory_order_release);
     throw;
   }
   return agent;
@@ -359,6 +364,7 @@ void Agent::startUp() {
                                   std::to_string(options_.rendezvousTimeout.count()) + " ms"));
   }
   if (startError_) throw RpcError(*startError_);
+  // Still under mutex_: the first heartbeat may fire (and re-arm, writing heartbeatTimer_) at once.
   heartbeatTimer_ = timers_->scheduleAfter(options_.heartbeatInterval, [this] { heartbeat(); });
 }
 
@@ -876,9 +882,18 @@ void Agent::startCall(const CallOptions& callOptions, const std::string& worker,
       error.worker = worker;
       failPending(id, std::move(error), /*sendCancel=*/true);
     });
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = pending_.find(id);
-    if (it != pending_.end()) it->second->timer = timer;
+    bool armed = false;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = pending_.find(id);
+      if (it != pending_.end()) {
+        it->second->timer = timer;
+        armed = true;
+      }
+    }
+    // The reply (or a failure) already took the call: its completion could not see this timer, so cancel
+    // it here rather than leave it queued (holding its captures) until the deadline.
+    if (!armed && timer != kInvalidTimerId) timers_->cancel(timer);
   }
   {
     // A default token never calls back; a cancelled one calls back at once (inline).
@@ -957,6 +972,21 @@ void Agent::onCancel(const std::string& peer, const DecodedMessage& message) {
   source->cancel(std::move(reason));
 }
 
+void Agent::onCallDeadline(const std::string& peer, uint64_t id, int64_t timeoutMicros) {
+  std::optional<CancellationSource> source;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = incoming_.find({peer, id});
+    if (it == incoming_.end()) return;  // the handler finished as the timer fired
+    it->second->timer = kInvalidTimerId;
+    source = it->second->source;
+  }
+  Error reason = Error::timeout("the call's deadline (" + std::to_string(timeoutMicros / 1000) +
+                                " ms from its arrival) expired on the callee " + name_);
+  reason.worker = peer;
+  source->cancel(std::move(reason));
+}
+
 void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message) {
   const std::string peerName = link ? link->peer : name_;  // no link: a call of this agent to itself
   const uint64_t id = message.fields().messageId;
@@ -971,9 +1001,19 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message) {
     } else {
       auto incoming = std::make_unique<Incoming>();
       token = incoming->source.token();
+      Incoming* running = incoming.get();
       // A peer reusing the id of a call still running would orphan that call's cancellation and reply:
       // a protocol violation, answered by closing the link.
       duplicateId = !incoming_.emplace(std::make_pair(peerName, id), std::move(incoming)).second;
+      const int64_t timeoutMicros = message.fields().timeoutMicros;
+      if (!duplicateId && timeoutMicros > 0) {
+        // The callee's own deadline, from the call's arrival: if the caller's cancel message never comes
+        // (caller partitioned or dead but not yet detected), the handler's token still fires. Armed under
+        // mutex_ so the reply (which takes the Incoming under it) always sees the timer id.
+        running->timer = timers_->scheduleAfter(
+            std::chrono::microseconds(timeoutMicros),
+            [this, peerName, id, timeoutMicros] { onCallDeadline(peerName, id, timeoutMicros); });
+      }
     }
   }
   auto reply = [this, peerName, id, fn = message.fields().functionName](Result<EncodeValueFn>&& result) {
@@ -1004,6 +1044,7 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message) {
       }
       if (incoming_.empty()) changed_.notify_all();
     }
+    if (done && done->timer != kInvalidTimerId) timers_->cancel(done->timer);
   };
   if (duplicateId) {
     warn("closing the connection with " + peerName + ": it reused call id " + std::to_string(id) +
@@ -1259,14 +1300,26 @@ void Agent::waitQuiet(bool outgoing, SteadyTime::time_point deadline) {
   }
 }
 
+const char* Agent::internalThreadName() const {
+  if (executor_ && executor_->isCurrentThread()) return "executor (a handler or continuation)";
+  if (context_ && context_->inLoop()) return "transport loop (an inline-safe continuation or transport callback)";
+  if (timers_ && timers_->isCurrentThread()) return "timer thread (an inline-safe continuation or timer callback)";
+  return nullptr;
+}
+
 void Agent::shutdown(bool graceful) {
-  DG_CHECK(executor_ == nullptr || !executor_->isCurrentThread(),
-           "Agent::shutdown must not be called from the agent's executor (a handler)");
-  {
-    std::lock_guard<std::mutex> lock(shutdownMutex_);
-    if (shutDown_) return;
-    shutDown_ = true;
-  }
+  // Once torn down the agent's threads are gone (and their ids may belong to new threads): nothing to check.
+  if (tornDown_.load(std::memory_order_acquire)) return;
+  // Teardown joins the executor, the loop and the timer thread: on one of them it would join itself (or,
+  // for the loop, half-close the transport under its own callbacks). Checked before touching anything.
+  const char* thread = internalThreadName();
+  DG_CHECK(thread == nullptr, "Agent::shutdown must not be called on the agent's own ", thread,
+           " thread: it joins that thread. Call it from another thread (e.g. the one that started the agent).");
+  // Held until teardown is complete: a concurrent caller blocks here and then finds shutDown_ set, so it
+  // never returns (and lets its caller destroy things) while the first call is still tearing down.
+  std::lock_guard<std::mutex> shutdownLock(shutdownMutex_);
+  if (shutDown_) return;
+  shutDown_ = true;
   std::exception_ptr failure;
   if (graceful) {
     try {
@@ -1289,16 +1342,21 @@ void Agent::shutdown(bool graceful) {
     }
   }
   teardown();
+  tornDown_.store(true, std::memory_order_release);
   if (failure) std::rethrow_exception(failure);
 }
 
 void Agent::teardown() {
+  TimerId heartbeatTimer = kInvalidTimerId;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     closed_ = true;
     accepting_ = false;
     callsOpen_ = false;
+    // heartbeat() re-arms only while !closed_, so this is the last timer it armed.
+    heartbeatTimer = std::exchange(heartbeatTimer_, kInvalidTimerId);
   }
+  if (timers_ && heartbeatTimer != kInvalidTimerId) timers_->cancel(heartbeatTimer);
   changed_.notify_all();
   if (listener_) listener_->close();
   if (context_) context_->close();  // joins the loop: no more frames or close callbacks
@@ -1325,6 +1383,15 @@ void Agent::teardown() {
 }
 
 Agent::~Agent() {
+  const char* thread = tornDown_.load(std::memory_order_acquire) ? nullptr : internalThreadName();
+  if (thread != nullptr) {
+    // Cannot throw from a destructor, and returning would free the agent under threads that still run.
+    std::fprintf(stderr,
+                 "[distgrad] agent %s: FATAL: the Agent was destroyed on its own %s thread; destroy it from "
+                 "another thread (teardown joins that thread)\n",
+                 name_.c_str(), thread);
+    std::abort();
+  }
   try {
     shutdown(false);
   } catch (const std::exception& e) {

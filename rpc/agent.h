@@ -16,8 +16,12 @@
 // CallContext token is cancelled too), `cancelled` (CallOptions::cancel), `disconnected` (the peer's
 // connection closed or its heartbeats stopped), `failed` (unknown worker, agent shut down, encode errors).
 // Thread-safety: every method may be called from any thread, including from handlers (nested calls), except
-// shutdown()/the destructor, which must not run on the agent's executor threads. Futures returned by an
-// agent are bound to its executor: consume them before the agent is destroyed.
+// shutdown()/the destructor, which must not run on the agent's own threads: its executor (a handler, a
+// continuation), its transport loop or its timer thread (an inline-safe continuation of an agent future
+// runs on whichever of those completed it; a timer or transport callback). Teardown joins those threads, so
+// shutdown() there throws ValueError without tearing anything down, and the destructor there aborts the
+// process with a message (it cannot throw, and returning would free state those threads still use).
+// Futures returned by an agent are bound to its executor: consume them before the agent is destroyed.
 #pragma once
 
 #include <atomic>
@@ -183,7 +187,10 @@ class Agent {
   // Graceful (default): refuse new calls, meet every worker at a store barrier (bounded by
   // AgentConfig::shutdownTimeout; RpcError naming the workers that never arrived), drain in-flight calls
   // both ways, then close connections and stop threads. Non-graceful: fail pending calls and stop at once.
-  // The agent is always torn down when shutdown returns or throws. Idempotent.
+  // The agent is always torn down when shutdown returns or throws. Idempotent and safe to call
+  // concurrently: a call made while another is in progress waits until that teardown is complete, then
+  // returns quietly (the first caller alone reports the outcome); a later call returns at once. Throws
+  // ValueError, touching nothing, on the agent's own threads (see the thread-safety note above).
   void shutdown(bool graceful = true);
 
   // Untyped call, for layers above rpc/ that build their own call values (rref/): calls `functionName` on
@@ -207,6 +214,9 @@ class Agent {
   // Calls awaiting a response (all peers) and handlers running.
   size_t pendingCalls() const;
   size_t runningHandlers() const;
+  // Timers this agent has armed and not yet fired or cancelled (call deadlines of both sides, the
+  // heartbeat): a gauge for leak checks.
+  size_t armedTimers() const { return timers_ ? timers_->pending() : 0; }
 
  private:
   using Completion = detail::MoveOnlyFunction<void(Result<DecodedMessage>&&)>;
@@ -268,6 +278,8 @@ class Agent {
   void deliverToSelf(transport::OutgoingFrame frame, uint64_t callId);
   // The peer named `worker` (self_ for this agent's own name), or nullptr. Caller holds mutex_.
   Peer* peerLocked(const std::string& worker) const;
+  // The callee-side deadline of incoming call (peer, id) expired (timer thread): cancels its token.
+  void onCallDeadline(const std::string& peer, uint64_t id, int64_t timeoutMicros);
   void sendOn(const std::shared_ptr<Link>& link, transport::OutgoingFrame frame);
   void heartbeat();
   // Sets this rank's key under `tag`, then waits for every other rank's; with onlyStoreHostWaits, only the
@@ -276,6 +288,8 @@ class Agent {
                     bool onlyStoreHostWaits = false);
   void waitQuiet(bool outgoing, std::chrono::steady_clock::time_point deadline);
   void warn(const std::string& message) const;
+  // Names the agent thread the caller is on ("executor", "transport loop", "timer"), or nullptr.
+  const char* internalThreadName() const;
   void teardown();
 
   Options options_;
@@ -305,6 +319,7 @@ class Agent {
   bool peersKnown_ = false;  // GUARDED_BY(mutex_): peers_ is filled in
   bool closed_ = false;                                         // GUARDED_BY(mutex_)
   TimerId heartbeatTimer_ = kInvalidTimerId;                    // GUARDED_BY(mutex_)
+  // Held for the whole of shutdown(), so a concurrent caller waits for the teardown to complete.
   std::mutex shutdownMutex_;
   bool shutDown_ = false;  // GUARDED_BY(shutdownMutex_)
   std::mutex extensionsMutex_;
@@ -316,6 +331,7 @@ class Agent {
     for (auto& [key, extension] : extensions_) out.push_back(extension);
     return out;
   }
+  std::atomic<bool> tornDown_{false};  // set once a shutdown() completed its teardown
 };
 
 }  // namespace distgrad::rpc

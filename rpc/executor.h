@@ -8,8 +8,9 @@
 // Shutdown is graceful: shutdown() stops accepting work from other threads, lets the workers drain the
 // queue (work posted BY the draining tasks, e.g. the continuations of futures they complete, is still
 // accepted so chains finish), then joins. post() after that returns false and destroys the callable
-// without running it; a dropped continuation breaks its Promise, so waiters see an Error instead of
-// hanging (see rpc/future.h). A task that throws is reported on stderr and counted; the worker lives on.
+// without running it; a future continuation refused that way runs inline on the completing thread instead
+// (Note [Refused continuations] in rpc/future.h), so waiters never hang. A task that throws is reported on
+// stderr and counted; the worker lives on.
 //
 // TODO(perf): one mutex-guarded queue and a condition-variable wake-up per idle worker (~10-25 us
 // round trip on a loaded 2-core box); per-worker queues with stealing and a short spin before sleeping

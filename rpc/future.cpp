@@ -2,6 +2,8 @@
 
 #include <cxxabi.h>
 
+#include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <typeinfo>
@@ -64,6 +66,18 @@ bool eagerStartAllowed() {
     return true;
   }
   return static_cast<size_t>(tStackAnchor - here) < kEagerStackBudget;
+}
+
+void reportRefusedContinuation() {
+  // Reported a few times only: a shutdown with many futures still bound to the executor would flood stderr.
+  static std::atomic<int> reported{0};
+  int n = reported.fetch_add(1, std::memory_order_relaxed);
+  if (n < 3) {
+    std::fprintf(stderr,
+                 "distgrad: a future's continuation was refused by its executor (shut down); running it inline on "
+                 "the completing thread instead%s\n",
+                 n == 2 ? " (further occurrences are not reported)" : "");
+  }
 }
 
 Executor* executorFromArgs() {

@@ -23,8 +23,14 @@
 // forwarding chains cannot overflow the stack.
 //
 // Note [Broken promises]: destroying a Promise that was never completed completes it with a kFailed
-// "broken promise" error, so a dropped producer (including a continuation refused by an executor that
-// had shut down) fails its waiters instead of hanging them.
+// "broken promise" error, so a dropped producer fails its waiters instead of hanging them.
+//
+// Note [Refused continuations]: if the bound executor refuses a continuation or a coroutine resumption
+// (it was shut down), the continuation is not dropped: as a last resort it runs inline on the thread that
+// completed the state (or in then(), if the state was already complete), and the first such fallbacks are
+// reported on stderr. Side effects a continuation owes someone (a flag, a condition variable, another
+// promise) thus still happen, and no waiter hangs. Binding a future to an executor that is shut down before
+// the future completes is still a lifetime bug of the caller; this only keeps it from becoming a hang.
 //
 // Coroutines: a function returning Future<T> may be a coroutine (co_await / co_return). It starts running
 // at once in the caller's thread (unless that thread's stack is already deep, Note [Eager coroutine
@@ -92,6 +98,9 @@ void leaveInline();
 // Note [Eager coroutine start].
 inline constexpr size_t kEagerStackBudget = 256 * 1024;
 bool eagerStartAllowed();
+// Reports (the first few times) a continuation run inline because its executor refused it
+// (Note [Refused continuations]).
+void reportRefusedContinuation();
 
 template <typename T>
 class FutureState : public std::enable_shared_from_this<FutureState<T>> {
@@ -102,6 +111,10 @@ class FutureState : public std::enable_shared_from_this<FutureState<T>> {
 
   // Returns false if already completed (the result is then dropped).
   bool complete(Result<T>&& result) {
+    // Once the lock is released a waiter may return from get() and destroy the Promise it shares with us
+    // (e.g. a Promise owned by the waiting thread, completed by reference on a worker): keep the state
+    // alive until the notify and dispatch below are done (TSan found the notify on a destroyed state).
+    std::shared_ptr<FutureState> keepAlive = this->shared_from_this();
     Callback callback;
     bool inlineSafe = false;
     Executor* executor = nullptr;
@@ -114,8 +127,7 @@ class FutureState : public std::enable_shared_from_this<FutureState<T>> {
       inlineSafe = callbackInlineSafe_;
       executor = executor_;
     }
-    // Notified after unlocking so a blocked get() does not wake into our held mutex. The state is alive:
-    // the completing Promise holds a reference to it.
+    // Notified after unlocking so a blocked get() does not wake into our held mutex (keepAlive holds it).
     completed_.notify_all();
     if (callback) dispatch(std::move(callback), inlineSafe, executor);
     return true;
@@ -186,11 +198,10 @@ class FutureState : public std::enable_shared_from_this<FutureState<T>> {
       callback_ = std::move(callback);
     }
     if (!executor->post([self = this->shared_from_this()] { self->runPostedCallback(); })) {
-      // Refused (the executor shut down): drop the callback now, so whatever Promise it owns breaks
-      // (Note [Broken promises]) instead of waiting for this state to die.
-      Callback dropped;
-      std::lock_guard<std::mutex> lock(mutex_);
-      dropped = std::move(callback_);
+      // Refused (the executor shut down): run it here rather than drop it (Note [Refused continuations]).
+      // `this` is alive: the caller (a Promise completing it, or then()) holds a reference.
+      reportRefusedContinuation();
+      runPostedCallback();
     }
   }
 
@@ -304,19 +315,28 @@ void runContinuation(F& f, Result<T>&& result, Promise<U>& promise) {
 }
 
 // Owns a suspended coroutine until it is resumed; destroying it unresumed destroys the frame (which
-// breaks the coroutine's own promise, so its waiters are failed rather than leaked).
+// breaks the coroutine's own promise, so its waiters are failed rather than leaked). With `refused`, an
+// unresumed task instead hands the coroutine back: it sets *refused and leaves the frame alone (used for a
+// post() that may refuse; *refused must outlive the post() call, and a task post() accepted always runs).
 class ResumeTask {
  public:
-  explicit ResumeTask(std::coroutine_handle<> handle) : handle_(handle) {}
-  ResumeTask(ResumeTask&& other) noexcept : handle_(std::exchange(other.handle_, nullptr)) {}
+  explicit ResumeTask(std::coroutine_handle<> handle, bool* refused = nullptr) : handle_(handle), refused_(refused) {}
+  ResumeTask(ResumeTask&& other) noexcept
+      : handle_(std::exchange(other.handle_, nullptr)), refused_(std::exchange(other.refused_, nullptr)) {}
   ResumeTask& operator=(ResumeTask&&) = delete;
   ~ResumeTask() {
-    if (handle_) handle_.destroy();
+    if (!handle_) return;
+    if (refused_ != nullptr) {
+      *refused_ = true;
+    } else {
+      handle_.destroy();
+    }
   }
   void operator()() { std::exchange(handle_, nullptr).resume(); }
 
  private:
   std::coroutine_handle<> handle_;
+  bool* refused_ = nullptr;
 };
 
 template <typename U, bool kAsResult>
@@ -333,7 +353,14 @@ class FutureAwaiter {
     state_->setCallback(
         [this, handle, executor = resumeOn_](Result<U>&& result) mutable {
           result_.emplace(std::move(result));
-          executor->post(ResumeTask(handle));
+          bool refused = false;
+          executor->post(ResumeTask(handle, &refused));
+          if (refused) {
+            // The executor shut down: resume here rather than destroy the frame unresumed
+            // (Note [Refused continuations]).
+            reportRefusedContinuation();
+            handle.resume();
+          }
         },
         /*inlineSafe=*/true);
   }

@@ -56,6 +56,8 @@ class TimerQueue {
   // Timers scheduled and not yet fired or cancelled.
   size_t pending() const;
   Clock& clock() const { return *clock_; }
+  // True on the timer thread (inside a callback, or a continuation a callback ran inline).
+  bool isCurrentThread() const { return std::this_thread::get_id() == threadId_; }
 
  private:
   void loop();

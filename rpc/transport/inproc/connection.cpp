@@ -82,7 +82,7 @@ void InprocConnection::receiveFromLoop(IncomingFrame frame, const std::shared_pt
     return;
   }
   if (started_) {
-    onFrame_(std::move(frame));
+    deliverFromLoop(std::move(frame));
   } else {
     inbox_.push_back(std::move(frame));
   }
@@ -100,13 +100,31 @@ void InprocConnection::start(PayloadAllocator allocate, FrameCallback onFrame, C
     while (!self->inbox_.empty() && self->onFrame_) {
       IncomingFrame frame = std::move(self->inbox_.front());
       self->inbox_.pop_front();
-      self->onFrame_(std::move(frame));
+      self->deliverFromLoop(std::move(frame));
     }
     if (self->closedInLoop_) self->reportClosedFromLoop();
   };
   if (!loop_->post(std::move(run))) {
     // The context is closed: there is no loop left to run the callbacks on.
     std::fprintf(stderr, "distgrad inproc: Connection::start after the context closed; ignored\n");
+  }
+}
+
+void InprocConnection::deliverFromLoop(IncomingFrame frame) {
+  try {
+    onFrame_(std::move(frame));
+  } catch (...) {
+    // As in tcp: the handler's state is unknown after it threw, so this connection closes; the loop lives on.
+    std::string message = "the frame handler of the inproc connection to '" + peerName_ + "' threw: ";
+    try {
+      throw;
+    } catch (const std::exception& e) {
+      message += e.what();
+    } catch (...) {
+      message += "a non-standard exception";
+    }
+    std::fprintf(stderr, "distgrad inproc: %s; closing the connection\n", message.c_str());
+    closeFromLoop(Error::failed(message));
   }
 }
 

@@ -38,6 +38,8 @@ class InprocConnection final : public Connection, public std::enable_shared_from
   // Runs on this end's loop: checks the frame against the limits and hands it to onFrame.
   void receiveFromLoop(IncomingFrame frame, const std::shared_ptr<InprocConnection>& sender, SendCallback done);
   void reportClosedFromLoop();
+  // Runs onFrame_; a handler that throws is logged and closes this connection.
+  void deliverFromLoop(IncomingFrame frame);
   // Runs `done` on this end's loop; inline only when the loop has stopped (there is no other thread left).
   void completeSend(SendCallback done, Result<void> result);
 

@@ -18,8 +18,10 @@ InprocLoop::InprocLoop() {
       std::lock_guard inner(started);
       threadId_ = std::this_thread::get_id();
       ok = true;
+      // Notified under the lock: once the constructor sees `ok` it returns and `ready` (on its stack) dies,
+      // so notifying after unlocking could touch a destroyed condition variable (found by TSan).
+      ready.notify_one();
     }
-    ready.notify_one();
     run();
   });
   ready.wait(lock, [&] { return ok; });
@@ -57,7 +59,15 @@ void InprocLoop::run() {
       task = std::move(tasks_.front());
       tasks_.pop_front();
     }
-    task();
+    // A task (frame, close or send callback) that throws must not end the loop thread (std::terminate):
+    // log and carry on. Frame handlers are also guarded per connection (InprocConnection::deliverFromLoop).
+    try {
+      task();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "distgrad inproc: a task on the loop threw: %s; the loop carries on\n", e.what());
+    } catch (...) {
+      std::fprintf(stderr, "distgrad inproc: a task on the loop threw a non-standard exception; the loop carries on\n");
+    }
   }
 }
 

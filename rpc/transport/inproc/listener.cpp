@@ -1,5 +1,7 @@
 #include "rpc/transport/inproc/listener.h"
 
+#include <cstdio>
+
 #include "rpc/transport/inproc/connection.h"
 
 namespace distgrad::rpc::transport::inproc {
@@ -22,7 +24,17 @@ void InprocListener::acceptFromAnyThread(std::shared_ptr<InprocConnection> conne
       connection->closeFromLoop(Error::disconnected("inproc listener '" + self->name_ + "' closed"));
       return;
     }
-    self->onAccept_(connection);
+    try {
+      self->onAccept_(connection);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "distgrad inproc: the accept callback of listener '%s' threw: %s; closing the connection\n",
+                   self->name_.c_str(), e.what());
+      connection->closeFromLoop(Error::failed(std::string("the accept callback threw: ") + e.what()));
+    } catch (...) {
+      std::fprintf(stderr, "distgrad inproc: the accept callback of listener '%s' threw; closing the connection\n",
+                   self->name_.c_str());
+      connection->closeFromLoop(Error::failed("the accept callback threw a non-standard exception"));
+    }
   });
   if (!posted) connection->close();
 }

@@ -195,7 +195,7 @@ void TcpConnection::onWrite(uv_write_t* req, int status) {
   auto& self = *request->connection;
   if (status == 0) {
     for (auto& queued : request->frames) {
-      if (queued.done) queued.done(Result<void>());
+      if (queued.done) self.completeSendFromLoop(queued.done, Result<void>());
     }
     return;
   }
@@ -204,7 +204,7 @@ void TcpConnection::onWrite(uv_write_t* req, int status) {
                     : Error::disconnected("tcp write to " + self.peerAddress_ + " failed: " + uvError(status));
   if (status != UV_ECANCELED && self.closeError_) error.message += " (" + self.closeError_->message + ")";
   for (auto& queued : request->frames) {
-    if (queued.done) queued.done(error);
+    if (queued.done) self.completeSendFromLoop(queued.done, error);
   }
   if (status != UV_ECANCELED) self.closeFromLoop(error);
 }
@@ -263,6 +263,18 @@ void TcpConnection::onAlloc(uv_handle_t* handle, size_t /*suggested*/, uv_buf_t*
 void TcpConnection::onRead(uv_stream_t* stream, ssize_t nread, const uv_buf_t* buf) {
   auto* self = static_cast<TcpConnection*>(stream->data);
   auto keepAlive = self->shared_from_this();
+  try {
+    self->readFromLoop(nread, buf);
+  } catch (...) {
+    // Callbacks are guarded where they run; this catches the rest (e.g. std::bad_alloc for an envelope).
+    std::string message =
+        reportCallbackException("reading from the tcp connection to " + self->peerAddress_, "closing the connection");
+    self->closeFromLoop(Error::failed(message));
+  }
+}
+
+void TcpConnection::readFromLoop(ssize_t nread, const uv_buf_t* buf) {
+  TcpConnection* self = this;
   if (nread < 0) {
     bool midFrame = !(self->stage_ == Stage::kPrefix && self->remaining_ == sizeof(FramePrefix));
     if (nread == UV_EOF) {
@@ -379,6 +391,9 @@ bool TcpConnection::allocatePayloadsFromLoop() {
   } catch (const std::exception& e) {
     failFromLoop(std::string("the payload allocator threw: ") + e.what());
     return false;
+  } catch (...) {
+    failFromLoop("the payload allocator threw a non-standard exception");
+    return false;
   }
   if (closing_) return false;  // the allocator closed the connection
   if (!result->ok()) {
@@ -409,7 +424,15 @@ void TcpConnection::deliverFromLoop() {
   IncomingFrame frame = std::move(current_);
   current_ = IncomingFrame{};
   beginStage(Stage::kPrefix, &prefix_, sizeof(FramePrefix));
-  if (onFrame_) onFrame_(std::move(frame));
+  if (!onFrame_) return;
+  try {
+    onFrame_(std::move(frame));
+  } catch (...) {
+    // The handler's state is unknown after it threw mid-frame: drop this connection, keep the loop.
+    std::string message =
+        reportCallbackException("the frame handler of the tcp connection to " + peerAddress_, "closing the connection");
+    closeFromLoop(Error::failed(message));
+  }
 }
 
 void TcpConnection::close() {
@@ -431,7 +454,15 @@ void TcpConnection::closeFromLoop(const Error& error) {
   uv_close(reinterpret_cast<uv_handle_t*>(&handle_), &TcpConnection::onClose);
 }
 
-void TcpConnection::onClose(uv_handle_t* handle) { static_cast<TcpConnection*>(handle->data)->closedFromLoop(); }
+void TcpConnection::onClose(uv_handle_t* handle) {
+  auto* self = static_cast<TcpConnection*>(handle->data);
+  auto keep = self->self_;  // closedFromLoop drops the self reference; the catch below still uses *self
+  try {
+    self->closedFromLoop();
+  } catch (...) {
+    reportCallbackException("closing the tcp connection to " + self->peerAddress_, "ignored");
+  }
+}
 
 void TcpConnection::closedFromLoop() {
   auto keep = std::move(self_);  // released when this function returns
@@ -441,13 +472,33 @@ void TcpConnection::closedFromLoop() {
   auto queued = std::move(queue_);
   queue_.clear();
   for (auto& frame : queued) {
-    if (frame.done) frame.done(Error::disconnected("tcp connection to " + peerAddress_ + " closed: " + error.message));
+    if (frame.done) {
+      completeSendFromLoop(frame.done,
+                           Error::disconnected("tcp connection to " + peerAddress_ + " closed: " + error.message));
+    }
   }
   current_ = IncomingFrame{};
   sizes_.clear();
   allocate_ = nullptr;
   onFrame_ = nullptr;
-  if (auto onClosed = std::move(onClosed_)) onClosed(error);
+  if (auto onClosed = std::move(onClosed_)) {
+    try {
+      onClosed(error);
+    } catch (...) {
+      reportCallbackException("the close callback of the tcp connection to " + peerAddress_, "ignored");
+    }
+  }
+}
+
+void TcpConnection::completeSendFromLoop(SendCallback& done, const Result<void>& result) {
+  try {
+    done(result);
+  } catch (...) {
+    // The connection cannot tell what state its owner is in after that: close it (a no-op if closing).
+    std::string message =
+        reportCallbackException("a send callback of the tcp connection to " + peerAddress_, "closing the connection");
+    closeFromLoop(Error::failed(message));
+  }
 }
 
 }  // namespace distgrad::rpc::transport::tcp

@@ -64,6 +64,9 @@ class TcpConnection final : public Connection, public std::enable_shared_from_th
   bool allocatePayloadsFromLoop();
   void deliverFromLoop();
   void closedFromLoop();  // the handle's close callback
+  void readFromLoop(ssize_t nread, const uv_buf_t* buf);  // onRead's body (onRead catches around it)
+  // Runs a send callback; one that throws is logged and closes this connection (reportCallbackException).
+  void completeSendFromLoop(SendCallback& done, const Result<void>& result);
 
   static void onAlloc(uv_handle_t* handle, size_t suggested, uv_buf_t* buf);
   static void onRead(uv_stream_t* stream, ssize_t nread, const uv_buf_t* buf);

@@ -16,6 +16,19 @@ namespace distgrad::rpc::transport::tcp {
 
 std::string uvError(int code) { return std::string(uv_strerror(code)) + " (" + uv_err_name(code) + ")"; }
 
+std::string reportCallbackException(const std::string& what, const char* consequence) {
+  std::string message = what + " threw: ";
+  try {
+    throw;
+  } catch (const std::exception& e) {
+    message += e.what();
+  } catch (...) {
+    message += "a non-standard exception";
+  }
+  std::fprintf(stderr, "distgrad tcp: %s; %s\n", message.c_str(), consequence);
+  return message;
+}
+
 TcpLoop::TcpLoop(const ContextOptions& options) : options_(options) {
   int rc = uv_loop_init(&loop_);
   DG_CHECK(rc == 0, "tcp transport: uv_loop_init failed: ", uvError(rc));
@@ -95,7 +108,14 @@ void TcpLoop::runTasks() {
     if (tasks_.empty()) return;
     batch.swap(tasks_);
   }
-  for (auto& task : batch) task();
+  for (auto& task : batch) {
+    // One task's exception must neither reach libuv nor skip the tasks after it.
+    try {
+      task();
+    } catch (...) {
+      reportCallbackException("a task posted to the tcp loop", "the loop carries on");
+    }
+  }
 }
 
 void TcpLoop::run() {
@@ -155,7 +175,15 @@ void TcpLoop::flushDirtyFromLoop() {
   while (!dirty_.empty()) {
     std::vector<std::shared_ptr<TcpConnection>> dirty;
     dirty.swap(dirty_);
-    for (auto& connection : dirty) connection->flushFromLoop();
+    for (auto& connection : dirty) {
+      try {
+        connection->flushFromLoop();
+      } catch (...) {
+        std::string message =
+            reportCallbackException("flushing the tcp connection to " + connection->peerAddress(), "closing it");
+        connection->closeFromLoop(Error::failed(message));
+      }
+    }
   }
 }
 
@@ -267,11 +295,21 @@ void startConnect(const std::shared_ptr<TcpLoop>& loop, const sockaddr* target, 
     if (status < 0) {
       Error error = Error::disconnected("tcp connect to " + request->address + " failed: " + uvError(status));
       request->connection->closeFromLoop(error);
-      request->done(error);
+      try {
+        request->done(error);
+      } catch (...) {
+        reportCallbackException("the connect callback for " + request->address, "ignored");
+      }
       return;
     }
     request->connection->connectedFromLoop();
-    request->done(std::shared_ptr<Connection>(request->connection));
+    try {
+      request->done(std::shared_ptr<Connection>(request->connection));
+    } catch (...) {
+      std::string message =
+          reportCallbackException("the connect callback for " + request->address, "closing the new connection");
+      request->connection->closeFromLoop(Error::failed(message));
+    }
   });
   if (rc < 0) {
     Error error = Error::disconnected("tcp connect to " + address + " failed: " + uvError(rc));
@@ -312,21 +350,25 @@ void TcpContext::connect(const std::string& address, ConnectCallback done) {
     int rc = uv_getaddrinfo(loop->uvLoop(), &request->req,
                             [](uv_getaddrinfo_t* req, int status, addrinfo* result) {
                               std::unique_ptr<ResolveRequest> request(static_cast<ResolveRequest*>(req->data));
-                              if (status < 0 || result == nullptr) {
-                                request->done(Error::disconnected("tcp connect: cannot resolve " + request->address +
-                                                                  ": " + uvError(status)));
-                                if (result) uv_freeaddrinfo(result);
-                                return;
+                              try {
+                                if (status < 0 || result == nullptr) {
+                                  request->done(Error::disconnected("tcp connect: cannot resolve " + request->address +
+                                                                    ": " + uvError(status)));
+                                  if (result) uv_freeaddrinfo(result);
+                                  return;
+                                }
+                                sockaddr_storage target{};
+                                std::memcpy(&target, result->ai_addr, result->ai_addrlen);
+                                uv_freeaddrinfo(result);
+                                auto* port = target.ss_family == AF_INET
+                                                 ? &reinterpret_cast<sockaddr_in*>(&target)->sin_port
+                                                 : &reinterpret_cast<sockaddr_in6*>(&target)->sin6_port;
+                                *port = htons(static_cast<uint16_t>(request->port));
+                                startConnect(request->loop, reinterpret_cast<sockaddr*>(&target), request->address,
+                                             std::move(request->done));
+                              } catch (...) {
+                                reportCallbackException("resolving " + request->address + " to connect", "ignored");
                               }
-                              sockaddr_storage target{};
-                              std::memcpy(&target, result->ai_addr, result->ai_addrlen);
-                              uv_freeaddrinfo(result);
-                              auto* port = target.ss_family == AF_INET
-                                               ? &reinterpret_cast<sockaddr_in*>(&target)->sin_port
-                                               : &reinterpret_cast<sockaddr_in6*>(&target)->sin6_port;
-                              *port = htons(static_cast<uint16_t>(request->port));
-                              startConnect(request->loop, reinterpret_cast<sockaddr*>(&target), request->address,
-                                           std::move(request->done));
                             },
                             host.c_str(), nullptr, &hints);
     if (rc < 0) {

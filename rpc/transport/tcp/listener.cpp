@@ -65,7 +65,13 @@ void TcpListenerImpl::onConnection(uv_stream_t* server, int status) {
     connection->setPeerAddressFromLoop("<unknown peer of " + self->address_ + ">");
   }
   connection->connectedFromLoop();
-  self->onAccept_(connection);
+  try {
+    self->onAccept_(connection);
+  } catch (...) {
+    std::string message = reportCallbackException("the accept callback of tcp listener " + self->address_,
+                                                  "closing the accepted connection");
+    connection->closeFromLoop(Error::failed(message));
+  }
 }
 
 void TcpListenerImpl::closeFromLoop() {
