@@ -327,12 +327,16 @@ void RRefContext::release(detail::RRefState& state) {
 
 void RRefContext::confirmUser(ForkId fork, bool ownerKnowsIt) {
   std::optional<UserEntry> toDelete;
+  // Declared before the lock: if the user drops its RRef meanwhile, this may be the last reference, and
+  // ~RRefState (release) takes mutex_, so it must run after the lock is released.
+  std::shared_ptr<detail::RRefState> state;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = users_table_.find(fork);
     if (it == users_table_.end()) return;
     it->second.confirmed = true;
-    if (auto state = it->second.state.lock()) state->confirmed.store(true);
+    state = it->second.state.lock();
+    if (state) state->confirmed.store(true);
     if (it->second.released) {
       if (ownerKnowsIt && deadPeers_.count(it->second.owner) == 0) toDelete = it->second;
       users_table_.erase(it);

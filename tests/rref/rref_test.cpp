@@ -48,7 +48,8 @@ TEST_P(RRefFixture, RemoteClassMethodsAndLocalValue) {
     EXPECT_EQ(local.localValue()->get(), 8);
   }
   EXPECT_TRUE(allSettled()) << tables();
-  EXPECT_EQ(Counter::alive.load(), aliveBefore);  // the owner freed both objects
+  // The owner freed both objects (the last executor task that used one may drop it just after its reply).
+  EXPECT_TRUE(eventually([&] { return Counter::alive.load() == aliveBefore; })) << Counter::alive.load();
 }
 
 TEST_P(RRefFixture, ErrorsAreClear) {
@@ -167,8 +168,10 @@ TEST_P(RRefFixture, PromisePipeliningOneRoundTrip) {
       world_.gate->setValue(int64_t{41});
     }
     EXPECT_EQ(pending.get(), 42);
-    EXPECT_EQ(x.toHere(), 101);
-    EXPECT_EQ(y.toHere(), 111);
+    // Two calls on one value may run concurrently on the owner's executor, in either order.
+    const int64_t xv = x.toHere();
+    const int64_t yv = y.toHere();
+    EXPECT_TRUE((xv == 101 && yv == 111) || (yv == 110 && xv == 111)) << "x=" << xv << " y=" << yv;
   }
   EXPECT_TRUE(allSettled()) << tables();
 }
