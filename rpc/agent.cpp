@@ -47,6 +47,9 @@ constexpr std::string_view kAcceptorToConnector = "a2c";
 constexpr size_t kMaxNameBytes = 256;
 // Before a link is ready, a frame must look like a handshake message: no payloads, a small envelope.
 constexpr size_t kMaxHandshakeEnvelopeBytes = 4096;
+// The callee's backstop deadline for a call fires this long (or 5% of the timeout, if longer) after the
+// call's own deadline (onCall).
+constexpr std::chrono::microseconds kCalleeDeadlineGrace{20'000};
 // Default bound on one link's handshake (AgentConfig::handshakeTimeout).
 constexpr std::chrono::milliseconds kDefaultHandshakeTimeout{10'000};
 
@@ -1006,13 +1009,17 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message) {
       // a protocol violation, answered by closing the link.
       duplicateId = !incoming_.emplace(std::make_pair(peerName, id), std::move(incoming)).second;
       const int64_t timeoutMicros = message.fields().timeoutMicros;
-      if (!duplicateId && timeoutMicros > 0) {
+      if (!duplicateId && timeoutMicros > 0 && link) {
         // The callee's own deadline, from the call's arrival: if the caller's cancel message never comes
-        // (caller partitioned or dead but not yet detected), the handler's token still fires. Armed under
-        // mutex_ so the reply (which takes the Incoming under it) always sees the timer id.
+        // (caller partitioned or dead but not yet detected), the handler's token still fires. It is a
+        // backstop, so it fires a grace period after the deadline: the caller's timer (and its cancel
+        // message) normally decides, and a handler that stops at its token does not race a reply against
+        // the caller's timeout. Self calls need none (the caller's deadline cannot get lost in-process).
+        // Armed under mutex_ so the reply (which takes the Incoming under it) always sees the timer id.
+        const auto timeout = std::chrono::microseconds(timeoutMicros);
+        const auto grace = std::max<std::chrono::microseconds>(kCalleeDeadlineGrace, timeout / 20);
         running->timer = timers_->scheduleAfter(
-            std::chrono::microseconds(timeoutMicros),
-            [this, peerName, id, timeoutMicros] { onCallDeadline(peerName, id, timeoutMicros); });
+            timeout + grace, [this, peerName, id, timeoutMicros] { onCallDeadline(peerName, id, timeoutMicros); });
       }
     }
   }
