@@ -133,6 +133,19 @@ void RRefContext::endUse() {
   if (--activeUses_ == 0) useChanged_.notify_all();
 }
 
+bool RRefContext::withAgent(const std::function<void(rpc::Agent&)>& use) {
+  rpc::Agent* agent = beginUse();
+  if (agent == nullptr) return false;
+  try {
+    use(*agent);
+  } catch (...) {
+    endUse();
+    throw;
+  }
+  endUse();
+  return true;
+}
+
 rpc::Error RRefContext::ownerLost(const std::string& owner, const rpc::Error& cause) const {
   rpc::Error error = rpc::Error::disconnected("OwnerLost: " + owner + ", the owner of the RRef, is gone (" +
                                              cause.message + ")");
@@ -274,6 +287,18 @@ std::shared_ptr<detail::RRefState> RRefContext::makeOwnerHandle(RRefId id) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     ++entryLocked(id).localRefs;
+  }
+  return std::make_shared<detail::RRefState>(shared_from_this(), id, 0, name_, /*isOwner=*/true);
+}
+
+std::shared_ptr<detail::RRefState> RRefContext::makeOwned(detail::OwnedValue value) {
+  const RRefId id{rank_, nextId()};
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    OwnerEntry& entry = entryLocked(id);
+    entry.created = true;
+    entry.value = rpc::Result<detail::OwnedValue>(std::move(value));
+    ++entry.localRefs;
   }
   return std::make_shared<detail::RRefState>(shared_from_this(), id, 0, name_, /*isOwner=*/true);
 }

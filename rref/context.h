@@ -145,6 +145,15 @@ class RRefContext : public rpc::AgentExtension, public std::enable_shared_from_t
   RRef<T> remoteWith(const std::string& worker, const rpc::Class<T>& cls, A&&... ctorArgs);
   template <typename R, typename... P, typename... A>
   RRef<R> remote(const std::string& worker, const rpc::Function<R(P...)>& fn, A&&... args);
+  // A new RRef owned by this worker holding `value`, resolved at once (PyTorch's local RRef(value)): how an
+  // owner hands out references to values it already has, e.g. a RemoteModule's parameters (a Tensor
+  // handle aliases the parameter's storage, so the owner's localValue() is the parameter itself).
+  template <typename T>
+  RRef<T> own(T value);
+  // Runs `use` with this context's agent and returns true, or returns false once the agent closed (Note
+  // [Agent lifetime]): how layers above RRef (RemoteModule) make ordinary calls about an RRef from a
+  // handle that may outlive its agent. `use` must not block.
+  bool withAgent(const std::function<void(rpc::Agent&)>& use);
 
   // Diagnosis and tests: entries of the owner table, this worker's user forks (alive or waiting to send
   // their deletion) and forks it passed on that their receivers have not accepted yet.
@@ -166,6 +175,8 @@ class RRefContext : public rpc::AgentExtension, public std::enable_shared_from_t
   // A new handle of this process: on the owner a local reference (counted), on a user a fork.
   std::shared_ptr<detail::RRefState> makeOwnerHandle(RRefId id);
   std::shared_ptr<detail::RRefState> makeUserHandle(RRefId id, ForkId fork, bool confirmed);
+  // A new owned entry, created and resolved with `value`, and a local handle to it.
+  std::shared_ptr<detail::RRefState> makeOwned(detail::OwnedValue value);
   // Note [Fork on send]: the wire form of `state` sent to `peer`.
   detail::WireRRef fork(const std::shared_ptr<detail::RRefState>& state, const std::string& peer);
   // Note [Fork on receive]: the handle for a received wire form, sent by `from`.

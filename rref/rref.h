@@ -268,6 +268,13 @@ RRef<R> RRefContext::remote(const std::string& worker, const rpc::Function<R(P..
   return detail::storeAt<R>(shared_from_this(), worker, std::move(header), std::move(encoder), nullptr);
 }
 
+template <typename T>
+RRef<T> RRefContext::own(T value) {
+  detail::OwnedValue owned;
+  owned.value = rpc::detail::makeResultEncoder<T>(std::move(value));
+  return RRef<T>(makeOwned(std::move(owned)));
+}
+
 // Free-function spellings of RRefContext::remote.
 template <typename T, typename... A>
 RRef<T> remote(rpc::Agent& agent, const std::string& worker, A&&... ctorArgs) {

@@ -101,6 +101,7 @@ class RRefFixture : public ::testing::TestWithParam<std::string> {
     spec.transport = GetParam();
     spec.size = size;
     registry_ = makeRegistry(world_);
+    bindExtra(registry_);
     // The cluster helper's World only needs the agent map; ours is kept separately.
     rpc::testing::startCluster(cluster_, spec, rpcWorld_, registry_);
     for (size_t i = 0; i < cluster_.errors.size(); ++i) ASSERT_FALSE(cluster_.errors[i]) << "rank " << i;
@@ -114,6 +115,8 @@ class RRefFixture : public ::testing::TestWithParam<std::string> {
       world_.gate.reset();
     }
   }
+  // Suites add their own functions and classes here (before the agents start).
+  virtual void bindExtra(rpc::Registry& registry) {}
   rpc::Agent& agent(int rank) { return *cluster_.agents.at(rank); }
   std::shared_ptr<RRefContext> rrefs(int rank) { return RRefContext::of(agent(rank)); }
   std::string name(int rank) { return agent(rank).name(); }
