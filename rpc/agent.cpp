@@ -385,6 +385,18 @@ std::string Agent::storeAddress() const { return storeAddress_; }
 
 // ---- links and handshake (loop thread) ----
 
+Result<transport::OutgoingFrame> Agent::introduction(int64_t stage, const Link& link) const {
+  HandshakeMessage message;
+  message.stage = stage;
+  message.version = config_.protocolVersionForTesting;
+  message.name = name_;
+  message.rank = options_.rank;
+  message.nonce.assign(link.nonce.begin(), link.nonce.end());
+  EnvelopeFields fields;
+  fields.kind = MessageKind::kHandshake;
+  return encodeMessageWith(fields, message);
+}
+
 void Agent::adoptConnection(std::shared_ptr<transport::Connection> connection, const std::string& expectedPeer) {
   auto link = std::make_shared<Link>();
   link->connection = connection;
@@ -421,15 +433,7 @@ void Agent::adoptConnection(std::shared_ptr<transport::Connection> connection, c
   });
   if (!expectedPeer.empty()) {
     // This end opened the link: it is the connector and speaks first.
-    HandshakeMessage hello;
-    hello.stage = kHello;
-    hello.version = config_.protocolVersionForTesting;
-    hello.name = name_;
-    hello.rank = options_.rank;
-    hello.nonce.assign(link->nonce.begin(), link->nonce.end());
-    EnvelopeFields fields;
-    fields.kind = MessageKind::kHandshake;
-    auto frame = encodeMessageWith(fields, hello);
+    auto frame = introduction(kHello, *link);
     if (frame.ok()) sendOn(link, std::move(frame).value());
   }
 }
@@ -687,15 +691,7 @@ void Agent::onHello(const std::shared_ptr<Link>& link, const HandshakeMessage& h
   }
   link->peer = hello.name;
   link->peerNonce = hello.nonce;
-  HandshakeMessage challenge;
-  challenge.stage = kChallenge;
-  challenge.version = config_.protocolVersionForTesting;
-  challenge.name = name_;
-  challenge.rank = options_.rank;
-  challenge.nonce.assign(link->nonce.begin(), link->nonce.end());
-  EnvelopeFields fields;
-  fields.kind = MessageKind::kHandshake;
-  auto frame = encodeMessageWith(fields, challenge);
+  auto frame = introduction(kChallenge, *link);
   if (!frame.ok()) return refuseLink(link, "cannot encode the challenge: " + frame.error().message);
   if (hello.version != config_.protocolVersionForTesting) {
     // The challenge (which carries our version) goes out first, so the connector can name the mismatch too.

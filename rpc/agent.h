@@ -248,6 +248,8 @@ class Agent {
 
   // Links and handshake (loop thread; docs/wire_protocol.md section 8).
   void adoptConnection(std::shared_ptr<transport::Connection> connection, const std::string& expectedPeer);
+  // This end's hello (connector) or challenge (acceptor): version, name, rank and the link's nonce.
+  Result<transport::OutgoingFrame> introduction(int64_t stage, const Link& link) const;
   // The allocator of a link: refuses every payload until the link is ready (an unauthenticated peer must
   // not make this process allocate up to maxMessageBytes), then defers to allocator_.
   transport::PayloadAllocator linkAllocator(const std::weak_ptr<Link>& weak);

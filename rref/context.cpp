@@ -170,6 +170,24 @@ size_t RRefContext::pendingControlCount() const { return pendingControl_.load();
 
 // ---- sending ----
 
+
+// The completion of a call to `owner`: a disconnection from the owner becomes OwnerLost, an error reply
+// becomes the error, a value reply is passed on.
+rpc::Agent::RawCompletion RRefContext::ownerReply(const std::string& owner,
+                                                  std::function<void(rpc::Result<rpc::DecodedMessage>&&)> done) {
+  return [self = shared_from_this(), owner, done = std::move(done)](rpc::Result<rpc::DecodedMessage>&& reply) {
+    if (!reply.ok()) {
+      rpc::Error error = reply.error();
+      if (error.kind == rpc::ErrorKind::kDisconnected && (error.worker == owner || error.worker.empty())) {
+        error = self->ownerLost(owner, error);
+      }
+      return done(std::move(error));
+    }
+    if (reply.value().kind() == rpc::MessageKind::kError) return done(*reply.value().fields().error);
+    done(std::move(reply));
+  };
+}
+
 void RRefContext::callOwner(const std::string& owner, const detail::CallHeader& header, rpc::EncodeValueFn args,
                             std::function<void(rpc::Result<rpc::DecodedMessage>&&)> done) {
   rpc::Agent* agent = beginUse();
@@ -186,19 +204,8 @@ void RRefContext::callOwner(const std::string& owner, const detail::CallHeader& 
       fields[1].initValue().setNull();
     }
   };
-  auto self = shared_from_this();
   agent->rpcRaw(rpc::CallOptions{}, owner, detail::kCallFunction, detail::kCallHash, encode,
-                [self, owner, done = std::move(done)](rpc::Result<rpc::DecodedMessage>&& reply) {
-                  if (!reply.ok()) {
-                    rpc::Error error = reply.error();
-                    if (error.kind == rpc::ErrorKind::kDisconnected && (error.worker == owner || error.worker.empty())) {
-                      error = self->ownerLost(owner, error);
-                    }
-                    return done(std::move(error));
-                  }
-                  if (reply.value().kind() == rpc::MessageKind::kError) return done(*reply.value().fields().error);
-                  done(std::move(reply));
-                });
+                ownerReply(owner, std::move(done)));
   endUse();
 }
 
@@ -214,19 +221,7 @@ void RRefContext::fetch(const std::string& owner, RRefId id, std::chrono::millis
   auto encode = [id](rpc::wire::Value::Builder out, rpc::EncodeContext& ctx) {
     rpc::detail::TupleCodec<std::tuple<RRefId>, RRefId>::encode(out, std::make_tuple(id), ctx);
   };
-  auto self = shared_from_this();
-  agent->rpcRaw(options, owner, detail::kFetchFunction, detail::kFetchHash, encode,
-                [self, owner, done = std::move(done)](rpc::Result<rpc::DecodedMessage>&& reply) {
-                  if (!reply.ok()) {
-                    rpc::Error error = reply.error();
-                    if (error.kind == rpc::ErrorKind::kDisconnected && (error.worker == owner || error.worker.empty())) {
-                      error = self->ownerLost(owner, error);
-                    }
-                    return done(std::move(error));
-                  }
-                  if (reply.value().kind() == rpc::MessageKind::kError) return done(*reply.value().fields().error);
-                  done(std::move(reply));
-                });
+  agent->rpcRaw(options, owner, detail::kFetchFunction, detail::kFetchHash, encode, ownerReply(owner, std::move(done)));
   endUse();
 }
 

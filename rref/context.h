@@ -197,6 +197,8 @@ class RRefContext : public rpc::AgentExtension, public std::enable_shared_from_t
   // The user fork `fork` was confirmed by its owner (or failed to be): sends a deferred deletion.
   void confirmUser(ForkId fork, bool ownerKnowsIt);
   rpc::Error ownerLost(const std::string& owner, const rpc::Error& cause) const;
+  rpc::Agent::RawCompletion ownerReply(const std::string& owner,
+                                       std::function<void(rpc::Result<rpc::DecodedMessage>&&)> done);
 
   // Handlers (owner side / parent side), called by the functions install() binds.
   rpc::Future<rpc::EncodeValueFn> serveCall(const rpc::DecodedMessage& message, const rpc::CallContext& ctx);
