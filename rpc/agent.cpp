@@ -1327,6 +1327,8 @@ void Agent::shutdown(bool graceful) {
   if (graceful) {
     try {
       const auto deadline = SteadyTime::now() + config_.shutdownTimeout;
+      // Layers above (rref/) finish their own traffic first, while this agent may still call out.
+      for (auto& extension : extensionList()) extension->onShutdown(deadline);
       {
         std::lock_guard<std::mutex> lock(mutex_);
         callsOpen_ = false;  // handlers may still call out so that in-flight work can finish

@@ -85,6 +85,9 @@ class AgentExtension {
     (void)peer;
     (void)error;
   }
+  // A graceful shutdown begins, on the thread that called shutdown(), before new calls are refused (peers
+  // still serve): finish the extension's own protocol traffic by `deadline` (e.g. release references).
+  virtual void onShutdown(std::chrono::steady_clock::time_point deadline) { (void)deadline; }
   // The agent is tearing down (after its pending calls failed, before its executor stops): drop every
   // reference to it. Extensions may outlive the agent (values above rpc/ hold them).
   virtual void onAgentClosed() {}

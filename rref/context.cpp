@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <iostream>
+#include <thread>
 
 #include "rref/rref.h"
 
@@ -681,6 +682,41 @@ void RRefContext::onPeerDown(const std::string& peer, const rpc::Error&) {
         ++it;
       }
     }
+  }
+}
+
+// Note [Shutdown releases users]: a graceful shutdown releases every user reference this process still
+// holds, as if its handles were dropped (a confirmed fork's deletion goes now, an unconfirmed one's at its
+// confirmation, Note [User deletion]), then waits, bounded by the shutdown deadline, until the owners
+// answered and no control call or pending child is left, so no owner keeps forks of a worker that left
+// (PyTorch releases user references at shutdown too). Handles still held afterwards are inert: release()
+// finds no entry, and calls through them fail because the agent is shut down.
+void RRefContext::onShutdown(std::chrono::steady_clock::time_point deadline) {
+  std::vector<std::pair<ForkId, UserEntry>> toDelete;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto it = users_table_.begin(); it != users_table_.end();) {
+      UserEntry& entry = it->second;
+      if (entry.released) {
+        ++it;  // already waiting for its confirmation
+      } else if (entry.confirmed || deadPeers_.count(entry.owner) != 0) {
+        if (deadPeers_.count(entry.owner) == 0) toDelete.emplace_back(it->first, entry);
+        it = users_table_.erase(it);
+      } else {
+        entry.released = true;
+        ++it;
+      }
+    }
+  }
+  for (const auto& [fork, entry] : toDelete) sendDelete(entry.owner, entry.id, fork);
+  while (userCount() != 0 || pendingControlCount() != 0 || pendingChildCount() != 0) {
+    if (std::chrono::steady_clock::now() >= deadline) {
+      std::cerr << "[distgrad rref] " << name_ << ": shutdown deadline reached with " << userCount()
+                << " user references, " << pendingControlCount() << " control calls and " << pendingChildCount()
+                << " pending children left\n";
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
 }
 

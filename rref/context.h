@@ -165,6 +165,7 @@ class RRefContext : public rpc::AgentExtension, public std::enable_shared_from_t
 
   // rpc::AgentExtension
   void onPeerDown(const std::string& peer, const rpc::Error& error) override;
+  void onShutdown(std::chrono::steady_clock::time_point deadline) override;
   void onAgentClosed() override;
 
   // ---- internals used by RRef<T> and Codec<RRef<T>> ----

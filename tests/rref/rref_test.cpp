@@ -3,6 +3,8 @@
 // (user->owner, owner->user, user->user forks), promise pipelining and clear errors.
 #include <gtest/gtest.h>
 
+#include <thread>
+
 #include "rref_test_util.h"
 
 namespace distgrad::rref::testing {
@@ -50,6 +52,31 @@ TEST_P(RRefFixture, RemoteClassMethodsAndLocalValue) {
   EXPECT_TRUE(allSettled()) << tables();
   // The owner freed both objects (the last executor task that used one may drop it just after its reply).
   EXPECT_TRUE(eventually([&] { return Counter::alive.load() == aliveBefore; })) << Counter::alive.load();
+}
+
+TEST_P(RRefFixture, GracefulShutdownReleasesHeldReferences) {
+  start();
+  auto owner = rrefs(1);
+  auto user = rrefs(0);
+  RRef<Counter> held = user->remote<Counter>(name(1), int64_t{5});
+  EXPECT_EQ(held.rpcSync(&Counter::get), 5);
+  RRef<int64_t> r = user->remote(name(1), kAddInt, int64_t{1}, int64_t{1});
+  RRef<int64_t> back = agent(0).rpcSync(name(2), kPassBack, r);  // worker2 keeps a fork of r
+  EXPECT_TRUE(eventually([&] { return owner->ownedCount() == 2; })) << tables();
+  // worker0 shuts down while the test still holds its handles: it releases them and waits at the barrier
+  // for the others, and meanwhile the owner has freed the object only worker0 referenced.
+  std::thread first([&] { agent(0).shutdown(); });
+  EXPECT_TRUE(eventually([&] { return owner->ownedCount() == 1 && user->userCount() == 0; }))
+      << "owned by worker1: " << owner->ownedCount() << ", held by worker0: " << user->userCount();
+  std::thread second([&] { agent(2).shutdown(); });  // releases the fork it kept: nothing is left
+  EXPECT_TRUE(eventually([&] { return owner->ownedCount() == 0; })) << owner->ownedCount();
+  agent(1).shutdown();
+  first.join();
+  second.join();
+  // The handles outlive their agents and are inert: dropping them sends nothing and fails nothing.
+  held = {};
+  r = {};
+  back = {};
 }
 
 TEST_P(RRefFixture, ErrorsAreClear) {
