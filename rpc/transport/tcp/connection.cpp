@@ -274,30 +274,29 @@ void TcpConnection::onRead(uv_stream_t* stream, ssize_t nread, const uv_buf_t* b
 }
 
 void TcpConnection::readFromLoop(ssize_t nread, const uv_buf_t* buf) {
-  TcpConnection* self = this;
   if (nread < 0) {
-    bool midFrame = !(self->stage_ == Stage::kPrefix && self->remaining_ == sizeof(FramePrefix));
+    bool midFrame = !(stage_ == Stage::kPrefix && remaining_ == sizeof(FramePrefix));
     if (nread == UV_EOF) {
-      std::string message = "tcp peer " + self->peerAddress_ + " closed the connection";
+      std::string message = "tcp peer " + peerAddress_ + " closed the connection";
       if (midFrame) {
         message += " in the middle of a frame";
         std::fprintf(stderr, "distgrad tcp: %s\n", message.c_str());
       }
-      self->closeFromLoop(Error::disconnected(message));
+      closeFromLoop(Error::disconnected(message));
     } else {
-      self->closeFromLoop(Error::disconnected("tcp read from " + self->peerAddress_ + " failed: " +
-                                              uvError(static_cast<int>(nread))));
+      closeFromLoop(Error::disconnected("tcp read from " + peerAddress_ + " failed: " +
+                                        uvError(static_cast<int>(nread))));
     }
     return;
   }
-  if (nread == 0 || self->closing_) return;
+  if (nread == 0 || closing_) return;
   auto n = static_cast<size_t>(nread);
-  if (buf->base == reinterpret_cast<char*>(self->scratch_.data())) {
-    self->consumeFromLoop(self->scratch_.data(), n);
+  if (buf->base == reinterpret_cast<char*>(scratch_.data())) {
+    consumeFromLoop(scratch_.data(), n);
   } else {
-    self->target_ += n;
-    self->remaining_ -= n;
-    self->consumeFromLoop(nullptr, 0);
+    target_ += n;
+    remaining_ -= n;
+    consumeFromLoop(nullptr, 0);
   }
 }
 
