@@ -117,6 +117,19 @@ class RRef {
     DG_CHECK(state_ != nullptr, "RRef: used an empty RRef");
     return *state_;
   }
+  // The header of a call of `method` (declared in ClassOf<T>) on this RRef's object.
+  template <typename M>
+  detail::CallHeader methodHeader(M method, detail::CallKind kind) const {
+    const rpc::Class<T>& cls = ClassOf<T>::get();
+    const rpc::MethodInfo& info = cls.methodFor(method);
+    detail::CallHeader header;
+    header.kind = static_cast<int64_t>(kind);
+    header.target = cls.name();
+    header.method = info.name;
+    header.hash = info.hash;
+    header.receiver = checked().id;
+    return header;
+  }
   std::shared_ptr<detail::RRefState> state_;
 };
 
@@ -169,14 +182,7 @@ auto RRef<T>::rpcAsync(M method, A&&... args) const {
   using Traits = rpc::MethodTraits<M>;
   using R = typename Traits::Result;
   const auto& state = checked();
-  const rpc::Class<T>& cls = ClassOf<T>::get();
-  const rpc::MethodInfo& info = cls.methodFor(method);
-  detail::CallHeader header;
-  header.kind = static_cast<int64_t>(detail::CallKind::kMethodValue);
-  header.target = cls.name();
-  header.method = info.name;
-  header.hash = info.hash;
-  header.receiver = state.id;
+  detail::CallHeader header = methodHeader(method, detail::CallKind::kMethodValue);
   auto encoder = detail::argsEncoder(typename Traits::WireArgs{}, std::forward<A>(args)...);
   auto promise = std::make_shared<rpc::Promise<R>>(state.context->executor());
   rpc::Future<R> future = promise->getFuture();
@@ -230,14 +236,7 @@ auto RRef<T>::remote(M method, A&&... args) const {
   using R = typename Traits::Result;
   static_assert(!std::is_void_v<R>, "RRef::remote: a method returning void has no value to keep (use rpcAsync)");
   const auto& state = checked();
-  const rpc::Class<T>& cls = ClassOf<T>::get();
-  const rpc::MethodInfo& info = cls.methodFor(method);
-  detail::CallHeader header;
-  header.kind = static_cast<int64_t>(detail::CallKind::kMethodStore);
-  header.target = cls.name();
-  header.method = info.name;
-  header.hash = info.hash;
-  header.receiver = state.id;
+  detail::CallHeader header = methodHeader(method, detail::CallKind::kMethodStore);
   auto encoder = detail::argsEncoder(typename Traits::WireArgs{}, std::forward<A>(args)...);
   return detail::storeAt<R>(state.context, state.owner, std::move(header), std::move(encoder), state_);
 }
