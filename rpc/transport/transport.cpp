@@ -1,9 +1,24 @@
 #include "rpc/transport/transport.h"
 
+#include <cstdio>
+
 #include "rpc/transport/inproc/context.h"
 #include "rpc/transport/tcp/context.h"
 
 namespace distgrad::rpc::transport {
+
+std::string reportCallbackException(const std::string& what, const char* consequence) {
+  std::string message = what + " threw: ";
+  try {
+    throw;
+  } catch (const std::exception& e) {
+    message += e.what();
+  } catch (...) {
+    message += "a non-standard exception";
+  }
+  std::fprintf(stderr, "distgrad: %s; %s\n", message.c_str(), consequence);
+  return message;
+}
 
 size_t paddingTo64(size_t n) { return (kPayloadAlignment - n % kPayloadAlignment) % kPayloadAlignment; }
 

@@ -136,4 +136,9 @@ size_t paddingTo64(size_t n);
 // Checks a received prefix against the limits; the message names the offending field and value.
 Result<void> validatePrefix(const FramePrefix& prefix, const FrameLimits& limits);
 
+// For transports, inside a catch block: a callback the transport does not own (a frame handler, a send or
+// close completion, an accept callback, a posted task) threw. Logs "distgrad: <what> threw: <message>;
+// <consequence>" and returns "<what> threw: <message>" for the Error that closes the connection concerned.
+std::string reportCallbackException(const std::string& what, const char* consequence);
+
 }  // namespace distgrad::rpc::transport

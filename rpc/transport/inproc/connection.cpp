@@ -115,15 +115,8 @@ void InprocConnection::deliverFromLoop(IncomingFrame frame) {
     onFrame_(std::move(frame));
   } catch (...) {
     // As in tcp: the handler's state is unknown after it threw, so this connection closes; the loop lives on.
-    std::string message = "the frame handler of the inproc connection to '" + peerName_ + "' threw: ";
-    try {
-      throw;
-    } catch (const std::exception& e) {
-      message += e.what();
-    } catch (...) {
-      message += "a non-standard exception";
-    }
-    std::fprintf(stderr, "distgrad inproc: %s; closing the connection\n", message.c_str());
+    std::string message = reportCallbackException(
+        "the frame handler of the inproc connection to '" + peerName_ + "'", "closing the connection");
     closeFromLoop(Error::failed(message));
   }
 }

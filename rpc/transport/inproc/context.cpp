@@ -63,10 +63,8 @@ void InprocLoop::run() {
     // log and carry on. Frame handlers are also guarded per connection (InprocConnection::deliverFromLoop).
     try {
       task();
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "distgrad inproc: a task on the loop threw: %s; the loop carries on\n", e.what());
     } catch (...) {
-      std::fprintf(stderr, "distgrad inproc: a task on the loop threw a non-standard exception; the loop carries on\n");
+      reportCallbackException("a task on the inproc loop", "the loop carries on");
     }
   }
 }

@@ -26,14 +26,10 @@ void InprocListener::acceptFromAnyThread(std::shared_ptr<InprocConnection> conne
     }
     try {
       self->onAccept_(connection);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "distgrad inproc: the accept callback of listener '%s' threw: %s; closing the connection\n",
-                   self->name_.c_str(), e.what());
-      connection->closeFromLoop(Error::failed(std::string("the accept callback threw: ") + e.what()));
     } catch (...) {
-      std::fprintf(stderr, "distgrad inproc: the accept callback of listener '%s' threw; closing the connection\n",
-                   self->name_.c_str());
-      connection->closeFromLoop(Error::failed("the accept callback threw a non-standard exception"));
+      std::string message = reportCallbackException(
+          "the accept callback of inproc listener '" + self->name_ + "'", "closing the connection");
+      connection->closeFromLoop(Error::failed(message));
     }
   });
   if (!posted) connection->close();

@@ -16,18 +16,6 @@ namespace distgrad::rpc::transport::tcp {
 
 std::string uvError(int code) { return std::string(uv_strerror(code)) + " (" + uv_err_name(code) + ")"; }
 
-std::string reportCallbackException(const std::string& what, const char* consequence) {
-  std::string message = what + " threw: ";
-  try {
-    throw;
-  } catch (const std::exception& e) {
-    message += e.what();
-  } catch (...) {
-    message += "a non-standard exception";
-  }
-  std::fprintf(stderr, "distgrad tcp: %s; %s\n", message.c_str(), consequence);
-  return message;
-}
 
 TcpLoop::TcpLoop(const ContextOptions& options) : options_(options) {
   int rc = uv_loop_init(&loop_);

@@ -31,12 +31,9 @@ class TcpListenerImpl;
 // "uv_strerror(code) (NAME)", for messages.
 std::string uvError(int code);
 
-// Exceptions must never unwind into libuv (C code: undefined behaviour, usually std::terminate). Every place
+// Exceptions must never unwind into libuv (C code: undefined behaviour, usually std::terminate): every place
 // the loop runs a callback it does not own (onFrame, onClosed, send and connect completions, onAccept,
-// posted tasks) catches; this logs the exception in flight (call it only inside a catch block) as
-// "distgrad tcp: <what> threw: <message>; <consequence>" and returns "<what> threw: <message>" for the
-// Error that closes the connection concerned.
-std::string reportCallbackException(const std::string& what, const char* consequence);
+// posted tasks) catches and reports it with transport::reportCallbackException.
 
 // A libuv loop and the thread that runs it (RAII: the destructor shuts down and closes the loop).
 class TcpLoop {
