@@ -12,8 +12,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "rpc/agent.h"
-#include "rpc/store.h"
+#include "tests/rpc/agent_test_util.h"
 
 namespace distgrad::rpc {
 namespace {
@@ -21,23 +20,10 @@ namespace {
 using namespace std::chrono_literals;
 using SteadyTime = std::chrono::steady_clock;
 
-inline const Function<int64_t(int64_t, int64_t)> kAddInt{"add_int"};
+using testing::kAddInt;
 inline const Function<int64_t(int64_t)> kNever{"never"};  // answers only when cancelled
 
-Options optionsFor(int rank, int storePort) {
-  Options options;
-  options.rank = rank;
-  options.worldSize = 2;
-  options.transport = "tcp";
-  options.storeAddr = "127.0.0.1:" + std::to_string(storePort);
-  options.executorThreads = 2;
-  options.secret = "proc-secret";
-  options.heartbeatInterval = 100ms;
-  options.heartbeatTimeout = 1000ms;
-  options.rendezvousTimeout = 20s;
-  options.defaultTimeout = 30s;
-  return options;
-}
+Options optionsFor(int rank, int storePort) { return testing::processOptions(rank, 2, storePort, "proc-secret"); }
 
 // Forks a worker (rank 1) that serves until killed. Must run while this process has no other threads.
 pid_t forkWorker(int readFd) {

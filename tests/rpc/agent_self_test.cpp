@@ -150,18 +150,7 @@ TEST_P(AgentSelfTest, SelfCallDeadlineTimesOutAndCancelsTheHandler) {
 
 TEST_P(AgentSelfTest, ExplicitCancelOfASelfCallReachesTheHandler) {
   startSelf();
-  CancellationSource source;
-  CallOptions options;
-  options.cancel = source.token();
-  Future<bool> f = agent(0).rpcAsyncWith(options, "worker0", kWaitCancel, 1);
-  ASSERT_TRUE(world_.waitCancelStarted.waitFor());
-  source.cancel();
-  Result<bool> r = f.result();
-  ASSERT_FALSE(r.ok());
-  EXPECT_EQ(r.error().kind, ErrorKind::kCancelled);
-  ASSERT_TRUE(world_.cancelObserved.waitFor());
-  std::lock_guard<std::mutex> lock(world_.mutex);
-  EXPECT_EQ(world_.cancelKind, ErrorKind::kCancelled);
+  expectExplicitCancelReachesTheHandler(agent(0), "worker0", world_);
 }
 
 TEST_P(AgentSelfTest, GracefulShutdownDrainsSelfCallsInFlight) {

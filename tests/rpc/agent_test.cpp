@@ -145,19 +145,7 @@ TEST_P(AgentTest, DeadlineTimesOutAndCancelsTheCallee) {
 
 TEST_P(AgentTest, ExplicitCancelReachesTheCallee) {
   start();
-  CancellationSource source;
-  CallOptions options;
-  options.cancel = source.token();
-  Future<bool> f = agent(0).rpcAsyncWith(options, "worker1", kWaitCancel, 1);
-  // Cancel once the handler runs (its registration is in place).
-  ASSERT_TRUE(world_.waitCancelStarted.waitFor());
-  source.cancel();
-  Result<bool> r = f.result();
-  ASSERT_FALSE(r.ok());
-  EXPECT_EQ(r.error().kind, ErrorKind::kCancelled);
-  ASSERT_TRUE(world_.cancelObserved.waitFor());
-  std::lock_guard<std::mutex> lock(world_.mutex);
-  EXPECT_EQ(world_.cancelKind, ErrorKind::kCancelled);
+  expectExplicitCancelReachesTheHandler(agent(0), "worker1", world_);
 }
 
 TEST_P(AgentTest, WrongSecretIsRefused) {

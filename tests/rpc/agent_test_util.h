@@ -27,6 +27,23 @@
 namespace distgrad::rpc::testing {
 
 using namespace std::chrono_literals;
+
+// Options of rank `rank` in a tcp job of forked processes on 127.0.0.1 whose store listens on `storePort`:
+// fast heartbeats (100 ms, dead after 1 s) so death tests stay short.
+inline Options processOptions(int rank, int worldSize, int storePort, const std::string& secret) {
+  Options options;
+  options.rank = rank;
+  options.worldSize = worldSize;
+  options.transport = "tcp";
+  options.storeAddr = "127.0.0.1:" + std::to_string(storePort);
+  options.executorThreads = 2;
+  options.secret = secret;
+  options.heartbeatInterval = 100ms;
+  options.heartbeatTimeout = 1000ms;
+  options.rendezvousTimeout = 20s;
+  options.defaultTimeout = 30s;
+  return options;
+}
 using SteadyTime = std::chrono::steady_clock;
 
 inline const Function<Tensor(Tensor, Tensor)> kAdd{"add"};
@@ -104,6 +121,24 @@ inline Registry makeRegistry(World& world) {
     return future;
   });
   return reg;
+}
+
+// A kWaitCancel call from `caller` to `callee`, cancelled through CallOptions::cancel once its handler
+// runs: the caller sees `cancelled`, and so does the handler's token.
+inline void expectExplicitCancelReachesTheHandler(Agent& caller, const std::string& callee, World& world) {
+  CancellationSource source;
+  CallOptions options;
+  options.cancel = source.token();
+  Future<bool> f = caller.rpcAsyncWith(options, callee, kWaitCancel, 1);
+  // Cancel once the handler runs (its registration is in place).
+  ASSERT_TRUE(world.waitCancelStarted.waitFor());
+  source.cancel();
+  Result<bool> r = f.result();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().kind, ErrorKind::kCancelled);
+  ASSERT_TRUE(world.cancelObserved.waitFor());
+  std::lock_guard<std::mutex> lock(world.mutex);
+  EXPECT_EQ(world.cancelKind, ErrorKind::kCancelled);
 }
 
 struct ClusterSpec {

@@ -20,18 +20,7 @@ using SteadyTime = std::chrono::steady_clock;
 inline const rpc::Function<int64_t(int64_t)> kNever{"never"};  // its value never resolves
 
 rpc::Options processOptions(int rank, int storePort) {
-  rpc::Options options;
-  options.rank = rank;
-  options.worldSize = 2;
-  options.transport = "tcp";
-  options.storeAddr = "127.0.0.1:" + std::to_string(storePort);
-  options.executorThreads = 2;
-  options.secret = "rref-proc";
-  options.heartbeatInterval = 100ms;
-  options.heartbeatTimeout = 1000ms;
-  options.rendezvousTimeout = 20s;
-  options.defaultTimeout = 30s;
-  return options;
+  return rpc::testing::processOptions(rank, 2, storePort, "rref-proc");
 }
 
 rpc::Registry processRegistry() {
