@@ -52,8 +52,15 @@ int rendezvousWorker() {
     for (int r = 0; r < n; ++r) names += store->getString("worker/" + std::to_string(r), 0ms) + ",";
     std::printf("rank %d of %d via %s: partial %lld total %s names %s\n", options.rank, n, options.source.c_str(),
                 static_cast<long long>(sum), total.c_str(), names.c_str());
-    // Rank 0 keeps the store up until everyone has read what it needs.
-    store->barrier("done", n, 10000ms);
+    // Rank 0 keeps the store up until everyone has done its last store operation. (Not a barrier: rank 0
+    // could pass it and close the store while another rank still waits for the barrier's reply.)
+    if (options.rank == 0) {
+      std::vector<std::string> left;
+      for (int r = 1; r < n; ++r) left.push_back("left/" + std::to_string(r));
+      store->wait(left, 10000ms);
+    } else {
+      store->set("left/" + std::to_string(options.rank), "1");
+    }
     return total == std::to_string(n * (n + 1) / 2) ? 0 : 4;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "rendezvous worker failed: %s\n", e.what());
