@@ -1,0 +1,483 @@
+#include "models/optim/distributed_optimizer.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <unordered_map>
+#include <utility>
+
+#include "rpc/autograd_hook.h"
+#include "rpc/detail/handler.h"
+#include "rref/context.h"
+
+namespace distgrad::models::optim {
+
+// ---- OptimizerSpec ----
+
+OptimizerSpec OptimizerSpec::sgd(const SgdOptions& options) {
+  OptimizerSpec spec;
+  spec.kind = "sgd";
+  spec.learningRate = options.learningRate;
+  spec.momentum = options.momentum;
+  spec.dampening = options.dampening;
+  spec.weightDecay = options.weightDecay;
+  spec.nesterov = options.nesterov;
+  return spec;
+}
+
+OptimizerSpec OptimizerSpec::adam(const AdamOptions& options) {
+  OptimizerSpec spec;
+  spec.kind = "adam";
+  spec.learningRate = options.learningRate;
+  spec.beta1 = options.beta1;
+  spec.beta2 = options.beta2;
+  spec.eps = options.eps;
+  spec.weightDecay = options.weightDecay;
+  spec.amsgrad = options.amsgrad;
+  return spec;
+}
+
+OptimizerSpec OptimizerSpec::adamw(const AdamWOptions& options) {
+  OptimizerSpec spec = adam(AdamOptions{options.learningRate, options.beta1, options.beta2, options.eps,
+                                        options.weightDecay, options.amsgrad});
+  spec.kind = "adamw";
+  return spec;
+}
+
+void OptimizerSpec::validate() const {
+  const bool isSgd = kind == "sgd";
+  const bool isAdam = kind == "adam" || kind == "adamw";
+  DG_CHECK(isSgd || isAdam, "OptimizerSpec: unknown optimizer kind '", kind, "' (expected sgd, adam or adamw)");
+  DG_CHECK(std::isfinite(learningRate) && learningRate >= 0, "OptimizerSpec(", kind,
+           "): learningRate must be a finite number >= 0, got ", learningRate);
+  DG_CHECK(std::isfinite(weightDecay) && weightDecay >= 0, "OptimizerSpec(", kind,
+           "): weightDecay must be a finite number >= 0, got ", weightDecay);
+  // The options of the other kind must keep their defaults: a changed one would be silently ignored.
+  const OptimizerSpec defaults;
+  if (isSgd) {
+    DG_CHECK(std::isfinite(momentum) && momentum >= 0, "OptimizerSpec(sgd): momentum must be a finite number >= 0, got ",
+             momentum);
+    DG_CHECK(dampening >= 0 && dampening <= 1, "OptimizerSpec(sgd): dampening must be in [0, 1], got ", dampening);
+    DG_CHECK(!nesterov || (momentum > 0 && dampening == 0),
+             "OptimizerSpec(sgd): nesterov momentum requires momentum > 0 and dampening == 0, got momentum ", momentum,
+             " and dampening ", dampening);
+    DG_CHECK(beta1 == defaults.beta1 && beta2 == defaults.beta2 && eps == defaults.eps && !amsgrad,
+             "OptimizerSpec(sgd): beta1, beta2, eps and amsgrad are Adam options and must keep their defaults "
+             "for sgd, got beta1 ",
+             beta1, ", beta2 ", beta2, ", eps ", eps, ", amsgrad ", amsgrad);
+  } else {
+    DG_CHECK(beta1 >= 0 && beta1 < 1, "OptimizerSpec(", kind, "): beta1 must be in [0, 1), got ", beta1);
+    DG_CHECK(beta2 >= 0 && beta2 < 1, "OptimizerSpec(", kind, "): beta2 must be in [0, 1), got ", beta2);
+    DG_CHECK(std::isfinite(eps) && eps >= 0, "OptimizerSpec(", kind, "): eps must be a finite number >= 0, got ", eps);
+    DG_CHECK(momentum == defaults.momentum && dampening == defaults.dampening && !nesterov, "OptimizerSpec(", kind,
+             "): momentum, dampening and nesterov are SGD options and must keep their defaults for ", kind,
+             ", got momentum ", momentum, ", dampening ", dampening, ", nesterov ", nesterov);
+  }
+}
+
+std::unique_ptr<Optimizer> OptimizerSpec::make(std::vector<Tensor> parameters) const {
+  validate();
+  if (kind == "sgd") {
+    return std::make_unique<SGD>(std::move(parameters),
+                                 SgdOptions{learningRate, momentum, dampening, weightDecay, nesterov});
+  }
+  if (kind == "adam") {
+    return std::make_unique<Adam>(std::move(parameters),
+                                  AdamOptions{learningRate, beta1, beta2, eps, weightDecay, amsgrad});
+  }
+  return std::make_unique<AdamW>(std::move(parameters),
+                                 AdamWOptions{learningRate, beta1, beta2, eps, weightDecay, amsgrad});
+}
+
+std::string OptimizerSpec::describe() const {
+  std::ostringstream out;
+  out << kind << "(lr=" << learningRate;
+  if (kind == "sgd") {
+    out << ", momentum=" << momentum << ", dampening=" << dampening << ", nesterov=" << (nesterov ? "true" : "false");
+  } else {
+    out << ", beta1=" << beta1 << ", beta2=" << beta2 << ", eps=" << eps << ", amsgrad=" << (amsgrad ? "true" : "false");
+  }
+  out << ", weightDecay=" << weightDecay << ")";
+  return out.str();
+}
+
+// ---- per-worker parameter locks ----
+
+namespace detail {
+
+// Note [Optimizer step locks]: one mutex per parameter tensor (keyed by its TensorImpl) shared by every
+// LocalOptimizer of a worker, kept in the agent's extension slot. A LocalOptimizer holds the mutexes of its
+// parameters (and the parameters themselves, so a key's address cannot be reused while its mutex lives);
+// a step locks them in address order, so steps over overlapping sets never deadlock, and unlocks after
+// the update. Nothing else runs under them (no RPC, no waiting on other work), so a step blocks an executor
+// thread at most for the updates queued before it on the same tensors.
+class StepLocks : public rpc::AgentExtension {
+ public:
+  static std::shared_ptr<StepLocks> of(rpc::Agent& agent) {
+    return std::static_pointer_cast<StepLocks>(
+        agent.extension("dg.optim.step_locks", [](rpc::Agent&) { return std::make_shared<StepLocks>(); }));
+  }
+
+  // The mutexes of `params`, in locking order (ascending TensorImpl address).
+  std::vector<std::shared_ptr<std::mutex>> acquire(const std::vector<Tensor>& params) {
+    std::vector<std::pair<const tensor::TensorImpl*, std::shared_ptr<std::mutex>>> found;
+    std::lock_guard<std::mutex> lock(mutex_);
+    // LocalOptimizers are built rarely: sweep the entries of freed parameters here.
+    for (auto it = locks_.begin(); it != locks_.end();) {
+      it = it->second.expired() ? locks_.erase(it) : std::next(it);
+    }
+    for (const Tensor& p : params) {
+      const tensor::TensorImpl* key = p.implPtr().get();
+      std::shared_ptr<std::mutex> m = locks_[key].lock();
+      if (!m) {
+        m = std::make_shared<std::mutex>();
+        locks_[key] = m;
+      }
+      found.emplace_back(key, std::move(m));
+    }
+    std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+    std::vector<std::shared_ptr<std::mutex>> out;
+    out.reserve(found.size());
+    for (auto& entry : found) out.push_back(std::move(entry.second));
+    return out;
+  }
+
+  std::atomic<size_t> liveOptimizers{0};
+
+ private:
+  std::mutex mutex_;
+  std::unordered_map<const tensor::TensorImpl*, std::weak_ptr<std::mutex>> locks_;  // GUARDED_BY(mutex_)
+};
+
+}  // namespace detail
+
+namespace {
+
+// Holds every mutex of a step, locked in the order given (Note [Optimizer step locks]).
+class StepGuard {
+ public:
+  explicit StepGuard(const std::vector<std::shared_ptr<std::mutex>>& locks) : locks_(locks) {
+    for (const auto& m : locks_) m->lock();
+  }
+  ~StepGuard() {
+    for (auto it = locks_.rbegin(); it != locks_.rend(); ++it) (*it)->unlock();
+  }
+  StepGuard(const StepGuard&) = delete;
+  StepGuard& operator=(const StepGuard&) = delete;
+
+ private:
+  const std::vector<std::shared_ptr<std::mutex>>& locks_;
+};
+
+template <typename T>
+rpc::Future<T> readyFuture(rpc::Executor& executor, rpc::Result<T> result) {
+  rpc::Promise<T> promise(executor);
+  rpc::Future<T> future = promise.getFuture();
+  promise.setResult(std::move(result));
+  return future;
+}
+
+// An error of this worker's part: the exception as an Error naming `worker`, its message prefixed by
+// what failed.
+rpc::Error partError(std::exception_ptr exception, const std::string& worker, const std::string& what) {
+  rpc::Error error = rpc::detail::handlerError(std::move(exception), worker);
+  error.message = what + ": " + error.message;
+  return error;
+}
+
+}  // namespace
+
+// ---- LocalOptimizer ----
+
+struct LocalOptimizer::State {
+  std::string worker;
+  OptimizerSpec spec;
+  std::shared_ptr<detail::StepLocks> stepLocks;
+
+  std::mutex mutex;
+  bool finished = false;              // GUARDED_BY(mutex): built, or failed to build
+  std::optional<rpc::Error> error;    // GUARDED_BY(mutex): why it could not be built
+  std::vector<std::function<void()>> waiters;  // GUARDED_BY(mutex): run once finished
+
+  // Written once before `finished` is set, read-only afterwards.
+  std::unique_ptr<Optimizer> optimizer;
+  std::vector<std::shared_ptr<std::mutex>> locks;
+
+  ~State() {
+    if (stepLocks) stepLocks->liveOptimizers.fetch_sub(1);
+  }
+
+  void build(std::vector<Tensor> params) {
+    std::optional<rpc::Error> failure;
+    try {
+      optimizer = spec.make(std::move(params));
+      locks = stepLocks->acquire(optimizer->parameters());
+    } catch (...) {
+      optimizer.reset();
+      failure = partError(std::current_exception(), worker, "LocalOptimizer on " + worker + " (" + spec.describe() + ")");
+    }
+    std::vector<std::function<void()>> run;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      finished = true;
+      error = std::move(failure);
+      run.swap(waiters);
+    }
+    for (auto& w : run) w();
+  }
+
+  // Runs `then` now if finished, else once it is (on the thread that finishes the build).
+  void whenFinished(std::function<void()> then) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (!finished) {
+        waiters.push_back(std::move(then));
+        return;
+      }
+    }
+    then();
+  }
+
+  std::optional<rpc::Error> buildError() {
+    std::lock_guard<std::mutex> lock(mutex);
+    return error;
+  }
+
+  // One update on context `contextId`'s gradients of this worker (finished and built).
+  int64_t stepNow(rpc::Agent& agent, uint64_t contextId) {
+    const autograd::distributed::Gradients gradients = autograd::distributed::gradientsOf(agent, contextId);
+    const std::vector<Tensor>& params = optimizer->parameters();
+    std::vector<Tensor> grads(params.size());
+    int64_t withGradient = 0;
+    for (size_t i = 0; i < params.size(); ++i) {
+      grads[i] = gradients.get(params[i]);
+      if (grads[i].defined()) ++withGradient;
+    }
+    StepGuard guard(locks);
+    optimizer->step(grads);
+    return withGradient;
+  }
+};
+
+LocalOptimizer::LocalOptimizer(rpc::Agent& agent, OptimizerSpec spec, std::vector<rref::RRef<Tensor>> params,
+                               std::vector<Tensor> tensors)
+    : state_(std::make_shared<State>()) {
+  // The spec came from the wire when a peer created this optimizer: validate before anything else.
+  spec.validate();
+  state_->worker = agent.name();
+  state_->spec = std::move(spec);
+  for (size_t i = 0; i < params.size(); ++i) {
+    DG_CHECK(params[i].valid(), "LocalOptimizer on ", agent.name(), ": parameter RRef ", i, " is empty");
+    DG_CHECK(params[i].isOwner(), "LocalOptimizer on ", agent.name(), ": parameter RRef ", i, " is owned by ",
+             params[i].owner(), ", not by this worker");
+  }
+  state_->stepLocks = detail::StepLocks::of(agent);
+  state_->stepLocks->liveOptimizers.fetch_add(1);
+  if (params.empty()) {
+    state_->build(std::move(tensors));
+    return;
+  }
+  // The RRefs' values may still be in the making (e.g. the results of remote() calls queued behind this
+  // one): build once all resolved. On the owner, toHere gives a handle to the value itself (a Tensor copy
+  // shares its storage and autograd slot), so the optimizer updates the parameters in place.
+  std::vector<rpc::Future<Tensor>> values;
+  values.reserve(params.size());
+  for (const auto& p : params) values.push_back(p.toHereAsync());
+  rpc::whenAll(std::move(values), &agent.executor())
+      .then(rpc::kInlineSafe, [state = state_, tensors = std::move(tensors)](
+                                  std::vector<rpc::Result<Tensor>> resolved) mutable {
+        std::vector<Tensor> all;
+        all.reserve(resolved.size() + tensors.size());
+        for (size_t i = 0; i < resolved.size(); ++i) {
+          if (!resolved[i].ok()) {
+            rpc::Error error = resolved[i].error();
+            error.message = "LocalOptimizer on " + state->worker + ": parameter RRef " + std::to_string(i) +
+                            " has no value: " + error.message;
+            if (error.worker.empty()) error.worker = state->worker;
+            std::vector<std::function<void()>> run;
+            {
+              std::lock_guard<std::mutex> lock(state->mutex);
+              state->finished = true;
+              state->error = std::move(error);
+              run.swap(state->waiters);
+            }
+            for (auto& w : run) w();
+            return;
+          }
+          all.push_back(std::move(resolved[i]).value());
+        }
+        for (auto& t : tensors) all.push_back(std::move(t));
+        state->build(std::move(all));
+      });
+}
+
+LocalOptimizer::~LocalOptimizer() = default;
+
+rpc::Future<int64_t> LocalOptimizer::readyHere(rpc::Agent& agent) const {
+  auto promise = std::make_shared<rpc::Promise<int64_t>>(agent.executor());
+  rpc::Future<int64_t> future = promise->getFuture();
+  state_->whenFinished([state = state_, promise] {
+    if (auto error = state->buildError()) return promise->setError(*error);
+    promise->setValue(static_cast<int64_t>(state->optimizer->parameters().size()));
+  });
+  return future;
+}
+
+rpc::Future<int64_t> LocalOptimizer::ready(const rpc::CallContext& ctx) const { return readyHere(*ctx.agent); }
+
+rpc::Future<int64_t> LocalOptimizer::stepHere(rpc::Agent& agent, uint64_t contextId) {
+  auto promise = std::make_shared<rpc::Promise<int64_t>>(agent.executor());
+  rpc::Future<int64_t> future = promise->getFuture();
+  // `agent` outlives the deferred run: it finishes the build on its own executor.
+  state_->whenFinished([state = state_, promise, &agent, contextId] {
+    if (auto error = state->buildError()) return promise->setError(*error);
+    try {
+      promise->setValue(state->stepNow(agent, contextId));
+    } catch (...) {
+      promise->setError(partError(std::current_exception(), state->worker,
+                                  "optimizer step on " + state->worker + " for context " + std::to_string(contextId)));
+    }
+  });
+  return future;
+}
+
+rpc::Future<int64_t> LocalOptimizer::step(const rpc::CallContext& ctx, uint64_t contextId) {
+  return stepHere(*ctx.agent, contextId);
+}
+
+size_t LocalOptimizer::liveCount(rpc::Agent& agent) { return detail::StepLocks::of(agent)->liveOptimizers.load(); }
+
+const rpc::Class<LocalOptimizer>& localOptimizerClass() {
+  static const rpc::Class<LocalOptimizer> cls = rpc::Class<LocalOptimizer>("dg.optim.LocalOptimizer")
+                                                    .method("ready", &LocalOptimizer::ready)
+                                                    .method("step", &LocalOptimizer::step);
+  return cls;
+}
+
+// ---- DistributedOptimizer ----
+
+namespace {
+
+// One RpcError for the failures of several parts (owner, error): the first one's kind and worker, every
+// owner's message.
+[[noreturn]] void throwFailures(const std::string& what, std::vector<std::pair<std::string, rpc::Error>> failures) {
+  DG_ASSERT(!failures.empty(), "throwFailures without failures");
+  rpc::Error error = failures.front().second;
+  if (error.worker.empty()) error.worker = failures.front().first;
+  if (failures.size() == 1) {
+    error.message = what + ": " + error.message;
+  } else {
+    std::string message = what + ": " + std::to_string(failures.size()) + " owners failed";
+    for (const auto& [owner, e] : failures) message += "; [" + owner + "] " + e.describe();
+    error.message = std::move(message);
+  }
+  throw rpc::RpcError(std::move(error));
+}
+
+}  // namespace
+
+DistributedOptimizer::DistributedOptimizer(rpc::Agent& agent, OptimizerSpec spec,
+                                           std::vector<rref::RRef<Tensor>> params, std::vector<Tensor> localParams)
+    : agent_(&agent), spec_(std::move(spec)) {
+  spec_.validate();
+  DG_CHECK(!params.empty() || !localParams.empty(), "DistributedOptimizer: got no parameters");
+  // Group by owner, in first-appearance order; RRefs this worker owns join the local part.
+  std::vector<std::string> order;
+  std::map<std::string, std::vector<rref::RRef<Tensor>>> byOwner;
+  std::vector<rref::RRef<Tensor>> ownedHere;
+  for (size_t i = 0; i < params.size(); ++i) {
+    DG_CHECK(params[i].valid(), "DistributedOptimizer: parameter RRef ", i, " is empty");
+    if (params[i].isOwner()) {
+      ownedHere.push_back(std::move(params[i]));
+      continue;
+    }
+    const std::string& owner = params[i].owner();
+    auto [it, added] = byOwner.try_emplace(owner);
+    if (added) order.push_back(owner);
+    it->second.push_back(std::move(params[i]));
+  }
+  numParameters_ = params.size() + localParams.size();
+  for (size_t i = 0; i < localParams.size(); ++i) {
+    DG_CHECK(localParams[i].defined(), "DistributedOptimizer: local parameter ", i, " is undefined");
+  }
+
+  auto rrefs = rref::RRefContext::of(agent);
+  std::vector<rpc::Future<int64_t>> ready;
+  std::vector<std::string> readyOwners;
+  {
+    // The creating calls must not carry a distributed autograd context active on this thread.
+    rpc::AutogradContextScope noContext(0);
+    for (const auto& owner : order) {
+      RemotePart part{owner, rrefs->remote<LocalOptimizer>(owner, spec_, byOwner[owner])};
+      ready.push_back(part.optimizer.rpcAsync(&LocalOptimizer::ready));
+      readyOwners.push_back(owner);
+      remote_.push_back(std::move(part));
+    }
+  }
+  if (!ownedHere.empty() || !localParams.empty()) {
+    local_ = std::make_shared<LocalOptimizer>(agent, spec_, std::move(ownedHere), std::move(localParams));
+    ready.push_back(local_->readyHere(agent));
+    readyOwners.push_back(agent.name());
+  }
+  std::vector<std::pair<std::string, rpc::Error>> failures;
+  auto results = rpc::whenAll(std::move(ready), &agent.executor()).get();
+  for (size_t i = 0; i < results.size(); ++i) {
+    if (!results[i].ok()) failures.emplace_back(readyOwners[i], results[i].error());
+  }
+  if (!failures.empty()) throwFailures("DistributedOptimizer: building the optimizer failed", std::move(failures));
+}
+
+DistributedOptimizer::~DistributedOptimizer() = default;
+
+void DistributedOptimizer::install(rpc::Registry& registry) {
+  registry.bindClass(localOptimizerClass())
+      .factory<OptimizerSpec, std::vector<rref::RRef<Tensor>>>(
+          [](const rpc::CallContext& ctx, OptimizerSpec spec, std::vector<rref::RRef<Tensor>> params) {
+            return std::make_shared<LocalOptimizer>(*ctx.agent, std::move(spec), std::move(params));
+          });
+}
+
+rpc::Future<void> DistributedOptimizer::stepAsync(uint64_t contextId) {
+  std::vector<rpc::Future<int64_t>> parts;
+  std::vector<std::string> owners;
+  parts.reserve(remote_.size() + 1);
+  {
+    // Note: the step calls must not carry the context: an owner that never joined it would join through the
+    // step itself and find no gradients, instead of reporting the unknown context.
+    rpc::AutogradContextScope noContext(0);
+    for (const auto& part : remote_) {
+      parts.push_back(part.optimizer.rpcAsync(&LocalOptimizer::step, contextId));
+      owners.push_back(part.owner);
+    }
+  }
+  // This worker's part, meanwhile, on the calling thread.
+  if (local_) {
+    parts.push_back(local_->stepHere(*agent_, contextId));
+    owners.push_back(agent_->name());
+  }
+  return rpc::whenAll(std::move(parts), &agent_->executor())
+      .then(rpc::kInlineSafe, [owners = std::move(owners), contextId](std::vector<rpc::Result<int64_t>> results) {
+        std::vector<std::pair<std::string, rpc::Error>> failures;
+        for (size_t i = 0; i < results.size(); ++i) {
+          if (!results[i].ok()) failures.emplace_back(owners[i], results[i].error());
+        }
+        if (!failures.empty()) {
+          throwFailures("DistributedOptimizer::step(context " + std::to_string(contextId) + ")", std::move(failures));
+        }
+      });
+}
+
+void DistributedOptimizer::step(uint64_t contextId) { stepAsync(contextId).get(); }
+
+std::vector<std::string> DistributedOptimizer::owners() const {
+  std::vector<std::string> out;
+  for (const auto& part : remote_) out.push_back(part.owner);
+  if (local_) out.push_back(agent_->name());
+  return out;
+}
+
+}  // namespace distgrad::models::optim
