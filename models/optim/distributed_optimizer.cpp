@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <deque>
+#include <functional>
+#include <future>
 #include <cmath>
 #include <map>
 #include <mutex>
@@ -109,12 +112,75 @@ std::string OptimizerSpec::describe() const {
 
 namespace detail {
 
-// Note [Optimizer step locks]: one mutex per parameter tensor (keyed by its TensorImpl) shared by every
-// LocalOptimizer of a worker, kept in the agent's extension slot. A LocalOptimizer holds the mutexes of its
-// parameters (and the parameters themselves, so a key's address cannot be reused while its mutex lives);
-// a step locks them in address order, so steps over overlapping sets never deadlock, and unlocks after
-// the update. Nothing else runs under them (no RPC, no waiting on other work), so a step blocks an executor
-// thread at most for the updates queued before it on the same tensors.
+// Note [Optimizer step locks]: every worker keeps one lock per parameter tensor (keyed by its TensorImpl),
+// shared by all its LocalOptimizers and StepLockGuards, in the agent's extension slot. A LocalOptimizer
+// holds the locks of its parameters (and the parameters themselves, so a key's address cannot be reused
+// while its lock lives). A step acquires its locks in ascending address order, so steps (and guards) over
+// overlapping sets never deadlock; it runs its update once it holds them all and releases them afterwards.
+// The locks are asynchronous: a waiter is a callback queued on the lock (FIFO), not a blocked thread, so a
+// step that waits never holds an executor thread (ARCHITECTURE §3) and an agent with one executor thread
+// serves other calls meanwhile. A released lock goes to its first waiter, whose callback is posted to the
+// waiter's executor (or run on the releasing thread when it has none: a StepLockGuard's wake-up).
+class ParameterLock {
+ public:
+  // Calls `granted` once this lock is the caller's: at once on this thread when it is free, else when an
+  // earlier holder released it (posted to `executor`, or on the releasing thread when it is null).
+  void acquire(rpc::Executor* executor, std::function<void()> granted) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (held_) {
+        waiters_.push_back({executor, std::move(granted)});
+        return;
+      }
+      held_ = true;
+    }
+    granted();
+  }
+
+  void release() {
+    Waiter next;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      DG_ASSERT(held_, "ParameterLock::release of a free lock");
+      if (waiters_.empty()) {
+        held_ = false;
+        return;
+      }
+      next = std::move(waiters_.front());
+      waiters_.pop_front();
+    }
+    // The lock passes to `next` (held_ stays true).
+    if (next.executor == nullptr) return next.granted();
+    auto shared = std::make_shared<std::function<void()>>(std::move(next.granted));
+    // An executor that has shut down refuses the task: run it here rather than leave the lock held forever.
+    if (!next.executor->post([shared] { (*shared)(); })) (*shared)();
+  }
+
+ private:
+  struct Waiter {
+    rpc::Executor* executor = nullptr;
+    std::function<void()> granted;
+  };
+  std::mutex mutex_;
+  bool held_ = false;            // GUARDED_BY(mutex_)
+  std::deque<Waiter> waiters_;   // GUARDED_BY(mutex_)
+};
+
+using LockSet = std::vector<std::shared_ptr<ParameterLock>>;
+
+// Acquires locks[index..] in order, then calls `done` (on whichever thread granted the last one).
+void acquireAll(const std::shared_ptr<const LockSet>& locks, size_t index, rpc::Executor* executor,
+                std::function<void()> done) {
+  if (index == locks->size()) return done();
+  (*locks)[index]->acquire(executor, [locks, index, executor, done = std::move(done)]() mutable {
+    acquireAll(locks, index + 1, executor, std::move(done));
+  });
+}
+
+void releaseAll(const LockSet& locks) {
+  for (auto it = locks.rbegin(); it != locks.rend(); ++it) (*it)->release();
+}
+
 class StepLocks : public rpc::AgentExtension {
  public:
   static std::shared_ptr<StepLocks> of(rpc::Agent& agent) {
@@ -122,27 +188,28 @@ class StepLocks : public rpc::AgentExtension {
         agent.extension("dg.optim.step_locks", [](rpc::Agent&) { return std::make_shared<StepLocks>(); }));
   }
 
-  // The mutexes of `params`, in locking order (ascending TensorImpl address).
-  std::vector<std::shared_ptr<std::mutex>> acquire(const std::vector<Tensor>& params) {
-    std::vector<std::pair<const tensor::TensorImpl*, std::shared_ptr<std::mutex>>> found;
+  // The locks of `params`, in acquisition order (ascending TensorImpl address).
+  std::shared_ptr<const LockSet> locksOf(const std::vector<Tensor>& params) {
+    std::vector<std::pair<const tensor::TensorImpl*, std::shared_ptr<ParameterLock>>> found;
     std::lock_guard<std::mutex> lock(mutex_);
-    // LocalOptimizers are built rarely: sweep the entries of freed parameters here.
+    // Lock sets are made rarely (a LocalOptimizer's construction, a guard): sweep freed parameters here.
     for (auto it = locks_.begin(); it != locks_.end();) {
       it = it->second.expired() ? locks_.erase(it) : std::next(it);
     }
     for (const Tensor& p : params) {
       const tensor::TensorImpl* key = p.implPtr().get();
-      std::shared_ptr<std::mutex> m = locks_[key].lock();
-      if (!m) {
-        m = std::make_shared<std::mutex>();
-        locks_[key] = m;
+      if (std::any_of(found.begin(), found.end(), [&](const auto& f) { return f.first == key; })) continue;
+      std::shared_ptr<ParameterLock> l = locks_[key].lock();
+      if (!l) {
+        l = std::make_shared<ParameterLock>();
+        locks_[key] = l;
       }
-      found.emplace_back(key, std::move(m));
+      found.emplace_back(key, std::move(l));
     }
     std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-    std::vector<std::shared_ptr<std::mutex>> out;
-    out.reserve(found.size());
-    for (auto& entry : found) out.push_back(std::move(entry.second));
+    auto out = std::make_shared<LockSet>();
+    out->reserve(found.size());
+    for (auto& entry : found) out->push_back(std::move(entry.second));
     return out;
   }
 
@@ -150,36 +217,25 @@ class StepLocks : public rpc::AgentExtension {
 
  private:
   std::mutex mutex_;
-  std::unordered_map<const tensor::TensorImpl*, std::weak_ptr<std::mutex>> locks_;  // GUARDED_BY(mutex_)
+  std::unordered_map<const tensor::TensorImpl*, std::weak_ptr<ParameterLock>> locks_;  // GUARDED_BY(mutex_)
 };
 
 }  // namespace detail
 
-namespace {
-
-// Holds every mutex of a step, locked in the order given (Note [Optimizer step locks]).
-class StepGuard {
- public:
-  explicit StepGuard(const std::vector<std::shared_ptr<std::mutex>>& locks) : locks_(locks) {
-    for (const auto& m : locks_) m->lock();
-  }
-  ~StepGuard() {
-    for (auto it = locks_.rbegin(); it != locks_.rend(); ++it) (*it)->unlock();
-  }
-  StepGuard(const StepGuard&) = delete;
-  StepGuard& operator=(const StepGuard&) = delete;
-
- private:
-  const std::vector<std::shared_ptr<std::mutex>>& locks_;
-};
-
-template <typename T>
-rpc::Future<T> readyFuture(rpc::Executor& executor, rpc::Result<T> result) {
-  rpc::Promise<T> promise(executor);
-  rpc::Future<T> future = promise.getFuture();
-  promise.setResult(std::move(result));
-  return future;
+StepLockGuard::StepLockGuard(rpc::Agent& agent, const std::vector<Tensor>& params) {
+  DG_CHECK(!agent.executor().isCurrentThread(), "StepLockGuard: must not be taken on an executor thread of ",
+           agent.name(), " (a step waiting for a lock held there could need that thread)");
+  for (size_t i = 0; i < params.size(); ++i) DG_CHECK(params[i].defined(), "StepLockGuard: parameter ", i, " is undefined");
+  locks_ = detail::StepLocks::of(agent)->locksOf(params);
+  std::promise<void> granted;
+  std::future<void> ready = granted.get_future();
+  detail::acquireAll(locks_, 0, nullptr, [&granted] { granted.set_value(); });
+  ready.wait();
 }
+
+StepLockGuard::~StepLockGuard() { detail::releaseAll(*locks_); }
+
+namespace {
 
 // An error of this worker's part: the exception as an Error naming `worker`, its message prefixed by
 // what failed.
@@ -205,7 +261,7 @@ struct LocalOptimizer::State {
 
   // Written once before `finished` is set, read-only afterwards.
   std::unique_ptr<Optimizer> optimizer;
-  std::vector<std::shared_ptr<std::mutex>> locks;
+  std::shared_ptr<const detail::LockSet> locks;
 
   ~State() {
     if (stepLocks) stepLocks->liveOptimizers.fetch_sub(1);
@@ -215,7 +271,7 @@ struct LocalOptimizer::State {
     std::optional<rpc::Error> failure;
     try {
       optimizer = spec.make(std::move(params));
-      locks = stepLocks->acquire(optimizer->parameters());
+      locks = stepLocks->locksOf(optimizer->parameters());
     } catch (...) {
       optimizer.reset();
       failure = partError(std::current_exception(), worker, "LocalOptimizer on " + worker + " (" + spec.describe() + ")");
@@ -246,22 +302,43 @@ struct LocalOptimizer::State {
     std::lock_guard<std::mutex> lock(mutex);
     return error;
   }
+};
 
-  // One update on context `contextId`'s gradients of this worker (finished and built).
-  int64_t stepNow(rpc::Agent& agent, uint64_t contextId) {
+namespace {
+
+// One step of a built optimizer on context `contextId`'s gradients of this worker: reads them, waits for
+// the parameters' locks (Note [Optimizer step locks]: without holding a thread), updates, releases, and
+// completes `promise` with the number of parameters that had a gradient.
+void runStep(const std::shared_ptr<LocalOptimizer::State>& state, rpc::Agent& agent, uint64_t contextId,
+             const std::shared_ptr<rpc::Promise<int64_t>>& promise) {
+  const std::string what = "optimizer step on " + state->worker + " for context " + std::to_string(contextId);
+  const std::vector<Tensor>& params = state->optimizer->parameters();
+  std::vector<Tensor> grads(params.size());
+  int64_t withGradient = 0;
+  try {
     const autograd::distributed::Gradients gradients = autograd::distributed::gradientsOf(agent, contextId);
-    const std::vector<Tensor>& params = optimizer->parameters();
-    std::vector<Tensor> grads(params.size());
-    int64_t withGradient = 0;
     for (size_t i = 0; i < params.size(); ++i) {
       grads[i] = gradients.get(params[i]);
       if (grads[i].defined()) ++withGradient;
     }
-    StepGuard guard(locks);
-    optimizer->step(grads);
-    return withGradient;
+  } catch (...) {
+    return promise->setError(partError(std::current_exception(), state->worker, what));
   }
-};
+  detail::acquireAll(state->locks, 0, &agent.executor(),
+                     [state, grads = std::move(grads), withGradient, promise, what] {
+                       std::optional<rpc::Error> failure;
+                       try {
+                         state->optimizer->step(grads);
+                       } catch (...) {
+                         failure = partError(std::current_exception(), state->worker, what);
+                       }
+                       detail::releaseAll(*state->locks);
+                       if (failure) return promise->setError(std::move(*failure));
+                       promise->setValue(withGradient);
+                     });
+}
+
+}  // namespace
 
 LocalOptimizer::LocalOptimizer(rpc::Agent& agent, OptimizerSpec spec, std::vector<rref::RRef<Tensor>> params,
                                std::vector<Tensor> tensors)
@@ -332,15 +409,10 @@ rpc::Future<int64_t> LocalOptimizer::ready(const rpc::CallContext& ctx) const { 
 rpc::Future<int64_t> LocalOptimizer::stepHere(rpc::Agent& agent, uint64_t contextId) {
   auto promise = std::make_shared<rpc::Promise<int64_t>>(agent.executor());
   rpc::Future<int64_t> future = promise->getFuture();
-  // `agent` outlives the deferred run: it finishes the build on its own executor.
+  // `agent` outlives a deferred run: the build finishes on its executor.
   state_->whenFinished([state = state_, promise, &agent, contextId] {
     if (auto error = state->buildError()) return promise->setError(*error);
-    try {
-      promise->setValue(state->stepNow(agent, contextId));
-    } catch (...) {
-      promise->setError(partError(std::current_exception(), state->worker,
-                                  "optimizer step on " + state->worker + " for context " + std::to_string(contextId)));
-    }
+    runStep(state, agent, contextId, promise);
   });
   return future;
 }

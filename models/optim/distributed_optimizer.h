@@ -27,12 +27,13 @@
 // Parameters must be leaf CPU float32/float64 contiguous tensors, each listed once (Optimizer's rules,
 // checked on their owner when the optimizer is built: the constructor reports the owner's refusal).
 //
-// Serialisation (Note [Optimizer step locks]): every worker keeps one mutex per parameter tensor for all the
-// LocalOptimizers it holds, and a step takes the locks of all its parameters (in one global order, so two
-// steps over overlapping parameter sets cannot deadlock) for the whole update. Steps of one optimizer for
-// several contexts, and steps of several DistributedOptimizers over the same parameters, therefore apply
-// one after the other on each owner, never interleaved within a tensor; the order between them is
-// whichever arrives first. Steps over disjoint parameters run in parallel.
+// Serialisation (Note [Optimizer step locks] in the .cpp): every worker keeps one lock per parameter tensor
+// for all the LocalOptimizers it holds, and a step takes the locks of all its parameters (in one global
+// order, so steps over overlapping parameter sets cannot deadlock) for its whole update. Steps of one
+// optimizer for several contexts, and steps of several DistributedOptimizers over the same parameters,
+// therefore apply one after the other on each owner, never interleaved within a tensor; the order between
+// them is the order in which they reach the locks. Steps over disjoint parameters run in parallel. A step
+// waiting for a lock holds no thread (the locks queue callbacks). StepLockGuard takes the same locks.
 //
 // Errors: a failing owner's error comes back naming that worker (several failing owners: one RpcError
 // listing each). The spec is validated on the caller (ValueError at construction) and again on every owner
@@ -109,8 +110,24 @@ struct OptimizerSpec {
 };
 
 namespace detail {
-class StepLocks;
+class ParameterLock;
 }
+
+// Holds the step locks (Note [Optimizer step locks] in the .cpp) of `params` on `agent`'s worker: while it
+// lives, no LocalOptimizer of that worker updates them (their steps wait, without holding a thread), e.g.
+// to read or save parameters that trainers step concurrently, consistently. The constructor blocks until
+// the steps in progress on them have finished; it must not run on the agent's executor threads
+// (ValueError).
+class StepLockGuard {
+ public:
+  StepLockGuard(rpc::Agent& agent, const std::vector<Tensor>& params);
+  ~StepLockGuard();
+  StepLockGuard(const StepLockGuard&) = delete;
+  StepLockGuard& operator=(const StepLockGuard&) = delete;
+
+ private:
+  std::shared_ptr<const std::vector<std::shared_ptr<detail::ParameterLock>>> locks_;
+};
 
 // The part of a DistributedOptimizer on one worker (PyTorch's _LocalOptimizer): an optimizer of the spec's
 // kind over that worker's parameters. Remote owners create it through DistributedOptimizer::install's
@@ -141,8 +158,9 @@ class LocalOptimizer {
   // LocalOptimizers alive on `agent`'s worker (a gauge for tests and leak checks).
   static size_t liveCount(rpc::Agent& agent);
 
+ struct State;  // the optimizer and its build status, shared with pending work
+
  private:
-  struct State;
   std::shared_ptr<State> state_;
 };
 

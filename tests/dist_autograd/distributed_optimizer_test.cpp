@@ -95,9 +95,11 @@ std::vector<Tensor> copies(const std::vector<Tensor>& tensors) {
   return out;
 }
 
+// Copies of the parameters' current values (inproc hands over tensors without copying: toHere may alias
+// the owner's parameter).
 std::vector<Tensor> fetch(const std::vector<RRef<Tensor>>& params) {
   std::vector<Tensor> out;
-  for (const auto& p : params) out.push_back(p.toHere());
+  for (const auto& p : params) out.push_back(p.toHere().cloneData());
   return out;
 }
 
@@ -108,6 +110,20 @@ std::vector<Tensor> concat(std::vector<Tensor> a, const std::vector<Tensor>& b) 
 
 class DistributedOptimizerTest : public rref::testing::RRefFixture {
  protected:
+  // Three workers with `executorThreads` each (RRefFixture::start, with the thread count).
+  void start(int executorThreads = 4) {
+    rpc::testing::ClusterSpec spec;
+    spec.transport = GetParam();
+    spec.size = 3;
+    spec.executorThreads = executorThreads;
+    registry_ = rref::testing::makeRegistry(world_);
+    bindExtra(registry_);
+    rpc::testing::startCluster(cluster_, spec, rpcWorld_, registry_);
+    for (size_t i = 0; i < cluster_.errors.size(); ++i) ASSERT_FALSE(cluster_.errors[i]) << "rank " << i;
+    std::lock_guard<std::mutex> lock(world_.mutex);
+    for (auto& agent : cluster_.agents) world_.agents[agent->name()] = agent.get();
+  }
+
   void bindExtra(rpc::Registry& reg) override {
     autograd::distributed::install(reg);
     DistributedOptimizer::install(reg);
@@ -193,7 +209,7 @@ class TrainingTest : public DistributedOptimizerTest {
  protected:
   // Trains `steps` steps distributed and in one process with `spec`; the parameters must agree to 1e-9.
   void trainAndCompare(const OptimizerSpec& spec, BackwardMode mode, int steps) {
-    SplitModel m{std::make_shared<Stage>(4, 8, 11, true), stage(1, 8, 6, 12, true), stage(2, 6, 3, 13, false)};
+    SplitModel m{std::make_shared<Stage>(4, 8, 11, true), stage(1, 8, 6, 12, true), stage(2, 6, 3, 13, false), {}, {}};
     m.bParams = m.b.remoteParameters();
     m.cParams = m.c.remoteParameters();
     const std::vector<Tensor> initial = copies(m.refParams());
@@ -420,6 +436,48 @@ TEST_P(DistributedOptimizerTest, TwoTrainersWithTheirOwnOptimizersSerialiseOnThe
     for (size_t i = 0; i < got.size(); ++i) {
       ASSERT_LE(maxAbsDiff(got[i], ref.parameters()[i]), 1e-10) << "round " << round << ", parameter " << i;
     }
+  }
+}
+
+TEST_P(DistributedOptimizerTest, StepsWaitForHeldParameterLocksWithoutHoldingAThread) {
+  start(/*executorThreads=*/1);
+  // The module lives on worker1, created there (so this test can reach its tensors) and adopted by worker0.
+  auto atOwner = RemoteModule<Stage>::create(rrefs(1), name(1), int64_t{3}, int64_t{2}, uint64_t{90}, false);
+  std::vector<Tensor> ownerParams;
+  for (const auto& p : atOwner.remoteParameters()) ownerParams.push_back(*p.localValue());
+  ASSERT_TRUE(agent(1).rpcSync(name(0), kAdopt, atOwner));
+  RemoteModule<Stage> handle = takeAdopted();
+  DistributedOptimizer opt(agent(0), OptimizerSpec::sgd({.learningRate = 0.1}), handle.remoteParameters());
+  Stage ref(3, 2, 90, false);
+  SGD reference(ref.parameters(), {.learningRate = 0.1});
+  const Tensor x = data({4, 3}, 91);
+  const std::vector<Tensor> g = localGradients(ref, x);
+  {
+    DistContext ctx(agent(0));
+    ctx.backward(sum(handle.forward(x)));
+    const std::vector<Tensor> before = copies(ownerParams);
+    rpc::Future<void> first, second;
+    {
+      StepLockGuard hold(agent(1), ownerParams);
+      first = opt.stepAsync(ctx.id());
+      second = opt.stepAsync(ctx.id());
+      // worker1's only executor thread serves calls sent after both steps (two round trips, so the steps'
+      // own tasks, queued at the owner behind the first, have run): they wait on the locks, not on a
+      // thread, and have not touched the parameters.
+      for (int i = 0; i < 2; ++i) {
+        EXPECT_EQ(agent(0).rpcSync(name(1), rref::testing::kAddInt, int64_t{2}, int64_t{i}), 2 + i);
+      }
+      EXPECT_FALSE(first.isReady());
+      EXPECT_FALSE(second.isReady());
+      for (size_t i = 0; i < ownerParams.size(); ++i) EXPECT_EQ(maxAbsDiff(ownerParams[i], before[i]), 0.0) << i;
+    }
+    first.get();
+    second.get();
+  }
+  reference.step(g);
+  reference.step(g);
+  for (size_t i = 0; i < ownerParams.size(); ++i) {
+    EXPECT_LE(maxAbsDiff(ownerParams[i], ref.parameters()[i]), 1e-12) << i;
   }
 }
 
