@@ -16,7 +16,7 @@
 //                                          and received from worker1 per iteration (rpc::Agent::metrics),
 //                                          and cpu_ms_per_iter_worker0/worker1 (process CPU per iteration)
 // Every line carries forward_ms / backward_ms / step_ms (medians of each phase).
-// JSON lines (bench/bench_util.h). Usage: bench_dist_autograd [iters=40] [warmup=5]
+// JSON lines (bench/bench_util.h). Usage: bench_dist_autograd [iters=100] [warmup=10]   (about 10 s)
 #include <algorithm>
 #include <chrono>
 #include <csignal>
@@ -183,8 +183,8 @@ std::map<std::string, std::string> phases(const Samples& s) {
 int main(int argc, char** argv) {
   using namespace distgrad;
   using namespace distgrad::bench;
-  int iters = 40;
-  int warmup = 5;
+  int iters = 100;
+  int warmup = 10;
   if (argc > 1) iters = std::max(std::atoi(argv[1]), kChunk);
   if (argc > 2) warmup = std::max(std::atoi(argv[2]), 0);
   std::signal(SIGPIPE, SIG_IGN);
