@@ -148,8 +148,9 @@ class LocalOptimizer {
   // from being built (unresolvable RRef, a parameter the optimizer refuses), naming this worker.
   rpc::Future<int64_t> ready(const rpc::CallContext& ctx) const;
   // One step on context `contextId`'s gradients of this worker; completes with the number of parameters
-  // that had a gradient (and were updated). Runs the update on the calling thread when the optimizer is
-  // built (otherwise once it is). Errors name this worker: unknown context, the optimizer's refusal.
+  // that had a gradient (and were updated). The update runs on the calling thread when the optimizer is
+  // built and its parameters' locks are free, else on the agent's executor once they are (no thread waits
+  // meanwhile). Errors name this worker: unknown context, the optimizer's refusal.
   rpc::Future<int64_t> step(const rpc::CallContext& ctx, uint64_t contextId);
   // The same, outside a call (the DistributedOptimizer's own part).
   rpc::Future<int64_t> stepHere(rpc::Agent& agent, uint64_t contextId);
@@ -193,9 +194,9 @@ class DistributedOptimizer {
   // part on the calling thread). Throws RpcError naming the failing owner(s).
   void step(uint64_t contextId);
   void step(const autograd::distributed::DistContext& context) { step(context.id()); }
-  // The same without blocking: this worker's part runs on the calling thread before it returns (when
-  // the local optimizer is built), the remote owners' parts on their workers; the future completes when
-  // all finished.
+  // The same without blocking: this worker's part runs on the calling thread before it returns (when its
+  // parameters' locks are free; else later on the executor), the remote owners' parts on their workers;
+  // the future completes when all finished.
   rpc::Future<void> stepAsync(uint64_t contextId);
 
   const OptimizerSpec& spec() const { return spec_; }
