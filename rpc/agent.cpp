@@ -235,6 +235,8 @@ void Agent::warn(const std::string& message) const {
 void Agent::startUp() {
   executor_ = std::make_unique<Executor>(static_cast<size_t>(std::max(1, options_.executorThreads)), "dg-agent");
   timers_ = std::make_unique<TimerQueue>();
+  // Before any connection exists, so every message sees the hook (it may use the executor).
+  if (registry_.autogradHookFactory()) autogradHook_ = registry_.autogradHookFactory()(*this);
   const auto rendezvousDeadline = SteadyTime::now() + options_.rendezvousTimeout;
 
   // Rendezvous store.
@@ -800,7 +802,7 @@ void Agent::rpcRaw(const CallOptions& callOptions, const std::string& worker, co
   fields.functionName = functionName;
   fields.signatureHash = signatureHash;
   prepareCall(callOptions, fields);
-  const CodecScope scope{this, worker};
+  const CodecScope scope = sendScope(worker, activeAutogradContext());
   auto frame = encodeMessage(fields, encodeValue, &scope);
   if (!frame.ok()) {
     complete(Result<DecodedMessage>(frame.error()));
@@ -810,6 +812,27 @@ void Agent::rpcRaw(const CallOptions& callOptions, const std::string& worker, co
 }
 
 // ---- calls ----
+
+std::optional<Error> Agent::attachAutograd(DecodedMessage& message, const std::string& peer) {
+  const auto& ids = message.fields().autograd;
+  if (!ids || message.gradMetas().empty()) return std::nullopt;
+  Error error = Error::failed("");
+  if (!autogradHook_) {
+    error.message = "worker " + name_ + " received tensors that require grad inside distributed autograd context " +
+                    std::to_string(ids->contextId) + " from " + peer +
+                    " but serves no distributed autograd (call autograd::distributed::install(registry) before "
+                    "Agent::start on every worker)";
+  } else {
+    try {
+      message.attachRecvNode(autogradHook_->onReceive(*ids, peer, message.gradMetas()));
+      return std::nullopt;
+    } catch (const std::exception& e) {
+      error.message = e.what();
+    }
+  }
+  error.worker = name_;
+  return error;
+}
 
 std::chrono::milliseconds Agent::effectiveTimeout(const CallOptions& callOptions) const {
   return callOptions.timeout.count() == 0 ? options_.defaultTimeout : callOptions.timeout;
@@ -949,6 +972,10 @@ void Agent::onReply(const std::string& peer, DecodedMessage message) {
   if (!pending) return;  // it timed out or was cancelled before the reply came
   message.setScope(CodecScope{this, peer});
   if (pending->timer != kInvalidTimerId) timers_->cancel(pending->timer);
+  if (auto refused = attachAutograd(message, peer)) {
+    pending->complete(Result<DecodedMessage>(std::move(*refused)));
+    return;
+  }
   if (message.kind() == MessageKind::kError) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (Peer* peer = peerLocked(pending->peer)) peer->errors.fetch_add(1, std::memory_order_relaxed);
@@ -1019,14 +1046,16 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message) {
       }
     }
   }
-  auto reply = [this, peerName, id, fn = message.fields().functionName](Result<EncodeValueFn>&& result) {
+  // A response to a call of an autograd context belongs to it too (its grad tensors flow back).
+  const uint64_t autogradContext = message.fields().autograd ? message.fields().autograd->contextId : 0;
+  auto reply = [this, peerName, id, autogradContext, fn = message.fields().functionName](Result<EncodeValueFn>&& result) {
     EnvelopeFields fields;
     fields.messageId = id;
     fields.functionName = fn;
     Result<transport::OutgoingFrame> frame = Error::failed("unset");
     if (result.ok()) {
       fields.kind = MessageKind::kResponse;
-      const CodecScope scope{this, peerName};
+      const CodecScope scope = sendScope(peerName, autogradContext);
       frame = encodeMessage(fields, result.value(), &scope);
     }
     if (!result.ok() || !frame.ok()) {
@@ -1076,6 +1105,7 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message) {
       return reply(Result<EncodeValueFn>(std::move(error)));
     }
     message.setScope(CodecScope{this, peerName});
+    if (auto refused = attachAutograd(message, peerName)) return reply(Result<EncodeValueFn>(std::move(*refused)));
     CallContext ctx;
     ctx.agent = this;
     ctx.caller = peerName;
@@ -1084,7 +1114,11 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message) {
     ctx.messageId = fields.messageId;
     ctx.token = token;
     ctx.timeout = std::chrono::microseconds(fields.timeoutMicros);
-    Future<EncodeValueFn> result = entry->invoke(message, ctx, *executor_);
+    Future<EncodeValueFn> result = [&] {
+      // The handler's synchronous part runs inside the call's autograd context (nested calls carry it on).
+      AutogradContextScope active(fields.autograd ? fields.autograd->contextId : 0);
+      return entry->invoke(message, ctx, *executor_);
+    }();
     if (result.isReady()) {
       // A synchronous handler (or an async one that finished already): we are on an executor thread
       // inside this task, so encode and send the reply here instead of posting a continuation for it.

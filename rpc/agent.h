@@ -37,6 +37,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "rpc/autograd_hook.h"
 #include "rpc/cancellation.h"
 #include "rpc/codec.h"
 #include "rpc/detail/move_only_function.h"
@@ -124,6 +125,7 @@ class Agent {
 
   const std::string& name() const { return name_; }
   int rank() const { return options_.rank; }
+  const Options& options() const { return options_; }
   int worldSize() const { return options_.worldSize; }
   std::vector<std::string> workerNames() const;
   // The store this agent uses ("host:port"); useful when rank 0 hosted it on port 0.
@@ -142,7 +144,7 @@ class Agent {
     fields.signatureHash = fn.hash();
     // Converting to the declared parameter types first makes the wire type the declared one.
     prepareCall(callOptions, fields);
-    const CodecScope scope{this, worker};
+    const CodecScope scope = sendScope(worker, activeAutogradContext());
     auto frame = encodeCallIn(&scope, fields, asParam<Params>(std::forward<A>(args))...);
     std::string signature = fn.signature();
     Completion complete = [promise = std::move(promise), signature](Result<DecodedMessage>&& reply) mutable {
@@ -240,6 +242,19 @@ class Agent {
     }
   }
   void prepareCall(const CallOptions& callOptions, EnvelopeFields& fields) const;
+  // The CodecScope of a message to `peer`; inside distributed autograd context `autogradContext` (0: none)
+  // when this agent has an AutogradHook.
+  CodecScope sendScope(const std::string& peer, uint64_t autogradContext) {
+    CodecScope scope{this, peer};
+    if (autogradHook_ && autogradContext != 0) {
+      scope.autogradContext = autogradContext;
+      scope.autogradHook = autogradHook_.get();
+    }
+    return scope;
+  }
+  // A received call or response from `peer` inside an autograd context that carries grad tensors: hangs
+  // them from the RecvBackward node the hook makes. An Error when this agent cannot (no hook, refused).
+  std::optional<Error> attachAutograd(DecodedMessage& message, const std::string& peer);
   std::chrono::milliseconds effectiveTimeout(const CallOptions& callOptions) const;
   void startUp();
   void startCall(const CallOptions& callOptions, const std::string& worker, const EnvelopeFields& fields,
@@ -310,6 +325,8 @@ class Agent {
   std::string storeAddress_;
   transport::PayloadAllocator allocator_;
   std::atomic<uint64_t> nextMessageId_{1};
+  // Set in startUp before any message moves, read-only afterwards (rpc/autograd_hook.h).
+  std::shared_ptr<AutogradHook> autogradHook_;
 
   mutable std::mutex mutex_;
   std::condition_variable changed_;

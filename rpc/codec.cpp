@@ -3,6 +3,8 @@
 #include <cmath>
 #include <cstring>
 
+#include "autograd/grad_mode.h"
+
 namespace distgrad::rpc {
 
 namespace {
@@ -23,6 +25,10 @@ std::string shapeText(capnp::List<int64_t>::Reader shape) {
 }
 
 }  // namespace
+
+EncodeContext::EncodeContext(CodecScope scope)
+    : recordsGrad_(scope.autogradHook != nullptr && scope.autogradContext != 0 && autograd::isGradEnabled()),
+      scope_(std::move(scope)) {}
 
 uint32_t EncodeContext::addPayload(transport::SendBuffer buffer) {
   payloads_.push_back(std::move(buffer));
@@ -74,7 +80,18 @@ Tensor DecodeContext::takeTensor(wire::TensorDesc::Reader desc) {
     if (payload.size > 0) std::memcpy(storage.data(), payload.data, payload.size);
   }
   Shape strides = tensor::contiguousStrides(layout.shape);
-  return Tensor::fromStorage(std::move(storage), layout.shape, strides, 0, layout.dtype);
+  Tensor out = Tensor::fromStorage(std::move(storage), layout.shape, strides, 0, layout.dtype);
+  if (layout.requiresGrad && scope_.recvNode && scope_.gradIndexOfPayload) {
+    // Distributed autograd: the tensor is an output of the message's RecvBackward node (rpc/autograd_hook.h).
+    const int32_t output = scope_.gradIndexOfPayload->at(layout.payloadIndex);
+    DG_ASSERT(output >= 0, "payload ", layout.payloadIndex, " requires grad but has no RecvBackward output");
+    auto& meta = out.ensureAutogradMeta();
+    meta.requiresGrad = true;
+    meta.gradFn = scope_.recvNode;
+    meta.outputNr = static_cast<uint32_t>(output);
+    scope_.recvNode->outputs().at(static_cast<size_t>(output)) = out.implPtr();
+  }
+  return out;
 }
 
 void DecodeContext::finish() const {
@@ -148,6 +165,11 @@ void encodeTensor(wire::Value::Builder out, const Tensor& tensor, EncodeContext&
   desc.setDeviceType(static_cast<uint8_t>(tensor::DeviceType::kCPU));
   desc.setDeviceIndex(-1);
   desc.setByteLength(nbytes);
+  if (ctx.recordsGrad() && tensor.requiresGrad() && tensor::isFloatingPoint(tensor.dtype())) {
+    // The edge of the SendBackward node goes to the caller's tensor (not the compacted copy).
+    desc.setRequiresGrad(true);
+    ctx.addGradTensor(tensor);
+  }
   // The SendBuffer's owner keeps the storage alive until the transport is done with the bytes.
   auto owner = std::make_shared<const tensor::Storage>(src.storage());
   desc.setPayloadIndex(ctx.addPayload(transport::SendBuffer{nbytes > 0 ? src.rawData() : nullptr, nbytes, owner}));
@@ -210,6 +232,11 @@ TensorLayout checkTensorDesc(wire::TensorDesc::Reader desc, size_t payloadCount)
   }
   layout.payloadIndex = desc.getPayloadIndex();
   layout.byteLength = bytes;
+  layout.requiresGrad = desc.getRequiresGrad();
+  if (layout.requiresGrad && !tensor::isFloatingPoint(layout.dtype)) {
+    throw CodecError(std::string("tensor descriptor requires grad for dtype ") + dtypeName(layout.dtype) +
+                     " (only floating-point tensors carry gradients)");
+  }
   return layout;
 }
 

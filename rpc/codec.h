@@ -47,6 +47,7 @@
 
 #include "rpc/error.h"
 #include "rpc/schema/envelope.capnp.h"
+#include "autograd/node.h"
 #include "rpc/transport/transport.h"
 #include "tensor/tensor.h"
 
@@ -70,21 +71,29 @@ struct RRefId {
 };
 
 class Agent;
+class AutogradHook;
 
 // Which agent encodes or decodes a message and the worker at the other end (the callee of a call, the
 // caller of a reply; the sender of a received message). Codecs of values that stand for per-worker state
 // (rref::RRef<T>) need both: an RRef is registered with the agent's reference table and forked to `peer`.
 // Empty (agent == nullptr) outside an agent (tests, tools): such codecs then refuse to run.
+// Distributed autograd (rpc/autograd_hook.h) adds the rest: on the sending side the context the message
+// belongs to and the hook that records it; on the receiving side the RecvBackward node received grad tensors
+// hang from and, per payload, the output of that node it feeds (-1: none).
 struct CodecScope {
   Agent* agent = nullptr;
   std::string peer;
+  uint64_t autogradContext = 0;
+  AutogradHook* autogradHook = nullptr;
+  std::shared_ptr<autograd::Node> recvNode = nullptr;
+  std::shared_ptr<const std::vector<int32_t>> gradIndexOfPayload = nullptr;
 };
 
 // Collects the payload buffers of one message while its value tree is encoded.
 class EncodeContext {
  public:
   EncodeContext() = default;
-  explicit EncodeContext(CodecScope scope) : scope_(std::move(scope)) {}
+  explicit EncodeContext(CodecScope scope);
   const CodecScope& scope() const { return scope_; }
   // Appends a payload; returns its index.
   uint32_t addPayload(transport::SendBuffer buffer);
@@ -93,9 +102,15 @@ class EncodeContext {
   // Nesting guard for recursive user types (a struct holding a vector of itself).
   void enter();
   void leave() { --depth_; }
+  // Whether tensors that require grad are recorded (a message of an autograd context, grad mode on).
+  bool recordsGrad() const { return recordsGrad_; }
+  void addGradTensor(const Tensor& t) { gradTensors_.push_back(t); }
+  const std::vector<Tensor>& gradTensors() const { return gradTensors_; }
 
  private:
   std::vector<transport::SendBuffer> payloads_;
+  std::vector<Tensor> gradTensors_;
+  bool recordsGrad_ = false;
   int depth_ = 0;
   CodecScope scope_;
 };
@@ -149,6 +164,7 @@ struct TensorLayout {
   Shape shape;
   uint32_t payloadIndex = 0;
   uint64_t byteLength = 0;
+  bool requiresGrad = false;
 };
 // Throws CodecError naming the offending field unless the descriptor is valid for a frame with
 // `payloadCount` payloads.

@@ -1,5 +1,9 @@
 #include "rpc/message.h"
 
+#include "rpc/autograd_hook.h"
+
+#include <algorithm>
+
 #include <capnp/message.h>
 #include <capnp/serialize.h>
 #include <kj/array.h>
@@ -63,8 +67,10 @@ void openEnvelope(EnvelopeReader& out, std::span<const uint8_t> bytes, const Dec
 }
 
 // Checks everything in the envelope that does not depend on the payloads' contents; payloadSizes are
-// the frame's. Throws CodecError or kj::Exception.
-void checkEnvelope(wire::Envelope::Reader env, std::span<const uint64_t> payloadSizes, const DecodeLimits& limits) {
+// the frame's. Throws CodecError or kj::Exception. `gradLayouts` (optional) receives the tensors that
+// require grad, in payload order.
+void checkEnvelope(wire::Envelope::Reader env, std::span<const uint64_t> payloadSizes, const DecodeLimits& limits,
+                   std::vector<detail::TensorLayout>* gradLayouts = nullptr) {
   const auto kind = static_cast<unsigned>(env.getKind());
   if (kind >= kNumMessageKinds) throw CodecError("unknown message kind " + std::to_string(kind));
   if (env.getPayloadCount() != payloadSizes.size()) {
@@ -87,6 +93,13 @@ void checkEnvelope(wire::Envelope::Reader env, std::span<const uint64_t> payload
       throw CodecError("tensor payload " + std::to_string(layout.payloadIndex) + " is referenced twice");
     }
     referenced[layout.payloadIndex] = true;
+    if (layout.requiresGrad) {
+      if (!env.getHasAutogradContext()) {
+        throw CodecError("tensor payload " + std::to_string(layout.payloadIndex) +
+                         " requires grad but the message belongs to no autograd context");
+      }
+      if (gradLayouts) gradLayouts->push_back(layout);
+    }
     if (payloadSizes[layout.payloadIndex] != layout.byteLength) {
       throw CodecError("tensor payload " + std::to_string(layout.payloadIndex) + " has " +
                        std::to_string(payloadSizes[layout.payloadIndex]) + " bytes, its descriptor says " +
@@ -136,6 +149,15 @@ Result<transport::OutgoingFrame> encodeMessage(const EnvelopeFields& fields, con
     } else {
       value.setNull();
     }
+    if (scope != nullptr && scope->autogradHook != nullptr && scope->autogradContext != 0) {
+      // Distributed autograd (rpc/autograd_hook.h): the hook records the send (and its grad tensors).
+      DG_ASSERT(!fields.autograd, "a message with explicit autograd ids was encoded inside a context");
+      const uint64_t autogradMessageId =
+          scope->autogradHook->onSend(scope->autogradContext, scope->peer, ctx.gradTensors());
+      env.setHasAutogradContext(true);
+      env.setAutogradContextId(scope->autogradContext);
+      env.setAutogradMessageId(autogradMessageId);
+    }
     transport::OutgoingFrame frame;
     frame.payloads = ctx.takePayloads();
     env.setPayloadCount(static_cast<uint32_t>(frame.payloads.size()));
@@ -154,6 +176,10 @@ struct DecodedMessage::State {
   EnvelopeReader envelope;
   std::vector<transport::PayloadBuffer> payloads;
   DecodeLimits limits;
+  // Distributed autograd: the received tensors that require grad (payload order) and, per payload, its
+  // index among them (-1: none); null when there are none.
+  std::vector<autograd::TensorMeta> gradMetas;
+  std::shared_ptr<const std::vector<int32_t>> gradIndexOfPayload;
 };
 
 DecodedMessage::DecodedMessage(std::shared_ptr<State> state) : state_(std::move(state)) {}
@@ -198,6 +224,13 @@ Result<std::shared_ptr<capnp::MessageReader>> DecodedMessage::openReader() const
 
 const std::vector<transport::PayloadBuffer>& DecodedMessage::payloads() const { return state_->payloads; }
 
+const std::vector<autograd::TensorMeta>& DecodedMessage::gradMetas() const { return state_->gradMetas; }
+
+void DecodedMessage::attachRecvNode(std::shared_ptr<autograd::Node> node) {
+  scope_.recvNode = std::move(node);
+  scope_.gradIndexOfPayload = scope_.recvNode ? state_->gradIndexOfPayload : nullptr;
+}
+
 Result<DecodedMessage> decodeMessage(transport::IncomingFrame frame, const DecodeLimits& limits) {
   return detail::guard("malformed message", [&] {
     auto state = std::make_shared<DecodedMessage::State>();
@@ -212,7 +245,18 @@ Result<DecodedMessage> decodeMessage(transport::IncomingFrame frame, const Decod
       if (payload.size > 0 && payload.data == nullptr) throw CodecError("payload without memory");
       sizes.push_back(payload.size);
     }
-    checkEnvelope(env, sizes, limits);
+    std::vector<detail::TensorLayout> gradLayouts;
+    checkEnvelope(env, sizes, limits, &gradLayouts);
+    if (!gradLayouts.empty()) {
+      std::sort(gradLayouts.begin(), gradLayouts.end(),
+                [](const auto& a, const auto& b) { return a.payloadIndex < b.payloadIndex; });
+      auto index = std::make_shared<std::vector<int32_t>>(state->payloads.size(), -1);
+      for (size_t i = 0; i < gradLayouts.size(); ++i) {
+        (*index)[gradLayouts[i].payloadIndex] = static_cast<int32_t>(i);
+        state->gradMetas.push_back(autograd::TensorMeta{gradLayouts[i].shape, gradLayouts[i].dtype, Device::cpu()});
+      }
+      state->gradIndexOfPayload = std::move(index);
+    }
 
     EnvelopeFields fields;
     fields.messageId = env.getMessageId();

@@ -122,6 +122,10 @@ class DecodedMessage {
   // Cap'n Proto traversal budget and may throw kj::Exception; prefer decodeValue, which cannot.
   wire::Value::Reader value() const;
   const std::vector<transport::PayloadBuffer>& payloads() const;
+  // Distributed autograd: shape/dtype of the received tensors that require grad, in payload order (empty
+  // when none do), and the RecvBackward node they become outputs of when decoded (rpc/autograd_hook.h).
+  const std::vector<autograd::TensorMeta>& gradMetas() const;
+  void attachRecvNode(std::shared_ptr<autograd::Node> node);
 
   // Decodes the value as T. Tensors wrap the payload buffers (no copy). May be called more than once
   // (each call wraps the same buffers again).

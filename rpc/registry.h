@@ -38,6 +38,9 @@
 
 namespace distgrad::rpc {
 
+class Agent;
+class AutogradHook;
+
 // One bound function, type-erased: invoke() decodes the arguments, runs the handler (on the calling
 // executor thread) and returns a future of the result's encoder.
 struct BoundFunction {
@@ -101,6 +104,12 @@ class Registry {
   Result<std::shared_ptr<const ClassEntry>> resolveClass(const std::string& name, const std::string& worker) const;
   std::vector<std::string> classNames() const;
 
+  // Distributed autograd (rpc/autograd_hook.h): `make` runs once in Agent::start, before the agent talks to
+  // anyone, and gives the agent its AutogradHook. autograd::distributed::install(registry) sets it.
+  using AutogradHookFactory = std::function<std::shared_ptr<AutogradHook>(Agent&)>;
+  void setAutogradHook(AutogradHookFactory make) { autogradHook_ = std::move(make); }
+  const AutogradHookFactory& autogradHookFactory() const { return autogradHook_; }
+
  private:
   template <typename T>
   friend class ClassBinder;
@@ -109,6 +118,7 @@ class Registry {
 
   std::map<std::string, std::shared_ptr<const BoundFunction>> functions_;
   std::map<std::string, std::shared_ptr<const ClassEntry>> classes_;
+  AutogradHookFactory autogradHook_;
 };
 
 // Adds constructors to a class bound with Registry::bindClass. Valid while its Registry lives.

@@ -105,6 +105,9 @@ struct TensorDesc {
   deviceIndex @4 :Int16;
   payloadIndex @5 :UInt32;
   byteLength @6 :UInt64;      # == product(shape) * itemSize(dtype) == the payload's size
+  # Distributed autograd: the sender's tensor requires grad (only in a message with an autograd context,
+  # floating dtypes only); the receiver's copy hangs from the message's RecvBackward node.
+  requiresGrad @7 :Bool;
 }
 
 # Globally unique id of a remote reference (issue 4): the owner's worker id and its local counter.

@@ -1,0 +1,764 @@
+#include "autograd/distributed/state.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+
+#include "autograd/grad_mode.h"
+#include "autograd/ops.h"
+
+namespace distgrad::autograd::distributed {
+
+namespace {
+
+constexpr const char* kExtensionKey = "dg.dist_autograd";
+constexpr uint64_t kCounterBits = 48;
+constexpr uint64_t kCounterMask = (uint64_t{1} << kCounterBits) - 1;
+// Released context ids remembered so late messages cannot revive them.
+constexpr size_t kReleasedMemory = 1 << 16;
+
+uint64_t makeId(uint64_t rank, std::atomic<uint64_t>& counter) {
+  const uint64_t n = counter.fetch_add(1, std::memory_order_relaxed);
+  DG_CHECK(n <= kCounterMask, "distributed autograd: id counter exhausted (2^48 ids)");
+  return (rank << kCounterBits) | n;
+}
+
+std::string hex(uint64_t id) {
+  char buffer[32];
+  std::snprintf(buffer, sizeof buffer, "%llx", static_cast<unsigned long long>(id));
+  return buffer;
+}
+
+}  // namespace
+
+// Note [Distributed backward] (docs/dist_autograd.md has the full protocol)
+// The forward leaves, per context and worker, SendBackward nodes (keyed by autograd message id) and
+// RecvBackward nodes. A backward pass (id chosen by the root) runs one GraphTask per worker whose starts
+// are the roots (on the root) and the sends expected to receive a gradient: every send of the context in
+// FAST mode, the sends discovered in EXACT mode. Running a RecvBackward sends its gradients to the
+// sender's SendBackward (kPropagate). Completion: the root's pass completes when its task is done and all
+// its kPropagate calls have completed; a worker answers the FIRST kPropagate of a pass only when its own
+// pass is complete in that sense, later ones at once (their work is covered by the first), so the root's
+// completion implies every worker's (Dijkstra-Scholten: the first messages form a tree rooted at the root).
+// Cycles (A->B->A) cannot deadlock: the root's task exists before any gradient arrives back, so such
+// arrivals are "later" ones.
+// Errors travel back the same way (a failed node fails its worker's pass, which fails the caller's
+// kPropagate); the root then tells every worker to abort (kControl/kAbort, forwarded once per worker).
+//
+// Note [Exact discovery]
+// Before gradients flow, the root walks its graph from the roots; each RecvBackward it reaches means the
+// matching send on the peer will receive a gradient. kDiscover tells that peer, which walks on from those
+// sends, and so on; each kDiscover completes when the sub-walks it caused have completed, and a worker
+// walks each node at most once per pass, so discovery terminates (the forward is a DAG over time). After
+// it, each worker knows exactly which of its sends get a gradient, and its GraphTask waits for those only.
+
+SendBackward::SendBackward(uint64_t messageId, std::string peer)
+    : Node("SendBackward"), messageId(messageId), peer(std::move(peer)) {}
+
+RecvBackward::RecvBackward(uint64_t contextId, uint64_t messageId, std::string peer)
+    : Node("RecvBackward"), contextId(contextId), messageId(messageId), peer(std::move(peer)) {}
+
+std::vector<Tensor> RecvBackward::apply(std::vector<Tensor>&&) {
+  throw ValueError("a local backward reached a tensor received from " + peer +
+                   " inside distributed autograd context " + std::to_string(contextId) +
+                   ": run the backward with DistContext::backward of that context");
+}
+
+struct DistAutogradState::Pass {
+  uint64_t id = 0;
+  BackwardMode mode = BackwardMode::kExact;
+  bool retainGraph = false;
+  bool isRoot = false;
+  Clock::time_point deadline = Clock::time_point::max();
+  // EXACT: sends that receive a gradient, and nodes already walked by discovery.
+  std::unordered_set<uint64_t> activeSends;
+  std::unordered_set<Node*> walked;
+  // Root only.
+  std::vector<Edge> roots;
+  std::vector<Tensor> rootGrads;
+  rpc::TimerId timer = rpc::kInvalidTimerId;
+  std::optional<rpc::CancellationRegistration> cancelRegistration;
+
+  std::unique_ptr<GraphTask> task;
+  bool running = false;     // a thread is draining the task
+  size_t outstanding = 0;   // kPropagate calls not yet answered
+  bool finished = false;
+  std::optional<rpc::Error> error;
+  std::vector<rpc::Promise<void>> waiters;
+
+  bool busy() const { return task != nullptr && !finished; }
+};
+
+struct DistAutogradState::Context {
+  explicit Context(uint64_t id) : id(id) {}
+  const uint64_t id;
+  std::mutex mutex;
+  std::unordered_map<uint64_t, std::shared_ptr<SendBackward>> sends;  // GUARDED_BY(mutex)
+  std::unordered_map<uint64_t, std::shared_ptr<RecvBackward>> recvs;  // GUARDED_BY(mutex)
+  std::set<std::string> peers;    // GUARDED_BY(mutex): workers it exchanged messages with
+  std::shared_ptr<Pass> pass;     // GUARDED_BY(mutex): the latest pass on this worker
+  uint64_t abortedPass = 0;       // GUARDED_BY(mutex): last pass an abort was forwarded for
+  bool released = false;          // GUARDED_BY(mutex)
+
+  std::mutex gradMutex;
+  std::unordered_map<const tensor::TensorImpl*, std::pair<Tensor, Tensor>> grads;  // GUARDED_BY(gradMutex)
+
+  void accumulate(const Tensor& leaf, Tensor grad) {
+    std::lock_guard<std::mutex> lock(gradMutex);
+    auto [it, fresh] = grads.try_emplace(leaf.implPtr().get(), leaf, Tensor());
+    if (fresh) {
+      // Keep the incoming buffer when nobody else can see it; otherwise a private copy, so an optimizer
+      // that updates gradients in place never writes into another tensor (as AccumulateGrad does).
+      const bool exclusive = grad.implPtr().use_count() == 1 && grad.storage().useCount() == 1 && grad.isContiguous();
+      it->second.second = exclusive ? std::move(grad) : grad.cloneData();
+    } else {
+      NoGradGuard noGrad;
+      it->second.second = add(it->second.second, grad).detach();
+    }
+  }
+};
+
+// ---- lifetime and the context table ----
+
+std::shared_ptr<DistAutogradState> DistAutogradState::of(rpc::Agent& agent) {
+  auto extension = agent.extension(kExtensionKey, [](rpc::Agent& a) -> std::shared_ptr<rpc::AgentExtension> {
+    throw ValueError("distributed autograd is not installed on worker " + a.name() +
+                     ": call autograd::distributed::install(registry) before Agent::start");
+  });
+  return std::static_pointer_cast<DistAutogradState>(extension);
+}
+
+DistAutogradState::DistAutogradState(rpc::Agent& agent)
+    : name_(agent.name()),
+      rank_(static_cast<uint64_t>(agent.rank())),
+      executor_(&agent.executor()),
+      defaultTimeout_(agent.options().defaultTimeout),
+      agent_(&agent) {
+  DG_CHECK(agent.rank() >= 0 && agent.rank() < (1 << 16), "distributed autograd supports ranks below 65536, got ",
+           agent.rank());
+}
+
+DistAutogradState::~DistAutogradState() {
+  std::lock_guard<std::mutex> lock(timerMutex_);
+  if (timers_) timers_->shutdown();
+}
+
+uint64_t DistAutogradState::createContext() {
+  {
+    std::lock_guard<std::mutex> lock(agentMutex_);
+    DG_CHECK(agent_ != nullptr, "DistContext: worker ", name_, " is shut down");
+  }
+  const uint64_t id = makeId(rank_, nextContext_);
+  std::lock_guard<std::mutex> lock(mutex_);
+  contexts_.emplace(id, std::make_shared<Context>(id));
+  return id;
+}
+
+void DistAutogradState::throwReleased(uint64_t contextId) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  throwUnknown(contextId);
+}
+
+void DistAutogradState::throwUnknown(uint64_t contextId) const {
+  auto it = released_.find(contextId);
+  if (it != released_.end()) {
+    if (it->second) throw rpc::RpcError(*it->second);
+    throw ValueError("distributed autograd context " + std::to_string(contextId) + " was released on worker " + name_);
+  }
+  throw ValueError("worker " + name_ + " does not know distributed autograd context " + std::to_string(contextId));
+}
+
+std::shared_ptr<DistAutogradState::Context> DistAutogradState::find(uint64_t contextId, bool join) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = contexts_.find(contextId);
+  if (it != contexts_.end()) return it->second;
+  // A context created elsewhere is joined on first contact; one created here is never re-created.
+  if (!join || (contextId >> kCounterBits) == rank_ || released_.count(contextId)) throwUnknown(contextId);
+  return contexts_.emplace(contextId, std::make_shared<Context>(contextId)).first->second;
+}
+
+void DistAutogradState::releaseContext(uint64_t contextId, const std::string& from, std::optional<rpc::Error> reason,
+                                       bool forward) {
+  std::shared_ptr<Context> ctx;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = contexts_.find(contextId);
+    if (it != contexts_.end()) {
+      ctx = std::move(it->second);
+      contexts_.erase(it);
+    }
+    if (released_.emplace(contextId, reason).second) {
+      releasedOrder_.push_back(contextId);
+      if (releasedOrder_.size() > kReleasedMemory) {
+        released_.erase(releasedOrder_.front());
+        releasedOrder_.pop_front();
+      }
+    }
+  }
+  if (!ctx) return;
+  std::set<std::string> peers;
+  std::unordered_map<uint64_t, std::shared_ptr<SendBackward>> sends;
+  std::unordered_map<uint64_t, std::shared_ptr<RecvBackward>> recvs;
+  std::shared_ptr<Pass> pass;
+  {
+    std::lock_guard<std::mutex> lock(ctx->mutex);
+    ctx->released = true;
+    peers = ctx->peers;
+    sends.swap(ctx->sends);  // the graphs are freed outside the lock
+    recvs.swap(ctx->recvs);
+    pass = ctx->pass;
+    if (pass && !pass->finished) {
+      failPass(*ctx, *pass, reason ? *reason
+                                   : localError(rpc::ErrorKind::kCancelled,
+                                                "distributed autograd context " + std::to_string(contextId) +
+                                                    " was released during its backward pass"));
+    }
+  }
+  if (forward) {
+    ControlRequest request;
+    request.kind = static_cast<uint8_t>(ControlKind::kRelease);
+    request.contextId = contextId;
+    broadcast(peers, from, request);
+  }
+}
+
+Gradients DistAutogradState::gradients(uint64_t contextId) {
+  auto ctx = find(contextId, false);
+  Gradients out;
+  std::lock_guard<std::mutex> lock(ctx->gradMutex);
+  out.items_.reserve(ctx->grads.size());
+  for (const auto& [impl, entry] : ctx->grads) out.items_.push_back(entry);
+  return out;
+}
+
+size_t DistAutogradState::liveContexts() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return contexts_.size();
+}
+
+// ---- the forward: rpc::AutogradHook ----
+
+uint64_t DistAutogradState::onSend(uint64_t contextId, const std::string& peer, const std::vector<Tensor>& gradTensors) {
+  auto ctx = find(contextId, true);
+  const uint64_t messageId = makeId(rank_, nextMessage_);
+  std::shared_ptr<SendBackward> node;
+  if (!gradTensors.empty()) {
+    node = std::make_shared<SendBackward>(messageId, peer);
+    for (const auto& t : gradTensors) {
+      node->nextEdges().push_back(gradientEdge(t));
+      node->inputMeta().push_back(TensorMeta::of(t));
+      node->outputMeta().push_back(TensorMeta::of(t));
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(ctx->mutex);
+    if (!ctx->released) {
+      if (peer != name_) ctx->peers.insert(peer);
+      if (node) ctx->sends.emplace(messageId, std::move(node));
+      return messageId;
+    }
+  }
+  throwReleased(contextId);
+}
+
+std::shared_ptr<Node> DistAutogradState::onReceive(const rpc::AutogradIds& ids, const std::string& peer,
+                                                   std::vector<TensorMeta> gradMetas) {
+  auto ctx = find(ids.contextId, true);
+  std::unique_lock<std::mutex> lock(ctx->mutex);
+  if (ctx->released) {
+    lock.unlock();
+    throwReleased(ids.contextId);
+  }
+  if (peer != name_) ctx->peers.insert(peer);
+  if (gradMetas.empty()) return nullptr;
+  auto [it, fresh] = ctx->recvs.try_emplace(ids.messageId);
+  if (!fresh) {
+    throw ValueError("worker " + peer + " reused autograd message id " + hex(ids.messageId) + " in context " +
+                     std::to_string(ids.contextId));
+  }
+  auto node = std::make_shared<RecvBackward>(ids.contextId, ids.messageId, peer);
+  node->outputs().resize(gradMetas.size());
+  node->outputMeta() = std::move(gradMetas);
+  it->second = node;
+  return node;
+}
+
+// ---- the backward ----
+
+std::chrono::milliseconds DistAutogradState::remaining(const Pass& pass) const {
+  if (pass.deadline == Clock::time_point::max()) return std::chrono::milliseconds(-1);
+  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(pass.deadline - Clock::now());
+  // The pass's own deadline (the root's timer) decides, with its clearer message; the calls it makes
+  // expire a little later, so they only matter when that timer cannot fire (a worker's view of the pass).
+  const auto grace = std::max(std::chrono::milliseconds(50), left / 10);
+  return std::max(left, std::chrono::milliseconds(1)) + grace;
+}
+
+rpc::Error DistAutogradState::localError(rpc::ErrorKind kind, const std::string& message) const {
+  rpc::Error error{kind, message, name_, {}};
+  return error;
+}
+
+std::shared_ptr<DistAutogradState::Pass> DistAutogradState::passFor(Context& ctx, uint64_t passId, BackwardMode mode,
+                                                                    bool retainGraph, Clock::time_point deadline) {
+  if (ctx.pass && ctx.pass->id == passId) return ctx.pass;
+  if (ctx.pass && ctx.pass->busy()) {
+    throw rpc::RpcError(localError(rpc::ErrorKind::kFailed,
+                                   "another backward pass is still running in distributed autograd context " +
+                                       std::to_string(ctx.id) + " on worker " + name_));
+  }
+  auto pass = std::make_shared<Pass>();
+  pass->id = passId;
+  pass->mode = mode;
+  pass->retainGraph = retainGraph;
+  pass->deadline = deadline;
+  ctx.pass = pass;
+  return pass;
+}
+
+rpc::Future<void> DistAutogradState::backward(uint64_t contextId, const std::vector<Tensor>& roots,
+                                              const std::vector<Tensor>& grads, const BackwardOptions& options,
+                                              bool drainHere) {
+  DG_CHECK(!roots.empty(), "distributed backward: no roots given");
+  DG_CHECK(grads.empty() || grads.size() == roots.size(), "distributed backward: ", roots.size(), " roots but ",
+           grads.size(), " gradients");
+  std::vector<Edge> edges;
+  std::vector<Tensor> rootGrads;
+  for (size_t i = 0; i < roots.size(); ++i) {
+    const Tensor& r = roots[i];
+    DG_CHECK(r.defined() && r.requiresGrad(), "distributed backward: root ", i, " does not require grad");
+    if (grads.empty()) {
+      DG_CHECK(r.numel() == 1, "distributed backward: root ", i, " has shape ", tensor::shapeStr(r.shape()),
+               "; an implicit gradient needs a one-element tensor (pass explicit gradients)");
+      rootGrads.push_back(Tensor::ones(r.shape(), r.dtype(), r.device()));
+    } else {
+      DG_CHECK(grads[i].defined() && grads[i].shape() == r.shape() && grads[i].dtype() == r.dtype(),
+               "distributed backward: gradient ", i, " must be a ", dtypeName(r.dtype()), " tensor of shape ",
+               tensor::shapeStr(r.shape()));
+      rootGrads.push_back(grads[i]);
+    }
+    edges.push_back(gradientEdge(r));
+  }
+  const auto timeout = options.timeout.count() == 0 ? defaultTimeout_ : options.timeout;
+  const auto deadline = timeout.count() > 0 ? Clock::now() + timeout : Clock::time_point::max();
+
+  auto ctx = find(contextId, false);
+  std::unique_lock<std::mutex> lock(ctx->mutex);
+  if (ctx->pass && ctx->pass->busy()) {
+    throw ValueError("distributed backward: another backward pass is running in context " + std::to_string(contextId));
+  }
+  auto pass = passFor(*ctx, makeId(rank_, nextPass_), options.mode, options.retainGraph, deadline);
+  pass->isRoot = true;
+  pass->roots = edges;
+  pass->rootGrads = std::move(rootGrads);
+  rpc::Promise<void> promise(*executor_);
+  rpc::Future<void> done = promise.getFuture();
+  pass->waiters.push_back(std::move(promise));
+
+  std::weak_ptr<DistAutogradState> weak = weak_from_this();
+  auto abortWith = [weak, ctx, pass](rpc::Error error) {
+    auto self = weak.lock();
+    if (!self) return;
+    std::lock_guard<std::mutex> l(ctx->mutex);
+    if (!pass->finished) self->failPass(*ctx, *pass, std::move(error));
+  };
+  if (deadline != Clock::time_point::max()) {
+    std::string detail = options.mode == BackwardMode::kFast
+                             ? " (FAST mode waits for a gradient for every send of the context; a send whose "
+                               "result no root uses never receives one: BackwardMode::kExact does not wait for it)"
+                             : "";
+    rpc::Error error = localError(rpc::ErrorKind::kTimeout,
+                                  "distributed backward of context " + std::to_string(contextId) + " (" +
+                                      backwardModeName(options.mode) + " mode) did not finish within " +
+                                      std::to_string(timeout.count()) + " ms" + detail);
+    std::lock_guard<std::mutex> l(timerMutex_);
+    if (!timers_) timers_ = std::make_unique<rpc::TimerQueue>();
+    pass->timer = timers_->schedule(deadline, [abortWith, error] { abortWith(error); });
+  }
+
+  rpc::Future<void> discovered = [&] {
+    if (options.mode == BackwardMode::kFast) return rpc::makeReadyFuture(*executor_);
+    std::vector<Node*> starts;
+    for (const auto& e : edges) starts.push_back(e.fn.get());
+    return discover(ctx, pass, std::move(starts), lock);
+  }();
+  lock.unlock();
+  // Registered outside the lock (a token cancelled already runs the callback inline); the callback only
+  // posts the abort, so dropping the registration never waits on a callback that waits on our locks.
+  auto registration = options.cancel.onCancel([abortWith, this](const rpc::Error& reason) {
+    rpc::Error error = localError(rpc::ErrorKind::kCancelled, "distributed backward cancelled: " + reason.message);
+    (void)executor_->post([abortWith, error] { abortWith(error); });
+  });
+  {
+    std::lock_guard<std::mutex> l(ctx->mutex);
+    pass->cancelRegistration.emplace(std::move(registration));
+  }
+  if (drainHere) {
+    auto result = discovered.result();
+    if (!result.ok()) {
+      std::lock_guard<std::mutex> l(ctx->mutex);
+      if (!pass->finished) failPass(*ctx, *pass, result.error());
+    } else {
+      startGradients(ctx, pass);
+    }
+  } else {
+    (void)std::move(discovered).then([weak, ctx, pass](rpc::Result<void>&& result) {
+      auto self = weak.lock();
+      if (!self) return;
+      if (!result.ok()) {
+        std::lock_guard<std::mutex> l(ctx->mutex);
+        if (!pass->finished) self->failPass(*ctx, *pass, result.error());
+      } else {
+        self->startGradients(ctx, pass);
+      }
+    });
+  }
+  return done;
+}
+
+rpc::Future<void> DistAutogradState::discover(const std::shared_ptr<Context>& ctx, const std::shared_ptr<Pass>& pass,
+                                              std::vector<Node*> starts, std::unique_lock<std::mutex>& lock) {
+  // Note [Exact discovery]. Own sends behind self-received messages are activated here at once.
+  std::map<std::string, std::vector<uint64_t>> byPeer;
+  while (!starts.empty()) {
+    Node* node = starts.back();
+    starts.pop_back();
+    if (node == nullptr || !pass->walked.insert(node).second) continue;
+    if (auto* recv = dynamic_cast<RecvBackward*>(node)) {
+      if (recv->peer != name_) {
+        byPeer[recv->peer].push_back(recv->messageId);
+      } else if (auto it = ctx->sends.find(recv->messageId); it != ctx->sends.end()) {
+        if (pass->activeSends.insert(recv->messageId).second) starts.push_back(it->second.get());
+      }
+      continue;
+    }
+    for (const auto& e : node->nextEdges()) {
+      if (e.valid()) starts.push_back(e.fn.get());
+    }
+  }
+  if (byPeer.empty()) return rpc::makeReadyFuture(*executor_);
+  std::vector<rpc::Future<void>> calls;
+  const auto timeout = remaining(*pass);
+  const uint64_t passId = pass->id;
+  const bool retain = pass->retainGraph;
+  lock.unlock();
+  for (auto& [peer, ids] : byPeer) {
+    DiscoverRequest request;
+    request.contextId = ctx->id;
+    request.passId = passId;
+    request.retainGraph = retain;
+    request.messageIds = std::move(ids);
+    calls.push_back(call(peer, kDiscover, request, timeout));
+  }
+  lock.lock();
+  return rpc::whenAll(std::move(calls)).then([](std::vector<rpc::Result<void>>&& results) -> rpc::Result<void> {
+    for (auto& r : results) {
+      if (!r.ok()) return r.error();
+    }
+    return {};
+  });
+}
+
+rpc::Future<void> DistAutogradState::onDiscover(DiscoverRequest request, const rpc::CallContext& call) {
+  auto ctx = find(request.contextId, false);
+  std::unique_lock<std::mutex> lock(ctx->mutex);
+  const auto deadline = call.timeout.count() > 0 ? Clock::now() + call.timeout : Clock::time_point::max();
+  auto pass = passFor(*ctx, request.passId, BackwardMode::kExact, request.retainGraph, deadline);
+  if (pass->mode != BackwardMode::kExact || pass->task) {
+    throw rpc::RpcError(localError(rpc::ErrorKind::kFailed, "discovery for pass " + hex(request.passId) +
+                                                                " of context " + std::to_string(ctx->id) +
+                                                                " arrived after its gradients (protocol error)"));
+  }
+  std::vector<Node*> starts;
+  for (uint64_t id : request.messageIds) {
+    auto it = ctx->sends.find(id);
+    if (it == ctx->sends.end()) {
+      throw rpc::RpcError(localError(rpc::ErrorKind::kFailed, "worker " + call.caller +
+                                                                  " asked for gradients of message " + hex(id) +
+                                                                  ", which worker " + name_ + " never sent in context " +
+                                                                  std::to_string(ctx->id)));
+    }
+    if (pass->activeSends.insert(id).second) starts.push_back(it->second.get());
+  }
+  return discover(ctx, pass, std::move(starts), lock);
+}
+
+void DistAutogradState::createTask(Context& ctx, Pass& pass) {
+  std::vector<Edge> starts = pass.roots;
+  for (const auto& [id, send] : ctx.sends) {
+    if (pass.mode == BackwardMode::kFast || pass.activeSends.count(id)) starts.push_back(Edge{send, 0});
+  }
+  GraphTaskOptions options;
+  options.retainGraph = pass.retainGraph;
+  // Leaves accumulate into the context (never .grad). The context outlives the task (it owns the pass).
+  options.leafSink = [&ctx](AccumulateGrad& leaf, Tensor grad) { ctx.accumulate(leaf.variable(), std::move(grad)); };
+  pass.task = std::make_unique<GraphTask>(starts, std::move(options));
+}
+
+void DistAutogradState::startGradients(const std::shared_ptr<Context>& ctx, const std::shared_ptr<Pass>& pass) {
+  std::unique_lock<std::mutex> lock(ctx->mutex);
+  if (pass->finished) return;
+  createTask(*ctx, *pass);
+  for (size_t i = 0; i < pass->roots.size(); ++i) pass->task->deliver(pass->roots[i], pass->rootGrads[i]);
+  pass->rootGrads.clear();
+  drain(ctx, pass, lock);
+}
+
+std::optional<rpc::Error> DistAutogradState::deliverToSend(Context& ctx, Pass& pass, uint64_t messageId,
+                                                           std::vector<Tensor> grads) {
+  auto it = ctx.sends.find(messageId);
+  if (it == ctx.sends.end() || !pass.task->contains(it->second.get())) {
+    return localError(rpc::ErrorKind::kFailed,
+                      "gradients for message " + hex(messageId) + " of context " + std::to_string(ctx.id) +
+                          ", which this backward pass on worker " + name_ + " does not expect");
+  }
+  SendBackward& send = *it->second;
+  if (grads.size() != send.numOutputs()) {
+    return localError(rpc::ErrorKind::kFailed, "message " + hex(messageId) + " carried " +
+                                                   std::to_string(send.numOutputs()) + " grad tensors but " +
+                                                   std::to_string(grads.size()) + " gradients came back");
+  }
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const auto& meta = send.outputMeta()[i];
+    if (grads[i].defined() && (grads[i].shape() != meta.shape || grads[i].dtype() != meta.dtype)) {
+      return localError(rpc::ErrorKind::kFailed,
+                        "gradient " + std::to_string(i) + " for message " + hex(messageId) + " is " +
+                            dtypeName(grads[i].dtype()) + " " + tensor::shapeStr(grads[i].shape()) +
+                            ", but the sent tensor was " + dtypeName(meta.dtype) + " " + tensor::shapeStr(meta.shape));
+    }
+  }
+  pass.task->deliverAll(it->second.get(), std::move(grads));
+  return std::nullopt;
+}
+
+rpc::Future<void> DistAutogradState::onPropagate(PropagateRequest request, const rpc::CallContext& call) {
+  auto ctx = find(request.contextId, false);
+  std::unique_lock<std::mutex> lock(ctx->mutex);
+  DG_CHECK(request.mode <= static_cast<uint8_t>(BackwardMode::kFast), "unknown backward mode ", int(request.mode));
+  const auto mode = static_cast<BackwardMode>(request.mode);
+  const auto deadline = call.timeout.count() > 0 ? Clock::now() + call.timeout : Clock::time_point::max();
+  if (mode == BackwardMode::kExact && !(ctx->pass && ctx->pass->id == request.passId)) {
+    throw rpc::RpcError(localError(rpc::ErrorKind::kFailed, "gradients for pass " + hex(request.passId) +
+                                                                " of context " + std::to_string(ctx->id) +
+                                                                " arrived before its discovery (protocol error)"));
+  }
+  auto pass = passFor(*ctx, request.passId, mode, request.retainGraph, deadline);
+  if (pass->finished) {
+    throw rpc::RpcError(pass->error ? *pass->error
+                                    : localError(rpc::ErrorKind::kFailed, "gradients for message " +
+                                                                              hex(request.messageId) +
+                                                                              " arrived after the pass finished"));
+  }
+  const bool first = pass->task == nullptr;
+  if (first) createTask(*ctx, *pass);
+  if (auto error = deliverToSend(*ctx, *pass, request.messageId, std::move(request.grads))) {
+    failPass(*ctx, *pass, *error);
+    throw rpc::RpcError(*error);
+  }
+  // Note [Distributed backward]: the first gradient's call completes with this worker's whole pass.
+  rpc::Future<void> answer = [&] {
+    if (!first) return rpc::makeReadyFuture(*executor_);
+    rpc::Promise<void> promise(*executor_);
+    auto future = promise.getFuture();
+    pass->waiters.push_back(std::move(promise));
+    return future;
+  }();
+  drain(ctx, pass, lock);
+  return answer;
+}
+
+void DistAutogradState::drain(const std::shared_ptr<Context>& ctx, const std::shared_ptr<Pass>& pass,
+                              std::unique_lock<std::mutex>& lock) {
+  if (pass->running) return;  // the running thread picks up what was just delivered
+  pass->running = true;
+  while (!pass->finished) {
+    Node* node = pass->task->popReady();
+    if (node == nullptr) break;
+    std::vector<Tensor> inputs = pass->task->takeInputs(node);
+    if (auto* recv = dynamic_cast<RecvBackward*>(node)) {
+      pass->task->finish(node, {});
+      sendGradients(ctx, pass, *recv, std::move(inputs), lock);
+      continue;
+    }
+    lock.unlock();
+    std::vector<Tensor> out;
+    std::optional<rpc::Error> failure;
+    try {
+      out = pass->task->run(*node, std::move(inputs));
+    } catch (const std::exception& e) {
+      failure = localError(rpc::ErrorKind::kRemote, "distributed backward failed on worker " + name_ + " in " +
+                                                        node->name() + ": " + e.what());
+    }
+    lock.lock();
+    if (failure) {
+      if (!pass->finished) failPass(*ctx, *pass, *failure);
+      break;
+    }
+    if (!pass->finished) pass->task->finish(node, std::move(out));
+  }
+  pass->running = false;
+  finishIfDone(*ctx, *pass);
+}
+
+void DistAutogradState::sendGradients(const std::shared_ptr<Context>& ctx, const std::shared_ptr<Pass>& pass,
+                                      RecvBackward& recv, std::vector<Tensor> grads, std::unique_lock<std::mutex>& lock) {
+  if (recv.peer == name_) {  // a message of this worker to itself: no RPC
+    if (auto error = deliverToSend(*ctx, *pass, recv.messageId, std::move(grads))) failPass(*ctx, *pass, *error);
+    return;
+  }
+  PropagateRequest request;
+  request.contextId = ctx->id;
+  request.passId = pass->id;
+  request.messageId = recv.messageId;
+  request.mode = static_cast<uint8_t>(pass->mode);
+  request.retainGraph = pass->retainGraph;
+  request.grads = std::move(grads);
+  ++pass->outstanding;
+  const auto timeout = remaining(*pass);
+  const std::string peer = recv.peer;
+  lock.unlock();
+  auto answered = call(peer, kPropagate, request, timeout);
+  std::weak_ptr<DistAutogradState> weak = weak_from_this();
+  (void)std::move(answered).then([weak, ctx, pass](rpc::Result<void>&& result) {
+    auto self = weak.lock();
+    if (!self) return;
+    std::lock_guard<std::mutex> l(ctx->mutex);
+    --pass->outstanding;
+    if (pass->finished) return;
+    if (!result.ok()) {
+      self->failPass(*ctx, *pass, result.error());
+    } else {
+      self->finishIfDone(*ctx, *pass);
+    }
+  });
+  lock.lock();
+}
+
+void DistAutogradState::cancelTimer(Pass& pass) {
+  if (pass.timer == rpc::kInvalidTimerId) return;
+  std::lock_guard<std::mutex> lock(timerMutex_);
+  if (timers_) timers_->cancel(pass.timer);
+  pass.timer = rpc::kInvalidTimerId;
+}
+
+void DistAutogradState::finishIfDone(Context& ctx, Pass& pass) {
+  if (pass.finished || pass.running || pass.outstanding != 0 || !pass.task || !pass.task->done()) return;
+  pass.finished = true;
+  cancelTimer(pass);
+  pass.task.reset();
+  for (auto& waiter : pass.waiters) waiter.setValue();
+  pass.waiters.clear();
+  (void)ctx;
+}
+
+void DistAutogradState::failPass(Context& ctx, Pass& pass, rpc::Error error) {
+  DG_ASSERT(!pass.finished, "failPass on a finished pass");
+  pass.finished = true;
+  pass.error = error;
+  cancelTimer(pass);
+  for (auto& waiter : pass.waiters) waiter.setError(error);
+  pass.waiters.clear();
+  if (pass.isRoot && ctx.abortedPass != pass.id) {
+    ctx.abortedPass = pass.id;
+    ControlRequest request;
+    request.kind = static_cast<uint8_t>(ControlKind::kAbort);
+    request.contextId = ctx.id;
+    request.passId = pass.id;
+    request.errorKind = static_cast<uint8_t>(error.kind);
+    request.message = error.message;
+    request.worker = error.worker;
+    broadcast(ctx.peers, name_, request);
+  }
+}
+
+void DistAutogradState::onControl(const ControlRequest& request, const std::string& from) {
+  DG_CHECK(request.kind <= static_cast<uint8_t>(ControlKind::kAbort), "unknown control kind ", int(request.kind));
+  DG_CHECK(request.errorKind <= static_cast<uint8_t>(rpc::ErrorKind::kRemote), "unknown error kind ",
+           int(request.errorKind));
+  if (static_cast<ControlKind>(request.kind) == ControlKind::kRelease) {
+    releaseContext(request.contextId, from, std::nullopt, true);
+    return;
+  }
+  std::shared_ptr<Context> ctx;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = contexts_.find(request.contextId);
+    if (it == contexts_.end()) return;
+    ctx = it->second;
+  }
+  std::set<std::string> peers;
+  {
+    std::lock_guard<std::mutex> lock(ctx->mutex);
+    if (ctx->abortedPass == request.passId) return;  // forwarded once per worker
+    ctx->abortedPass = request.passId;
+    peers = ctx->peers;
+    if (ctx->pass && ctx->pass->id == request.passId && !ctx->pass->finished) {
+      failPass(*ctx, *ctx->pass,
+               rpc::Error{static_cast<rpc::ErrorKind>(request.errorKind), request.message, request.worker, {}});
+    }
+  }
+  broadcast(peers, from, request);
+}
+
+void DistAutogradState::broadcast(const std::set<std::string>& peers, const std::string& except,
+                                  const ControlRequest& request) {
+  for (const auto& peer : peers) {
+    if (peer == except || peer == name_) continue;
+    // Fire and forget: a peer that is gone releases its side when it notices (onPeerDown).
+    (void)call(peer, kControl, request, defaultTimeout_);
+  }
+}
+
+template <typename Req>
+rpc::Future<void> DistAutogradState::call(const std::string& peer, const rpc::Function<void(Req)>& fn,
+                                          const Req& request, std::chrono::milliseconds timeout) {
+  std::lock_guard<std::mutex> lock(agentMutex_);
+  if (agent_ == nullptr) {
+    return rpc::makeErrorFuture<void>(localError(rpc::ErrorKind::kFailed, "worker " + name_ + " is shut down"),
+                                      *executor_);
+  }
+  rpc::AutogradContextScope outside(0);  // protocol messages belong to no context
+  rpc::CallOptions options;
+  options.timeout = timeout;
+  return agent_->rpcAsyncWith(options, peer, fn, request);
+}
+
+void DistAutogradState::onPeerDown(const std::string& peer, const rpc::Error& error) {
+  std::vector<uint64_t> touched;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& [id, ctx] : contexts_) {
+      std::lock_guard<std::mutex> l(ctx->mutex);
+      if (ctx->peers.count(peer)) touched.push_back(id);
+    }
+  }
+  for (uint64_t id : touched) {
+    rpc::Error reason{rpc::ErrorKind::kDisconnected,
+                      "worker " + peer + " of distributed autograd context " + std::to_string(id) +
+                          " is gone (" + error.message + "); the context was released on " + name_,
+                      peer,
+                      {}};
+    releaseContext(id, peer, reason, true);
+  }
+}
+
+void DistAutogradState::onAgentClosed() {
+  {
+    std::lock_guard<std::mutex> lock(agentMutex_);
+    agent_ = nullptr;
+  }
+  std::unordered_map<uint64_t, std::shared_ptr<Context>> contexts;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    contexts.swap(contexts_);
+  }
+  for (auto& [id, ctx] : contexts) {
+    std::lock_guard<std::mutex> lock(ctx->mutex);
+    ctx->released = true;
+    if (ctx->pass && !ctx->pass->finished) {
+      failPass(*ctx, *ctx->pass, localError(rpc::ErrorKind::kFailed, "worker " + name_ + " shut down"));
+    }
+  }
+}
+
+}  // namespace distgrad::autograd::distributed

@@ -1,0 +1,157 @@
+// The core paths of distributed autograd on small graphs (the lead's checks while building it): a stage on
+// another worker, a cycle A->B->A, a self call, both modes, the unused-branch case and release everywhere.
+#include <gtest/gtest.h>
+
+#include "../rpc/agent_test_util.h"
+#include "autograd/distributed/dist_autograd.h"
+#include "autograd/engine.h"
+#include "autograd/ops.h"
+#include "tensor/random.h"
+
+namespace distgrad::autograd::distributed {
+namespace {
+
+using rpc::testing::eventually;
+
+// Worker-local parameters (one set per process, keyed by worker name) and the functions that use them.
+struct Params {
+  std::mutex mutex;
+  std::map<std::string, Tensor> weights;
+  Tensor of(const std::string& worker) {
+    std::lock_guard<std::mutex> lock(mutex);
+    return weights.at(worker);
+  }
+};
+
+const rpc::Function<Tensor(Tensor)> kStage{"stage"};              // tanh(x @ W_callee)
+const rpc::Function<Tensor(Tensor)> kBounce{"bounce"};            // stage on the caller, called back
+const rpc::Function<Tensor(Tensor)> kTwoOutputsOneUsed{"unused"}; // returns x * W but also sends x away
+
+class DistAutogradSmoke : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    tensor::Generator gen(7);
+    for (std::string w : {"worker0", "worker1", "worker2"}) {
+      params_.weights[w] = tensor::uniform({4, 4}, -1.0, 1.0, gen, DType::kFloat64).setRequiresGrad();
+    }
+    install(registry_);
+    registry_.bind(kStage, [this](const rpc::CallContext& ctx, Tensor x) { return tanh(matmul(x, params_.of(ctx.callee))); });
+    registry_.bind(kBounce, [this](const rpc::CallContext& ctx, Tensor x) {
+      Tensor h = tanh(matmul(x, params_.of(ctx.callee)));
+      return world_.agent(ctx.callee).rpcSync(ctx.caller, kStage, h);
+    });
+    registry_.bind(kTwoOutputsOneUsed, [this](const rpc::CallContext& ctx, Tensor x) {
+      // Sends x on to worker2, whose result nobody uses: that send never receives a gradient.
+      (void)world_.agent(ctx.callee).rpcSync("worker2", kStage, x);
+      return tanh(matmul(x, params_.of(ctx.callee)));
+    });
+    rpc::testing::ClusterSpec spec;
+    spec.transport = GetParam();
+    spec.size = 3;
+    rpc::testing::startCluster(cluster_, spec, world_, registry_);
+    for (size_t i = 0; i < cluster_.errors.size(); ++i) ASSERT_FALSE(cluster_.errors[i]) << "rank " << i;
+  }
+  rpc::Agent& agent(int rank) { return *cluster_.agents.at(rank); }
+  bool allReleased() {
+    return eventually([&] {
+      for (auto& a : cluster_.agents) {
+        if (liveContexts(*a) != 0) return false;
+      }
+      return true;
+    });
+  }
+  Tensor input() {
+    tensor::Generator gen(3);
+    return tensor::uniform({2, 4}, -1.0, 1.0, gen, DType::kFloat64).setRequiresGrad();
+  }
+
+  Params params_;
+  rpc::testing::World world_;
+  rpc::Registry registry_;
+  rpc::testing::Cluster cluster_;
+};
+
+void expectClose(const Tensor& a, const Tensor& b) {
+  ASSERT_TRUE(a.defined());
+  ASSERT_TRUE(b.defined());
+  ASSERT_EQ(a.shape(), b.shape());
+  auto x = a.toVector<double>();
+  auto y = b.toVector<double>();
+  for (size_t i = 0; i < x.size(); ++i) EXPECT_NEAR(x[i], y[i], 1e-12) << "element " << i;
+}
+
+TEST_P(DistAutogradSmoke, StageOnAnotherWorkerMatchesLocal) {
+  for (auto mode : {BackwardMode::kExact, BackwardMode::kFast}) {
+    Tensor x = input();
+    Tensor w0 = params_.of("worker0"), w1 = params_.of("worker1");
+    Gradients root, remote;
+    {
+      DistContext ctx(agent(0));
+      Tensor h = agent(0).rpcSync("worker1", kStage, tanh(matmul(x, w0)));
+      Tensor loss = sum(h * h);
+      BackwardOptions options;
+      options.mode = mode;
+      ctx.backward(loss, options);
+      root = ctx.gradients();
+      remote = gradientsOf(agent(1), ctx.id());
+    }
+    EXPECT_FALSE(w0.grad().defined());
+    Tensor loss = sum(tanh(matmul(tanh(matmul(x, w0)), w1)) * tanh(matmul(tanh(matmul(x, w0)), w1)));
+    auto local = grad({loss}, {x, w0, w1});
+    expectClose(root.get(x), local[0]);
+    expectClose(root.get(w0), local[1]);
+    expectClose(remote.get(w1), local[2]);
+    EXPECT_TRUE(allReleased());
+  }
+}
+
+TEST_P(DistAutogradSmoke, CycleAndSelfCall) {
+  Tensor x = input();
+  Tensor w0 = params_.of("worker0"), w1 = params_.of("worker1");
+  DistContext ctx(agent(0));
+  // worker0 -> worker1 (bounce: W1) -> worker0 (stage: W0) -> back; then a self call on worker0.
+  Tensor h = agent(0).rpcSync("worker1", kBounce, x);
+  Tensor y = agent(0).rpcSync("worker0", kStage, h);
+  ctx.backward(sum(y));
+  auto g = ctx.gradients();
+  Tensor local = sum(tanh(matmul(tanh(matmul(tanh(matmul(x, w1)), w0)), w0)));
+  auto expected = grad({local}, {x, w0, w1});
+  expectClose(g.get(x), expected[0]);
+  expectClose(g.get(w0), expected[1]);
+  expectClose(gradientsOf(agent(1), ctx.id()).get(w1), expected[2]);
+}
+
+TEST_P(DistAutogradSmoke, UnusedSendExactCompletesFastTimesOut) {
+  Tensor x = input();
+  {
+    DistContext ctx(agent(0));
+    Tensor y = agent(0).rpcSync("worker1", kTwoOutputsOneUsed, x);
+    ctx.backward(sum(y));
+    Tensor expected = grad({sum(tanh(matmul(x, params_.of("worker1"))))}, {x})[0];
+    expectClose(ctx.gradients().get(x), expected);
+  }
+  {
+    DistContext ctx(agent(0));
+    Tensor y = agent(0).rpcSync("worker1", kTwoOutputsOneUsed, x);
+    BackwardOptions options;
+    options.mode = BackwardMode::kFast;
+    options.timeout = std::chrono::milliseconds(300);
+    try {
+      ctx.backward(sum(y), options);
+      ADD_FAILURE() << "FAST must time out waiting for the unused send";
+    } catch (const rpc::RpcError& e) {
+      EXPECT_EQ(e.error().kind, rpc::ErrorKind::kTimeout) << e.what();
+      EXPECT_NE(std::string(e.what()).find("FAST"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_TRUE(allReleased());
+  // Nothing is wedged: a new context works.
+  DistContext ctx(agent(0));
+  ctx.backward(sum(agent(0).rpcSync("worker1", kStage, x)));
+  EXPECT_TRUE(ctx.gradients().get(x).defined());
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, DistAutogradSmoke, ::testing::Values("inproc", "tcp"));
+
+}  // namespace
+}  // namespace distgrad::autograd::distributed
