@@ -193,8 +193,15 @@ inline const rpc::Function<Tensor(std::string, std::string, std::string, int64_t
 // tensor when none), as a user's handler would read it.
 inline const rpc::Function<Tensor(uint64_t, std::string)> kWeightGradient{"e2e.weight_gradient"};
 
+// Parks: answers the number of elements of x plus the value the test later gives World::parked (no
+// executor thread is held meanwhile). x may require grad (the callee then joins the context); the answer
+// never does.
+inline const rpc::Function<int64_t(Tensor)> kParked{"e2e.parked"};
+
 struct World {
   std::mutex mutex;
+  std::shared_ptr<rpc::Promise<int64_t>> parked;  // the pending kParked call's promise
+  rpc::testing::Event parkedEntered;
   std::map<std::string, rpc::Agent*> agents;
   std::map<std::string, Layers> layers;  // per worker; created before start, read-only afterwards
   // Modules created by the RemoteModule factories, by seed (the test reads their parameters directly).
@@ -258,6 +265,16 @@ inline void bindStages(rpc::Registry& reg, World& world) {
   });
   reg.bind(kWeightGradient, [&world](const rpc::CallContext& ctx, uint64_t contextId, std::string key) {
     return gradientsOf(*ctx.agent, contextId).get(world.layer(ctx.callee, key).weight);
+  });
+  reg.bind(kParked, [&world](Tensor x) -> rpc::Future<int64_t> {
+    auto promise = std::make_shared<rpc::Promise<int64_t>>(*rpc::Executor::current());
+    auto future = promise->getFuture().then([n = x.numel()](int64_t v) { return v + n; });
+    {
+      std::lock_guard<std::mutex> lock(world.mutex);
+      world.parked = promise;
+    }
+    world.parkedEntered.set();
+    return future;
   });
   rref::bindRemoteModule(reg, kMlpStageClass).factory<uint64_t>([&world](uint64_t seed) {
     auto m = std::make_shared<MlpStage>(seed);
@@ -368,8 +385,14 @@ class DistAutogradFixture : public ::testing::TestWithParam<std::string> {
     }
   }
   void TearDown() override {
-    std::lock_guard<std::mutex> lock(world_.mutex);
-    world_.onGatedBackward = nullptr;
+    std::shared_ptr<rpc::Promise<int64_t>> parked;
+    {
+      std::lock_guard<std::mutex> lock(world_.mutex);
+      world_.onGatedBackward = nullptr;
+      parked.swap(world_.parked);
+    }
+    // A parked promise is bound to its agent's executor: complete it while the agents still run.
+    if (parked) parked->trySetValue(0);
   }
 
   rpc::Agent& agent(int rank) { return *cluster_.agents.at(rank); }
@@ -392,6 +415,30 @@ class DistAutogradFixture : public ::testing::TestWithParam<std::string> {
   std::string liveCounts() {
     std::string out;
     for (auto& a : cluster_.agents) out += a->name() + ": " + std::to_string(liveContexts(*a)) + " live; ";
+    return out;
+  }
+
+  // Every RRef table of every worker empty (the RRef protocol settled, nothing leaked): bounded wait.
+  bool rrefsSettled() {
+    return eventually([&] {
+      for (auto& a : cluster_.agents) {
+        auto c = rref::RRefContext::of(*a);
+        if (c->ownedCount() != 0 || c->userCount() != 0 || c->pendingChildCount() != 0 ||
+            c->pendingControlCount() != 0) {
+          return false;
+        }
+      }
+      return true;
+    });
+  }
+  std::string rrefTables() {
+    std::string out;
+    for (auto& a : cluster_.agents) {
+      auto c = rref::RRefContext::of(*a);
+      out += a->name() + ": owned " + std::to_string(c->ownedCount()) + " users " + std::to_string(c->userCount()) +
+             " children " + std::to_string(c->pendingChildCount()) + " control " +
+             std::to_string(c->pendingControlCount()) + "; ";
+    }
     return out;
   }
 
@@ -434,7 +481,7 @@ class DistAutogradFixture : public ::testing::TestWithParam<std::string> {
     Tensor y;
     std::vector<Expected> expected;
   };
-  TwoWorkerMlp twoWorkerMlp(uint64_t seed, double scale = 1.0) {
+  TwoWorkerMlp twoWorkerMlp(uint64_t seed) {
     TwoWorkerMlp m{input({8, 5}, seed), labels(8, 3, seed + 1), {}};
     Reference ref;
     const Layer& r1 = ref.layer("worker1", "l1");
@@ -442,8 +489,7 @@ class DistAutogradFixture : public ::testing::TestWithParam<std::string> {
     const Layer& rh = ref.layer("worker0", "head");
     const Tensor xr = twin(m.x);
     const Tensor lossR = headLoss(applyLayer(applyLayer(xr, r1), r2), rh, m.y);
-    auto g = Reference::gradients(lossR, {xr, r1.weight, r1.bias, r2.weight, r2.bias, rh.weight, rh.bias});
-    for (Tensor& t : g) t = mul(t, scale);
+    const auto g = Reference::gradients(lossR, {xr, r1.weight, r1.bias, r2.weight, r2.bias, rh.weight, rh.bias});
     m.expected = {Expected{"worker0", "x", m.x, g[0]}};
     appendAll(m.expected, layerExpected("worker1", "l1", r1, {g[1], g[2]}));
     appendAll(m.expected, layerExpected("worker0", "l2", r2, {g[3], g[4]}));

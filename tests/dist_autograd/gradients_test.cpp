@@ -194,6 +194,7 @@ TEST_P(GradientsTest, CnnWithItsConvStageARemoteModule) {
   }
   conv = {};
   EXPECT_TRUE(allReleased()) << liveCounts();
+  EXPECT_TRUE(rrefsSettled()) << rrefTables();
 }
 
 TEST_P(GradientsTest, MlpRemoteModuleForwardAndForwardRemote) {
@@ -240,6 +241,7 @@ TEST_P(GradientsTest, MlpRemoteModuleForwardAndForwardRemote) {
   }
   mlp = {};
   EXPECT_TRUE(allReleased()) << liveCounts();
+  EXPECT_TRUE(rrefsSettled()) << rrefTables();
 }
 
 TEST_P(GradientsTest, ThroughRemoteAndToHereOfAFunction) {
@@ -277,6 +279,7 @@ TEST_P(GradientsTest, ThroughRemoteAndToHereOfAFunction) {
     expectGradients(ctx, 0, expected);
   }
   EXPECT_TRUE(allReleased()) << liveCounts();
+  EXPECT_TRUE(rrefsSettled()) << rrefTables();
 }
 
 TEST_P(GradientsTest, NonScalarRootWithAnExplicitGradient) {
