@@ -193,6 +193,13 @@ inline const rpc::Function<Tensor(std::string, std::string, std::string, int64_t
 // tensor when none), as a user's handler would read it.
 inline const rpc::Function<Tensor(uint64_t, std::string)> kWeightGradient{"e2e.weight_gradient"};
 
+// The worker's parameter itself (layer `key`'s weight, or its bias), as a parameter server hands it out.
+inline const rpc::Function<Tensor(std::string, bool)> kParameter{"e2e.parameter"};
+inline const rpc::Function<Tensor(Tensor)> kIdentity{"e2e.identity"};   // returns its argument
+inline const rpc::Function<Tensor(Tensor, Tensor)> kProduct{"e2e.product"};  // a * b (elementwise)
+// Fetches the RRef's value (toHereAsync, in the handler's synchronous part) and applies layer `key`.
+inline const rpc::Function<Tensor(std::string, rref::RRef<Tensor>)> kConsumeRef{"e2e.consume_ref"};
+
 // Parks: answers the number of elements of x plus the value the test later gives World::parked (no
 // executor thread is held meanwhile). x may require grad (the callee then joins the context); the answer
 // never does.
@@ -265,6 +272,17 @@ inline void bindStages(rpc::Registry& reg, World& world) {
   });
   reg.bind(kWeightGradient, [&world](const rpc::CallContext& ctx, uint64_t contextId, std::string key) {
     return gradientsOf(*ctx.agent, contextId).get(world.layer(ctx.callee, key).weight);
+  });
+  reg.bind(kParameter, [&world](const rpc::CallContext& ctx, std::string key, bool bias) {
+    const Layer& l = world.layer(ctx.callee, key);
+    return bias ? l.bias : l.weight;
+  });
+  reg.bind(kIdentity, [](Tensor x) { return x; });
+  reg.bind(kProduct, [](Tensor a, Tensor b) { return mul(a, b); });
+  reg.bind(kConsumeRef, [&world](const rpc::CallContext& ctx, std::string key, rref::RRef<Tensor> r) {
+    return r.toHereAsync().then([&world, callee = ctx.callee, key](Tensor v) {
+      return applyLayer(v, world.layer(callee, key));
+    });
   });
   reg.bind(kParked, [&world](Tensor x) -> rpc::Future<int64_t> {
     auto promise = std::make_shared<rpc::Promise<int64_t>>(*rpc::Executor::current());

@@ -1,11 +1,13 @@
 // Lifetimes and failures of distributed backward passes, over inproc and tcp: contexts are released on every
-// worker they touched once they end; a backward function that throws (or returns a wrong-shaped gradient) on
-// another worker fails the root's backward with that worker's name and the original message; cancellation
-// and the deadline abort a pass that is stuck in a remote backward function; bad roots are ValueErrors and
-// leave the context usable; after each failure the workers still serve new contexts and hold nothing.
-// Then, across processes (tcp on 127.0.0.1): a worker killed (SIGKILL) or stopped (SIGSTOP, only the
-// heartbeat notices) in the middle of a backward fails the root's pass as `disconnected` naming it, within
-// the heartbeat bound, and the surviving workers release their parts.
+// worker they touched once they end, and a plain reply to a call still in flight then still arrives; a
+// backward function that throws (or returns a wrong-shaped gradient) on any worker (the callee, a worker two
+// hops away, the root itself) fails the root's backward with that worker's name and the original message;
+// cancellation and the deadline abort a pass that is stuck in a remote backward function; bad roots are
+// ValueErrors and leave the context usable; after each failure the workers still serve new contexts and hold
+// nothing. Then, across processes (tcp on 127.0.0.1): a worker killed (SIGKILL) or stopped (SIGSTOP, only
+// the heartbeat notices) in the middle of a backward fails the root's pass as `disconnected` naming it,
+// within the heartbeat bound, whether the root called it or only another worker did, and the surviving
+// workers release their parts.
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -116,7 +118,7 @@ TEST_P(FailureTest, ACallInFlightWhenItsContextEndsStillGetsItsPlainReply) {
   EXPECT_TRUE(allReleased()) << liveCounts();
 }
 
-TEST_P(FailureTest, RemoteBackwardErrorsNameTheWorkerAndKeepTheMessage) {
+TEST_P(FailureTest, BackwardErrorsNameTheFailingWorkerAndKeepTheMessage) {
   start(3);
   struct Case {
     const char* what;
@@ -124,11 +126,13 @@ TEST_P(FailureTest, RemoteBackwardErrorsNameTheWorkerAndKeepTheMessage) {
     Behavior behavior;
     bool chained;         // worker0 -> worker1 -> worker2 (fails on worker2) instead of worker0 -> worker1
     std::string message;  // part of the original message
+    bool onRoot = false;  // the failing op is recorded on worker0 itself, after what worker1 computed
   };
   const std::vector<Case> cases = {
       {"throwing backward on worker1", "worker1", Behavior::kExplode, false, kExplodeMessage},
       {"wrong-shaped gradient on worker1", "worker1", Behavior::kWrongShape, false, "WrongShapeBackward"},
       {"throwing backward on worker2, two hops away", "worker2", Behavior::kExplode, true, kExplodeMessage},
+      {"throwing backward on the root itself", "worker0", Behavior::kExplode, false, kExplodeMessage, true},
   };
   const Tensor x = input({8, 5}, 3101);
   const Tensor y = labels(8, 3, 3102);
@@ -142,6 +146,9 @@ TEST_P(FailureTest, RemoteBackwardErrorsNameTheWorkerAndKeepTheMessage) {
           Tensor h = agent(0).rpcSync(name(1), kChain, std::string("l1"), name(2), std::string("l2"),
                                       static_cast<int64_t>(c.behavior), std::string(), x);
           loss = headLoss(h, layer("worker0", "head"), y);
+        } else if (c.onRoot) {
+          Tensor h = agent(0).rpcSync(name(1), kLayer, std::string("l1"), x);
+          loss = headLoss(withBehavior(world_, h, c.behavior), layer("worker0", "head7"), y);
         } else {
           Tensor h = agent(0).rpcSync(name(1), kLayerWith, std::string("l1"), static_cast<int64_t>(c.behavior), x);
           loss = headLoss(h, layer("worker0", "head7"), y);

@@ -1,10 +1,12 @@
 // Distributed gradients equal single-process gradients (float64, 1e-10), over inproc and tcp, in both
-// backward modes: an MLP split across 2 workers, across 3 workers (a nested A→B→C chain), a branch that
-// bounces A→B→A (the caller's handler uses the caller's own parameters), a small CNN whose conv stage is a
-// RemoteModule, an MLP RemoteModule (forward and forwardRemote + toHere in one loss), remote() + toHere()
-// of a registered function, and a non-scalar root with an explicit gradient. Every worker's per-context
-// gradients are checked (the root through DistContext::gradients(), the others through gradientsOf), .grad
-// stays untouched, and every worker releases the context once it ends.
+// backward modes: an MLP split across 2 workers, across 3 workers (a nested A→B→C chain and sequential
+// hops), a branch that bounces A→B→A (the caller's handler uses the caller's own parameters), a small CNN
+// whose conv stage is a RemoteModule, an MLP RemoteModule (forward and forwardRemote + toHere in one loss),
+// remote() + toHere() of a registered function, an RRef handed to a third worker that fetches it,
+// parameters fetched from their owner and tensors echoed back, and a non-scalar root with an explicit
+// gradient. Every worker's per-context gradients are checked (the root through DistContext::gradients(),
+// the others through gradientsOf), .grad stays untouched, and every worker releases the context once it
+// ends (RRef tables settle too where RRefs were used).
 #include <gtest/gtest.h>
 
 #include "dist_autograd_test_util.h"
@@ -272,6 +274,85 @@ TEST_P(GradientsTest, ThroughRemoteAndToHereOfAFunction) {
     Tensor fetched = h.toHere();
     EXPECT_TRUE(fetched.requiresGrad());
     Tensor loss = headLoss(applyLayer(fetched, layer("worker0", "l2")), layer("worker0", "head"), y);
+    EXPECT_TRUE(allClose(loss, lossR, 1e-12)) << "forward loss";
+    BackwardOptions options;
+    options.mode = mode;
+    ctx.backward(loss, options);
+    expectGradients(ctx, 0, expected);
+  }
+  EXPECT_TRUE(allReleased()) << liveCounts();
+  EXPECT_TRUE(rrefsSettled()) << rrefTables();
+}
+
+TEST_P(GradientsTest, ParametersFetchedFromTheirOwnerAndTensorsEchoedBack) {
+  // Parameter-server style: worker0 fetches worker1's l1 weight and bias (the leaves themselves are sent),
+  // and uses them locally; worker1 also echoes x back unchanged and multiplies x by itself (one tensor
+  // sent twice in one call).
+  start(2);
+  const Tensor x = input({8, 5}, 651);
+  const Tensor y = labels(8, 3, 652);
+
+  Reference ref;
+  const Layer& r1 = ref.layer("worker1", "l1");
+  const Layer& r2 = ref.layer("worker0", "l2");
+  const Layer& rh = ref.layer("worker0", "head");
+  const Tensor xr = twin(x);
+  auto lossOf = [&](const Tensor& in, const Layer& first, const Layer& second, const Layer& head, const Tensor& echoed,
+                    const Tensor& squared) {
+    return add(headLoss(applyLayer(applyLayer(in, first), second), head, y), mul(sum(mul(echoed, squared)), 0.25));
+  };
+  const Tensor lossR = lossOf(xr, r1, r2, rh, xr, mul(xr, xr));
+  const auto g = Reference::gradients(lossR, {xr, r1.weight, r1.bias, r2.weight, r2.bias, rh.weight, rh.bias});
+
+  std::vector<Expected> expected = {Expected{"worker0", "x", x, g[0]}};
+  appendAll(expected, layerExpected("worker1", "l1", r1, {g[1], g[2]}));
+  appendAll(expected, layerExpected("worker0", "l2", r2, {g[3], g[4]}));
+  appendAll(expected, layerExpected("worker0", "head", rh, {g[5], g[6]}));
+
+  for (BackwardMode mode : bothModes()) {
+    SCOPED_TRACE(backwardModeName(mode));
+    DistContext ctx(agent(0));
+    Layer fetched{agent(0).rpcSync(name(1), kParameter, std::string("l1"), false),
+                  agent(0).rpcSync(name(1), kParameter, std::string("l1"), true)};
+    EXPECT_TRUE(fetched.weight.requiresGrad());
+    Tensor echoed = agent(0).rpcSync(name(1), kIdentity, x);
+    Tensor squared = agent(0).rpcSync(name(1), kProduct, x, x);
+    Tensor loss = lossOf(x, fetched, layer("worker0", "l2"), layer("worker0", "head"), echoed, squared);
+    EXPECT_TRUE(allClose(loss, lossR, 1e-12)) << "forward loss";
+    BackwardOptions options;
+    options.mode = mode;
+    ctx.backward(loss, options);
+    expectGradients(ctx, 0, expected);
+  }
+  EXPECT_TRUE(allReleased()) << liveCounts();
+}
+
+TEST_P(GradientsTest, ThroughAnRRefFetchedByAThirdWorker) {
+  // worker0 remote()s l1 on worker1 (the value stays there), hands the RRef to worker2, whose handler
+  // fetches it (toHereAsync inside the context) and applies its l2; the loss is on worker0.
+  start(3);
+  const Tensor x = input({8, 5}, 661);
+  const Tensor y = labels(8, 3, 662);
+
+  Reference ref;
+  const Layer& r1 = ref.layer("worker1", "l1");
+  const Layer& r2 = ref.layer("worker2", "l2");
+  const Layer& rh = ref.layer("worker0", "head");
+  const Tensor xr = twin(x);
+  const Tensor lossR = headLoss(applyLayer(applyLayer(xr, r1), r2), rh, y);
+  const auto g = Reference::gradients(lossR, {xr, r1.weight, r1.bias, r2.weight, r2.bias, rh.weight, rh.bias});
+
+  std::vector<Expected> expected = {Expected{"worker0", "x", x, g[0]}};
+  appendAll(expected, layerExpected("worker1", "l1", r1, {g[1], g[2]}));
+  appendAll(expected, layerExpected("worker2", "l2", r2, {g[3], g[4]}));
+  appendAll(expected, layerExpected("worker0", "head", rh, {g[5], g[6]}));
+
+  for (BackwardMode mode : bothModes()) {
+    SCOPED_TRACE(backwardModeName(mode));
+    DistContext ctx(agent(0));
+    rref::RRef<Tensor> r = rrefs(0)->remote(name(1), kLayer, std::string("l1"), x);
+    Tensor h = agent(0).rpcSync(name(2), kConsumeRef, std::string("l2"), r);
+    Tensor loss = headLoss(h, layer("worker0", "head"), y);
     EXPECT_TRUE(allClose(loss, lossR, 1e-12)) << "forward loss";
     BackwardOptions options;
     options.mode = mode;
