@@ -458,6 +458,16 @@ TEST(CodecMalformed, NonCpuDevice) {
   expectRejected(builder, {8}, "only CPU tensors");
 }
 
+TEST(CodecMalformed, RequiresGradOnlyInsideAnAutogradContextAndForFloats) {
+  capnp::MallocMessageBuilder outside;
+  tensorEnvelope(outside, 0, {2}, 8).setRequiresGrad(true);
+  expectRejected(outside, {8}, "requires grad but the message belongs to no autograd context");
+  capnp::MallocMessageBuilder integer;
+  tensorEnvelope(integer, static_cast<uint8_t>(DType::kInt64), {2}, 16).setRequiresGrad(true);
+  integer.getRoot<wire::Envelope>().setHasAutogradContext(true);
+  expectRejected(integer, {16}, "requires grad for dtype int64");
+}
+
 TEST(CodecMalformed, NonContiguousStrides) {
   capnp::MallocMessageBuilder builder;
   auto desc = tensorEnvelope(builder, 0, {2, 3}, 24);
