@@ -57,13 +57,12 @@ struct LayerShape {
 };
 inline const std::map<std::string, LayerShape>& layerShapes() {
   static const std::map<std::string, LayerShape> shapes = {
-      {"l1", {5, 7}},    // input (5 features) -> hidden
-      {"l1b", {5, 7}},   // a second stage on the input (the unused branch)
-      {"l2", {7, 6}},    // hidden -> hidden
-      {"l3", {6, 6}},    // hidden -> hidden (the post-processing step of a bounce)
-      {"head", {6, 3}},  // hidden -> 3 classes
-      {"head7", {7, 3}},
-      {"cnn_head", {12, 3}},  // flattened conv stage ([3, 2, 2]) -> 3 classes
+      {"l1", {5, 7}},                            // input (5 features) -> hidden
+      {"l1b", {5, 7}},                           // a second stage on the input (the unused branch)
+      {"l2", {7, 6}},                            // hidden -> hidden
+      {"l3", {6, 6}},                            // hidden -> hidden (the post-processing step of a bounce)
+      {"head", {6, 3}},                          // hidden -> 3 classes
+      {"head7", {7, 3}}, {"cnn_head", {12, 3}},  // flattened conv stage ([3, 2, 2]) -> 3 classes
   };
   return shapes;
 }
@@ -174,8 +173,8 @@ namespace distgrad::autograd::distributed::e2e {
 // What a stage does besides its layer, in its backward.
 enum class Behavior : int64_t {
   kPlain = 0,
-  kGate = 1,     // the backward calls World::onGatedBackward (blocks until the test lets it go)
-  kExplode = 2,  // the backward throws std::runtime_error(kExplodeMessage)
+  kGate = 1,        // the backward calls World::onGatedBackward (blocks until the test lets it go)
+  kExplode = 2,     // the backward throws std::runtime_error(kExplodeMessage)
   kWrongShape = 3,  // the backward returns a gradient of the wrong shape (the engine refuses it)
 };
 inline constexpr const char* kExplodeMessage = "exploding backward: gradient shape [8, 7] does not match [8, 6]";
@@ -195,7 +194,7 @@ inline const rpc::Function<Tensor(uint64_t, std::string)> kWeightGradient{"e2e.w
 
 // The worker's parameter itself (layer `key`'s weight, or its bias), as a parameter server hands it out.
 inline const rpc::Function<Tensor(std::string, bool)> kParameter{"e2e.parameter"};
-inline const rpc::Function<Tensor(Tensor)> kIdentity{"e2e.identity"};   // returns its argument
+inline const rpc::Function<Tensor(Tensor)> kIdentity{"e2e.identity"};        // returns its argument
 inline const rpc::Function<Tensor(Tensor, Tensor)> kProduct{"e2e.product"};  // a * b (elementwise)
 // Fetches the RRef's value (toHereAsync, in the handler's synchronous part) and applies layer `key`.
 inline const rpc::Function<Tensor(std::string, rref::RRef<Tensor>)> kConsumeRef{"e2e.consume_ref"};
@@ -234,20 +233,19 @@ inline Tensor withBehavior(World& world, const Tensor& y, Behavior behavior) {
   const char* name = behavior == Behavior::kGate      ? "GatedBackward"
                      : behavior == Behavior::kExplode ? "ExplodingBackward"
                                                       : "WrongShapeBackward";
-  return autograd::recordOp(name, {y}, out,
-                            [&world, behavior](const std::vector<Tensor>& g, const autograd::Node&) {
-                              if (behavior == Behavior::kExplode) throw std::runtime_error(kExplodeMessage);
-                              if (behavior == Behavior::kWrongShape) {
-                                return std::vector<Tensor>{sum(g[0], {1}, /*keepDim=*/true)};
-                              }
-                              std::function<void()> gate;
-                              {
-                                std::lock_guard<std::mutex> lock(world.mutex);
-                                gate = world.onGatedBackward;
-                              }
-                              if (gate) gate();
-                              return std::vector<Tensor>{g[0]};
-                            });
+  return autograd::recordOp(name, {y}, out, [&world, behavior](const std::vector<Tensor>& g, const autograd::Node&) {
+    if (behavior == Behavior::kExplode) throw std::runtime_error(kExplodeMessage);
+    if (behavior == Behavior::kWrongShape) {
+      return std::vector<Tensor>{sum(g[0], {1}, /*keepDim=*/true)};
+    }
+    std::function<void()> gate;
+    {
+      std::lock_guard<std::mutex> lock(world.mutex);
+      gate = world.onGatedBackward;
+    }
+    if (gate) gate();
+    return std::vector<Tensor>{g[0]};
+  });
 }
 
 // Binds the stage functions and RemoteModule classes (plus what every distributed autograd worker needs).
@@ -260,16 +258,17 @@ inline void bindStages(rpc::Registry& reg, World& world) {
   reg.bind(kLayerWith, [&world](const rpc::CallContext& ctx, std::string key, int64_t behavior, Tensor x) {
     return withBehavior(world, applyLayer(x, world.layer(ctx.callee, key)), static_cast<Behavior>(behavior));
   });
-  reg.bind(kChain, [&world](const rpc::CallContext& ctx, std::string key, std::string next, std::string nextKey,
-                            int64_t nextBehavior, std::string postKey, Tensor x) -> rpc::Future<Tensor> {
-    Tensor h = applyLayer(x, world.layer(ctx.callee, key));
-    // The nested call is made in the handler's synchronous part, where the context is active; the
-    // continuation only runs local ops (recorded as usual) on what came back.
-    return ctx.agent->rpcAsync(next, kLayerWith, nextKey, nextBehavior, h)
-        .then([&world, callee = ctx.callee, postKey](Tensor r) {
-          return postKey.empty() ? r : applyLayer(r, world.layer(callee, postKey));
-        });
-  });
+  reg.bind(kChain,
+           [&world](const rpc::CallContext& ctx, std::string key, std::string next, std::string nextKey,
+                    int64_t nextBehavior, std::string postKey, Tensor x) -> rpc::Future<Tensor> {
+             Tensor h = applyLayer(x, world.layer(ctx.callee, key));
+             // The nested call is made in the handler's synchronous part, where the context is active; the
+             // continuation only runs local ops (recorded as usual) on what came back.
+             return ctx.agent->rpcAsync(next, kLayerWith, nextKey, nextBehavior, h)
+                 .then([&world, callee = ctx.callee, postKey](Tensor r) {
+                   return postKey.empty() ? r : applyLayer(r, world.layer(callee, postKey));
+                 });
+           });
   reg.bind(kWeightGradient, [&world](const rpc::CallContext& ctx, uint64_t contextId, std::string key) {
     return gradientsOf(*ctx.agent, contextId).get(world.layer(ctx.callee, key).weight);
   });
@@ -280,9 +279,8 @@ inline void bindStages(rpc::Registry& reg, World& world) {
   reg.bind(kIdentity, [](Tensor x) { return x; });
   reg.bind(kProduct, [](Tensor a, Tensor b) { return mul(a, b); });
   reg.bind(kConsumeRef, [&world](const rpc::CallContext& ctx, std::string key, rref::RRef<Tensor> r) {
-    return r.toHereAsync().then([&world, callee = ctx.callee, key](Tensor v) {
-      return applyLayer(v, world.layer(callee, key));
-    });
+    return r.toHereAsync().then(
+        [&world, callee = ctx.callee, key](Tensor v) { return applyLayer(v, world.layer(callee, key)); });
   });
   reg.bind(kParked, [&world](Tensor x) -> rpc::Future<int64_t> {
     auto promise = std::make_shared<rpc::Promise<int64_t>>(*rpc::Executor::current());
@@ -312,7 +310,7 @@ inline void bindStages(rpc::Registry& reg, World& world) {
 
 // actual == expected elementwise within `tolerance` (both defined, float64, same shape).
 inline ::testing::AssertionResult allClose(const Tensor& actual, const Tensor& expected,
-                                        double tolerance = kGradTolerance) {
+                                           double tolerance = kGradTolerance) {
   if (!expected.defined()) return ::testing::AssertionFailure() << "the expected gradient is undefined";
   if (!actual.defined()) return ::testing::AssertionFailure() << "no gradient (undefined tensor)";
   if (actual.dtype() != DType::kFloat64) {
@@ -343,9 +341,9 @@ inline ::testing::AssertionResult allClose(const Tensor& actual, const Tensor& e
 // One leaf whose distributed gradient is checked: it lives on `worker`.
 struct Expected {
   std::string worker;
-  std::string what;    // for messages: "worker1 l1.weight"
-  Tensor leaf;         // the distributed leaf (a parameter or input on `worker`)
-  Tensor gradient;     // the single-process gradient of its twin
+  std::string what;  // for messages: "worker1 l1.weight"
+  Tensor leaf;       // the distributed leaf (a parameter or input on `worker`)
+  Tensor gradient;   // the single-process gradient of its twin
 };
 
 inline const std::vector<BackwardMode>& bothModes() {
@@ -361,7 +359,7 @@ class Reference {
     if (it == layers_.end()) it = layers_.emplace(worker, makeLayers(worker)).first;
     return it->second.at(key);
   }
-  // d loss / d (weight, bias) of the twin layer `key` of `worker`, plus extra leaves, in one autograd::grad.
+  // d loss / d leaf for each of `leaves` (twins), in one autograd::grad (nothing touches .grad).
   static std::vector<Tensor> gradients(const Tensor& loss, const std::vector<Tensor>& leaves) {
     return autograd::grad({loss}, leaves, {}, /*retainGraph=*/false);
   }
@@ -485,8 +483,8 @@ class DistAutogradFixture : public ::testing::TestWithParam<std::string> {
     }
   }
 
-  // Expectations for layer `key` of `worker` given the gradients of its twin layer (weight, bias).
-  std::vector<Expected> layerExpected(const std::string& worker, const std::string& key, const Layer& twinLayer,
+  // Expectations for layer `key` of `worker` given the single-process gradients of its twin (weight, bias).
+  std::vector<Expected> layerExpected(const std::string& worker, const std::string& key,
                                       const std::vector<Tensor>& twinGrads) {
     const Layer& l = layer(worker, key);
     return {Expected{worker, worker + " " + key + ".weight", l.weight, twinGrads.at(0)},
@@ -509,9 +507,9 @@ class DistAutogradFixture : public ::testing::TestWithParam<std::string> {
     const Tensor lossR = headLoss(applyLayer(applyLayer(xr, r1), r2), rh, m.y);
     const auto g = Reference::gradients(lossR, {xr, r1.weight, r1.bias, r2.weight, r2.bias, rh.weight, rh.bias});
     m.expected = {Expected{"worker0", "x", m.x, g[0]}};
-    appendAll(m.expected, layerExpected("worker1", "l1", r1, {g[1], g[2]}));
-    appendAll(m.expected, layerExpected("worker0", "l2", r2, {g[3], g[4]}));
-    appendAll(m.expected, layerExpected("worker0", "head", rh, {g[5], g[6]}));
+    appendAll(m.expected, layerExpected("worker1", "l1", {g[1], g[2]}));
+    appendAll(m.expected, layerExpected("worker0", "l2", {g[3], g[4]}));
+    appendAll(m.expected, layerExpected("worker0", "head", {g[5], g[6]}));
     return m;
   }
   Tensor twoWorkerLoss(const TwoWorkerMlp& m) {

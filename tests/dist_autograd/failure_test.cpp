@@ -8,13 +8,12 @@
 // the heartbeat notices) in the middle of a backward fails the root's pass as `disconnected` naming it,
 // within the heartbeat bound, whether the root called it or only another worker did, and the surviving
 // workers release their parts.
+#include <gtest/gtest.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <gtest/gtest.h>
 
 #include <thread>
 
@@ -46,7 +45,7 @@ class FailureTest : public DistAutogradFixture {
 };
 
 TEST_P(FailureTest, ContextsAreReleasedOnEveryWorkerTheyTouched) {
-  start(3);
+  ASSERT_NO_FATAL_FAILURE(start(3));
   const TwoWorkerMlp m = twoWorkerMlp(3001);
   {
     // A context that made no call exists on its creator only.
@@ -95,7 +94,7 @@ TEST_P(FailureTest, ACallInFlightWhenItsContextEndsStillGetsItsPlainReply) {
   // there; its reply carries no tensor that requires grad (nothing autograd needs), so it must still
   // arrive. (RRef control messages sent when an RRef is dropped inside a context are such calls; their
   // replies fail the same way when the release overtakes them.)
-  start(2);
+  ASSERT_NO_FATAL_FAILURE(start(2));
   const Tensor x = input({8, 5}, 3051);  // requires grad: worker1 joins the context when it arrives
   rpc::Future<int64_t> call = [&] {
     DistContext ctx(agent(0));
@@ -119,7 +118,7 @@ TEST_P(FailureTest, ACallInFlightWhenItsContextEndsStillGetsItsPlainReply) {
 }
 
 TEST_P(FailureTest, BackwardErrorsNameTheFailingWorkerAndKeepTheMessage) {
-  start(3);
+  ASSERT_NO_FATAL_FAILURE(start(3));
   struct Case {
     const char* what;
     std::string failing;  // the worker whose backward function fails
@@ -171,7 +170,7 @@ TEST_P(FailureTest, BackwardErrorsNameTheFailingWorkerAndKeepTheMessage) {
 }
 
 TEST_P(FailureTest, CancellationAbortsAPassStuckInARemoteBackward) {
-  start(2);
+  ASSERT_NO_FATAL_FAILURE(start(2));
   const Tensor x = input({8, 5}, 3201);
   const Tensor y = labels(8, 3, 3202);
   for (BackwardMode mode : bothModes()) {
@@ -219,7 +218,7 @@ TEST_P(FailureTest, CancellationAbortsAPassStuckInARemoteBackward) {
 }
 
 TEST_P(FailureTest, DeadlineAbortsAPassStuckInARemoteBackward) {
-  start(2);
+  ASSERT_NO_FATAL_FAILURE(start(2));
   const Tensor x = input({8, 5}, 3301);
   const Tensor y = labels(8, 3, 3302);
   for (BackwardMode mode : bothModes()) {
@@ -251,7 +250,7 @@ TEST_P(FailureTest, DeadlineAbortsAPassStuckInARemoteBackward) {
 }
 
 TEST_P(FailureTest, BadRootsAreValueErrorsAndLeaveTheContextUsable) {
-  start(2);
+  ASSERT_NO_FATAL_FAILURE(start(2));
   const TwoWorkerMlp m = twoWorkerMlp(3401);
   {
     DistContext ctx(agent(0));
@@ -424,7 +423,8 @@ class WorkerDeathTest : public ::testing::Test {
 };
 
 TEST_F(WorkerDeathTest, KilledWorkerBehindAnotherFailsThePassAndTheSurvivorsRelease) {
-  // worker0 only ever talked to worker2; worker2 called worker1. The connection closes at once: well within one heartbeat timeout (1 s) plus slack.
+  // worker0 only ever talked to worker2; worker2 called worker1. The connection closes at once: well within one
+  // heartbeat timeout (1 s) plus slack.
   workerDiesMidBackward(SIGKILL, BackwardMode::kExact, 2000ms, /*nested=*/true);
 }
 
