@@ -44,8 +44,9 @@ class AutogradHook {
  public:
   virtual ~AutogradHook() = default;
   // A message of context `contextId` is being sent to `peer` carrying `gradTensors` (the sent tensors that
-  // require grad, in payload order; may be empty). Returns the autograd message id for its envelope. Throws
-  // (the send then fails with that message) when the context is not known here.
+  // require grad, in payload order; may be empty). Returns the autograd message id for its envelope, or 0:
+  // the message goes without a context (it carries no grad tensors and the context is gone here). Throws
+  // (the send then fails with that message) when grad tensors cannot be recorded.
   virtual uint64_t onSend(uint64_t contextId, const std::string& peer, const std::vector<Tensor>& gradTensors) = 0;
   // A message of context `ids.contextId` arrived from `peer` with tensors that require grad, described by
   // `gradMetas` (payload order). Returns the node they hang from (one output per entry of gradMetas), or

@@ -154,9 +154,11 @@ Result<transport::OutgoingFrame> encodeMessage(const EnvelopeFields& fields, con
       DG_ASSERT(!fields.autograd, "a message with explicit autograd ids was encoded inside a context");
       const uint64_t autogradMessageId =
           scope->autogradHook->onSend(scope->autogradContext, scope->peer, ctx.gradTensors());
-      env.setHasAutogradContext(true);
-      env.setAutogradContextId(scope->autogradContext);
-      env.setAutogradMessageId(autogradMessageId);
+      if (autogradMessageId != 0) {
+        env.setHasAutogradContext(true);
+        env.setAutogradContextId(scope->autogradContext);
+        env.setAutogradMessageId(autogradMessageId);
+      }
     }
     transport::OutgoingFrame frame;
     frame.payloads = ctx.takePayloads();

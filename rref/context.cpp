@@ -246,7 +246,11 @@ void RRefContext::sendControl(const std::string& worker, std::function<rpc::Futu
     return;
   }
   ++pendingControl_;
-  rpc::Future<void> future = send(*agent);
+  // Reference-counting traffic belongs to no distributed autograd context, whatever the thread's is.
+  rpc::Future<void> future = [&] {
+    rpc::AutogradContextScope outside(0);
+    return send(*agent);
+  }();
   endUse();
   auto self = shared_from_this();
   (void)std::move(future).then([self, worker, send = std::move(send), done = std::move(done),

@@ -218,6 +218,11 @@ void DistAutogradState::releaseContext(uint64_t contextId, const std::string& fr
     ControlRequest request;
     request.kind = static_cast<uint8_t>(ControlKind::kRelease);
     request.contextId = contextId;
+    if (reason) {  // a worker's death travels on, so every worker's pass fails with it
+      request.errorKind = static_cast<uint8_t>(reason->kind);
+      request.message = reason->message;
+      request.worker = reason->worker;
+    }
     broadcast(peers, from, request);
   }
 }
@@ -239,7 +244,15 @@ size_t DistAutogradState::liveContexts() const {
 // ---- the forward: rpc::AutogradHook ----
 
 uint64_t DistAutogradState::onSend(uint64_t contextId, const std::string& peer, const std::vector<Tensor>& gradTensors) {
-  auto ctx = find(contextId, true);
+  std::shared_ptr<Context> ctx;
+  try {
+    ctx = find(contextId, true);
+  } catch (const std::exception&) {
+    // A message that needs nothing from a context that is gone here (a reply finishing after the release,
+    // a late call of a thread still holding the id) goes without it: the receiver must not join it.
+    if (gradTensors.empty()) return 0;
+    throw;
+  }
   const uint64_t messageId = makeId(rank_, nextMessage_);
   std::shared_ptr<SendBackward> node;
   if (!gradTensors.empty()) {
@@ -258,6 +271,7 @@ uint64_t DistAutogradState::onSend(uint64_t contextId, const std::string& peer, 
       return messageId;
     }
   }
+  if (gradTensors.empty()) return 0;
   throwReleased(contextId);
 }
 
@@ -676,7 +690,11 @@ void DistAutogradState::onControl(const ControlRequest& request, const std::stri
   DG_CHECK(request.errorKind <= static_cast<uint8_t>(rpc::ErrorKind::kRemote), "unknown error kind ",
            int(request.errorKind));
   if (static_cast<ControlKind>(request.kind) == ControlKind::kRelease) {
-    releaseContext(request.contextId, from, std::nullopt, true);
+    std::optional<rpc::Error> reason;
+    if (!request.message.empty()) {
+      reason = rpc::Error{static_cast<rpc::ErrorKind>(request.errorKind), request.message, request.worker, {}};
+    }
+    releaseContext(request.contextId, from, std::move(reason), true);
     return;
   }
   std::shared_ptr<Context> ctx;

@@ -86,6 +86,7 @@ struct ControlRequest {  // release a context / abort a pass, forwarded along th
   uint8_t kind = 0;      // ControlKind
   uint64_t contextId = 0;
   uint64_t passId = 0;   // kAbort
+  // Why (kAbort always; kRelease when a worker died, empty message for a normal release).
   uint8_t errorKind = 0;  // rpc::ErrorKind of the reason
   std::string message;
   std::string worker;
