@@ -510,6 +510,9 @@ void Agent::onFrame(const std::shared_ptr<Link>& link, transport::IncomingFrame&
   }
   uint64_t bytes = frame.envelope.size();
   for (const auto& p : frame.payloads) bytes += p.size;
+  // RPC has value semantics on every transport: inproc frames share the sender's bytes, so they are copied
+  // (tcp reads into fresh storage anyway).
+  if (options_.transport == "inproc") copyPayloads(frame);
   auto decoded = decodeMessage(std::move(frame));
   if (!decoded.ok()) {
     warn("closing the connection with " + (link->peer.empty() ? link->connection->peerAddress() : link->peer) +

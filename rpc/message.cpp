@@ -283,16 +283,24 @@ Result<DecodedMessage> decodeMessage(transport::IncomingFrame frame, const Decod
   });
 }
 
+void copyPayloads(transport::IncomingFrame& frame) {
+  for (auto& payload : frame.payloads) {
+    auto storage = std::make_shared<tensor::Storage>(tensor::Storage::allocate(payload.size));
+    if (payload.size > 0) std::memcpy(storage->data(), payload.data, payload.size);
+    payload = transport::PayloadBuffer{storage->data(), payload.size, storage};
+  }
+}
+
 Result<DecodedMessage> decodeLoopback(transport::OutgoingFrame frame, const DecodeLimits& limits) {
   transport::IncomingFrame incoming;
   incoming.flags = frame.flags;
   incoming.envelope = std::move(frame.envelope);
   incoming.payloads.reserve(frame.payloads.size());
   for (const auto& buffer : frame.payloads) {
-    auto storage = std::make_shared<tensor::Storage>(tensor::Storage::allocate(buffer.size));
-    if (buffer.size > 0) std::memcpy(storage->data(), buffer.data, buffer.size);
-    incoming.payloads.push_back(transport::PayloadBuffer{storage->data(), buffer.size, storage});
+    incoming.payloads.push_back(
+        transport::PayloadBuffer{const_cast<void*>(buffer.data), buffer.size, std::const_pointer_cast<void>(buffer.owner)});
   }
+  copyPayloads(incoming);
   frame.payloads.clear();  // the sender's buffers are no longer needed
   return decodeMessage(std::move(incoming), limits);
 }

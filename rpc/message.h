@@ -178,6 +178,11 @@ class DecodedMessage {
 // payload: index in range and used once, dtype, shape x itemsize == byteLength == payload size).
 Result<DecodedMessage> decodeMessage(transport::IncomingFrame frame, const DecodeLimits& limits = {});
 
+// Replaces every payload of `frame` by a private copy in fresh 64-byte aligned CPU storage: value semantics
+// for frames whose payloads alias the sender's memory (the inproc transport shares them), so a receiver's
+// tensor never changes when the sender later writes its own (a parameter it steps, a value it stores).
+void copyPayloads(transport::IncomingFrame& frame);
+
 // A frame this process encoded, received without a transport (calls of an agent to itself, tests): the
 // payloads are copied into freshly allocated, 64-byte aligned CPU storage, exactly as a network hop would
 // leave them, so the receiver's tensors never alias the sender's (value semantics; the inproc transport

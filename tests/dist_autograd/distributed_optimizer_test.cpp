@@ -95,11 +95,10 @@ std::vector<Tensor> copies(const std::vector<Tensor>& tensors) {
   return out;
 }
 
-// Copies of the parameters' current values (inproc hands over tensors without copying: toHere may alias
-// the owner's parameter).
+// Copies of the parameters' current values (toHere copies on every transport).
 std::vector<Tensor> fetch(const std::vector<RRef<Tensor>>& params) {
   std::vector<Tensor> out;
-  for (const auto& p : params) out.push_back(p.toHere().cloneData());
+  for (const auto& p : params) out.push_back(p.toHere());
   return out;
 }
 
