@@ -29,7 +29,7 @@
 #include "autograd/distributed/dist_autograd.h"
 #include "autograd/engine.h"
 #include "autograd/ops.h"
-#include "bench/socket_bench_util.h"
+#include "bench/agent_pair.h"
 #include "models/optim/distributed_optimizer.h"
 #include "models/optim/sgd.h"
 #include "models/zoo/mlp.h"
@@ -72,18 +72,7 @@ std::shared_ptr<models::MLP> makeHalf(uint64_t seed) {
   return std::make_shared<models::MLP>(halfSizes(), gen);
 }
 
-rpc::Options optionsFor(int rank, int storePort) {
-  rpc::Options options;
-  options.rank = rank;
-  options.worldSize = 2;
-  options.transport = "tcp";
-  options.storeAddr = "127.0.0.1:" + std::to_string(storePort);
-  options.executorThreads = 1;
-  options.secret = "bench";
-  return options;
-}
-
-rpc::Registry makeRegistry() {
+rpc::Registry makeRegistry(int) {
   rpc::Registry registry;
   rref::RRefContext::install(registry);
   autograd::distributed::install(registry);
@@ -92,72 +81,6 @@ rpc::Registry makeRegistry() {
   return registry;
 }
 
-constexpr char kReportCpu = 'c';
-constexpr char kQuit = 'q';
-
-// worker0 here, worker1 in a child forked before any thread of this process exists; the child's main thread
-// blocks on a pipe (reporting its process CPU time on request) while its agent serves.
-class AgentPair {
- public:
-  AgentPair() {
-    int toChild[2], fromChild[2];
-    check(pipe(toChild) == 0 && pipe(fromChild) == 0, "pipe");
-    child_ = forkChild(false, [&] {
-      ::close(toChild[1]);
-      ::close(fromChild[0]);
-      runChild(toChild[0], fromChild[1]);
-    });
-    ::close(toChild[0]);
-    ::close(fromChild[1]);
-    toChild_ = toChild[1];
-    fromChild_ = fromChild[0];
-    store_ = rpc::StoreServer::start("127.0.0.1:0");
-    int storePort = store_->port();
-    check(::write(toChild_, &storePort, sizeof(storePort)) == sizeof(storePort), "write store port");
-    agent_ = rpc::Agent::start(optionsFor(0, storePort), makeRegistry());
-  }
-  AgentPair(const AgentPair&) = delete;
-  AgentPair& operator=(const AgentPair&) = delete;
-  ~AgentPair() {
-    check(::write(toChild_, &kQuit, 1) == 1, "write quit");
-    agent_->shutdown();  // meets the child's shutdown at the store barrier
-    reap(child_);
-    agent_.reset();
-    store_.reset();
-    ::close(toChild_);
-    ::close(fromChild_);
-  }
-
-  rpc::Agent& agent() { return *agent_; }
-  double childCpuSeconds() {
-    check(::write(toChild_, &kReportCpu, 1) == 1, "write cpu request");
-    double seconds = 0;
-    check(::read(fromChild_, &seconds, sizeof(seconds)) == sizeof(seconds), "read child cpu");
-    return seconds;
-  }
-
- private:
-  static void runChild(int commands, int replies) {
-    tensor::setNumThreads(1);
-    int storePort = 0;
-    check(::read(commands, &storePort, sizeof(storePort)) == sizeof(storePort), "read store port");
-    auto agent = rpc::Agent::start(optionsFor(1, storePort), makeRegistry());
-    char command = 0;
-    while (::read(commands, &command, 1) == 1 && command != kQuit) {
-      if (command == kReportCpu) {
-        double seconds = processCpuSeconds();
-        check(::write(replies, &seconds, sizeof(seconds)) == sizeof(seconds), "write cpu");
-      }
-    }
-    agent->shutdown();
-  }
-
-  pid_t child_ = -1;
-  int toChild_ = -1;
-  int fromChild_ = -1;
-  std::unique_ptr<rpc::StoreServer> store_;
-  std::unique_ptr<rpc::Agent> agent_;
-};
 
 // Per-phase milliseconds of a variant's iterations, and what it cost beyond them.
 struct Samples {
@@ -189,7 +112,11 @@ int main(int argc, char** argv) {
   if (argc > 2) warmup = std::max(std::atoi(argv[2]), 0);
   std::signal(SIGPIPE, SIG_IGN);
 
-  AgentPair pair;  // forks first: no thread may exist in this process before
+  // Forks first: no thread may exist in this process before. One executor thread and one compute thread
+  // per worker.
+  AgentPair pair(
+      false, [](int rank, const std::string& store) { return AgentPair::tcpOptions(rank, store, 1); }, makeRegistry,
+      [] { tensor::setNumThreads(1); });
   tensor::setNumThreads(1);
   rpc::Agent& agent = pair.agent();
 

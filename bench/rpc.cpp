@@ -29,6 +29,7 @@
 #include <deque>
 #include <thread>
 
+#include "bench/agent_pair.h"
 #include "bench/socket_bench_util.h"
 #include "rpc/agent.h"
 
@@ -59,90 +60,19 @@ int echoRounds(const Config& config, size_t bytes) {
   return static_cast<int>(std::clamp(rounds, 5.0, 2000.0));
 }
 
-rpc::Options optionsFor(int rank, int storePort) {
-  rpc::Options options;
-  options.rank = rank;
-  options.worldSize = 2;
-  options.transport = "tcp";
-  options.storeAddr = "127.0.0.1:" + std::to_string(storePort);
-  options.executorThreads = 2;
-  options.secret = "bench";
-  return options;
+rpc::Options pairOptions(int rank, const std::string& storeAddress) {
+  return AgentPair::tcpOptions(rank, storeAddress, /*executorThreads=*/2);
 }
 
-// Commands the parent sends the child through a pipe (the child's main thread blocks on it, so it costs
-// the child no CPU while the agent's own threads run).
-constexpr char kReportCpu = 'c';
-constexpr char kQuit = 'q';
-
-// Two agents in two processes: the child (forked first, before any thread of this process exists, and
-// pinned with it when `pinned`) serves ping and echo as worker1; this process runs worker0, which hosts the
-// store. Pin this process before constructing a pinned pair so that the agent's threads inherit the mask.
-class AgentPair {
- public:
-  explicit AgentPair(bool pinned) {
-    int toChild[2], fromChild[2];
-    check(pipe(toChild) == 0 && pipe(fromChild) == 0, "pipe");
-    child_ = forkChild(pinned, [&] {
-      ::close(toChild[1]);
-      ::close(fromChild[0]);
-      runChild(toChild[0], fromChild[1]);
-    });
-    ::close(toChild[0]);
-    ::close(fromChild[1]);
-    toChild_ = toChild[1];
-    fromChild_ = fromChild[0];
-    store_ = rpc::StoreServer::start("127.0.0.1:0");
-    int storePort = store_->port();
-    check(::write(toChild_, &storePort, sizeof(storePort)) == sizeof(storePort), "write store port");
-    agent_ = rpc::Agent::start(optionsFor(0, storePort), rpc::Registry{});
-  }
-  AgentPair(const AgentPair&) = delete;
-  AgentPair& operator=(const AgentPair&) = delete;
-
-  ~AgentPair() {
-    check(::write(toChild_, &kQuit, 1) == 1, "write quit");
-    agent_->shutdown();  // meets the child's shutdown at the store barrier
-    agent_.reset();
-    store_.reset();
-    reap(child_);
-    ::close(toChild_);
-    ::close(fromChild_);
-  }
-
-  rpc::Agent& agent() { return *agent_; }
-
-  // The child process's CPU seconds so far (all its threads).
-  double childCpuSeconds() {
-    check(::write(toChild_, &kReportCpu, 1) == 1, "write cpu request");
-    double seconds = 0;
-    check(::read(fromChild_, &seconds, sizeof(seconds)) == sizeof(seconds), "read child cpu");
-    return seconds;
-  }
-
- private:
-  static void runChild(int commands, int replies) {
-    int storePort = 0;
-    check(::read(commands, &storePort, sizeof(storePort)) == sizeof(storePort), "read store port");
-    rpc::Registry registry;
+// worker1 (the child) serves ping and echo; worker0 only calls.
+rpc::Registry pairRegistry(int rank) {
+  rpc::Registry registry;
+  if (rank == 1) {
     registry.bind(kPing, [](int64_t x) { return x; });
     registry.bind(kEcho, [](Tensor t) { return t; });
-    auto agent = rpc::Agent::start(optionsFor(1, storePort), registry);
-    char command = 0;
-    while (::read(commands, &command, 1) == 1 && command != kQuit) {
-      if (command == kReportCpu) {
-        double seconds = processCpuSeconds();
-        check(::write(replies, &seconds, sizeof(seconds)) == sizeof(seconds), "write child cpu");
-      }
-    }
-    agent->shutdown();
   }
-
-  pid_t child_ = -1;
-  int toChild_ = -1, fromChild_ = -1;
-  std::unique_ptr<rpc::StoreServer> store_;
-  std::unique_ptr<rpc::Agent> agent_;
-};
+  return registry;
+}
 
 Measurement single(double value) {
   Measurement m;
@@ -273,7 +203,7 @@ int main(int argc, char** argv) {
       emitMeasurement("raw_socket", "echo_" + sizeName(bytes), "GB/s", rawEcho.back(), pinned,
                       {{"bytes", std::to_string(bytes)}});
     }
-    AgentPair pair(pinned);
+    AgentPair pair(pinned, pairOptions, pairRegistry);
     measureIdle(pair, config.idleSeconds, "after_start", pinned);
     measureRpcSync(pair.agent(), config.rounds, rawRtt, pinned);
     measureRpcAsync(pair.agent(), config.calls, pinned);
@@ -291,7 +221,7 @@ int main(int argc, char** argv) {
     Measurement rawRtt = rawPingPong(config.rounds, pinned);
     emitMeasurement("raw_socket", "pingpong_rtt_64B", "us", rawRtt, pinned);
     {
-      AgentPair pair(pinned);
+      AgentPair pair(pinned, pairOptions, pairRegistry);
       measureRpcSync(pair.agent(), config.rounds, rawRtt, pinned);
       measureRpcAsync(pair.agent(), config.calls, pinned);
     }
