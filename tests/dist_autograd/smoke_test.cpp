@@ -4,6 +4,7 @@
 
 #include "../rpc/agent_test_util.h"
 #include "autograd/distributed/dist_autograd.h"
+#include "autograd/distributed/state.h"
 #include "autograd/engine.h"
 #include "autograd/ops.h"
 #include "tensor/random.h"
@@ -149,6 +150,55 @@ TEST_P(DistAutogradSmoke, UnusedSendExactCompletesFastTimesOut) {
   DistContext ctx(agent(0));
   ctx.backward(sum(agent(0).rpcSync("worker1", kStage, x)));
   EXPECT_TRUE(ctx.gradients().get(x).defined());
+}
+
+// The protocol messages are wire input: a peer sending nonsense gets an error naming what is wrong, and the
+// context it touched keeps working.
+TEST_P(DistAutogradSmoke, MalformedProtocolMessagesAreClearErrors) {
+  auto expectError = [&](const auto& fn, const auto& request, const std::string& text) {
+    try {
+      agent(0).rpcSync("worker1", fn, request);
+      ADD_FAILURE() << "accepted a malformed request; expected: " << text;
+    } catch (const rpc::RpcError& e) {
+      EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+    }
+  };
+  Tensor x = input();
+  DistContext ctx(agent(0));
+  Tensor y = agent(0).rpcSync("worker1", kStage, x);  // worker1 joins ctx and records the reply's send
+  {
+    rpc::AutogradContextScope outside(0);  // protocol messages travel outside any context
+    PropagateRequest unknownContext;
+    unknownContext.contextId = ctx.id() + 1000;
+    expectError(kPropagate, unknownContext, "does not know distributed autograd context");
+    PropagateRequest badMode;
+    badMode.contextId = ctx.id();
+    badMode.mode = 7;
+    expectError(kPropagate, badMode, "unknown backward mode 7");
+    PropagateRequest noDiscovery;
+    noDiscovery.contextId = ctx.id();
+    noDiscovery.passId = 42;
+    expectError(kPropagate, noDiscovery, "arrived before its discovery");
+    PropagateRequest unknownMessage;
+    unknownMessage.contextId = ctx.id();
+    unknownMessage.passId = 43;
+    unknownMessage.mode = static_cast<uint8_t>(BackwardMode::kFast);
+    unknownMessage.messageId = 12345;
+    expectError(kPropagate, unknownMessage, "does not expect");
+    DiscoverRequest unknownSend;
+    unknownSend.contextId = ctx.id();
+    unknownSend.passId = 44;
+    unknownSend.messageIds = {999};
+    expectError(kDiscover, unknownSend, "never sent in context");
+    ControlRequest badKind;
+    badKind.kind = 9;
+    badKind.contextId = ctx.id();
+    expectError(kControl, badKind, "unknown control kind 9");
+  }
+  // The context still works end to end.
+  ctx.backward(sum(y));
+  Tensor expected = grad({sum(tanh(matmul(x, params_.of("worker1"))))}, {x})[0];
+  expectClose(ctx.gradients().get(x), expected);
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, DistAutogradSmoke, ::testing::Values("inproc", "tcp"));
