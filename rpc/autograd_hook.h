@@ -40,16 +40,26 @@ class AutogradContextScope {
   uint64_t previous_;
 };
 
+// What the hook records for one sent message: its autograd message id (0: send it without a context) and,
+// for a message with grad tensors, the ids of every message whose received tensors the sent ones were
+// computed from, transitively (closureKnown false when the sender could not bound it): receivers keep it,
+// so a backward can tell every worker which of its sends will receive a gradient without asking.
+struct AutogradSend {
+  uint64_t messageId = 0;
+  bool closureKnown = false;
+  std::vector<uint64_t> closure;
+};
+
 class AutogradHook {
  public:
   virtual ~AutogradHook() = default;
   // A message of context `contextId` is being sent to `peer` carrying `gradTensors` (the sent tensors that
-  // require grad, in payload order; may be empty). Returns the autograd message id for its envelope, or 0:
-  // the message goes without a context (it carries no grad tensors and the context is gone here). Throws
-  // (the send then fails with that message) when grad tensors cannot be recorded.
-  virtual uint64_t onSend(uint64_t contextId, const std::string& peer, const std::vector<Tensor>& gradTensors) = 0;
+  // require grad, in payload order; may be empty). Returns what goes in its envelope (messageId 0: the
+  // message goes without a context: it carries no grad tensors and the context is gone here). Throws (the
+  // send then fails with that message) when grad tensors cannot be recorded.
+  virtual AutogradSend onSend(uint64_t contextId, const std::string& peer, const std::vector<Tensor>& gradTensors) = 0;
   // A message of context `ids.contextId` arrived from `peer` with tensors that require grad, described by
-  // `gradMetas` (payload order). Returns the node they hang from (one output per entry of gradMetas), or
+  // `gradMetas` (payload order); `ids` carries the sender's closure. Returns the node they hang from (one output per entry of gradMetas), or
   // nullptr when gradMetas is empty. Throws to refuse the message (the call fails with that message).
   virtual std::shared_ptr<autograd::Node> onReceive(const AutogradIds& ids, const std::string& peer,
                                                     std::vector<autograd::TensorMeta> gradMetas) = 0;

@@ -78,6 +78,11 @@ void checkEnvelope(wire::Envelope::Reader env, std::span<const uint64_t> payload
                      std::to_string(payloadSizes.size()));
   }
   (void)env.getFunctionName();
+  const auto closure = env.getAutogradClosure();
+  if (closure.size() > kMaxAutogradClosure) {
+    throw CodecError("autograd closure of " + std::to_string(closure.size()) + " message ids exceeds the limit of " +
+                     std::to_string(kMaxAutogradClosure));
+  }
   if (env.getKind() == wire::Envelope::Kind::ERROR) {
     auto error = env.getError();
     if (static_cast<unsigned>(error.getKind()) >= kNumErrorKinds) {
@@ -112,6 +117,16 @@ void checkEnvelope(wire::Envelope::Reader env, std::span<const uint64_t> payload
   }
 }
 
+// The autograd closure fields of an envelope (rpc/autograd_hook.h); nothing when the closure is unknown.
+void setClosure(wire::Envelope::Builder env, bool known, const std::vector<uint64_t>& ids) {
+  if (!known) return;
+  DG_CHECK(ids.size() <= kMaxAutogradClosure, "autograd closure of ", ids.size(), " ids exceeds the limit of ",
+           kMaxAutogradClosure);
+  env.setAutogradClosureKnown(true);
+  auto closure = env.initAutogradClosure(static_cast<uint32_t>(ids.size()));
+  for (uint32_t i = 0; i < ids.size(); ++i) closure.set(i, ids[i]);
+}
+
 }  // namespace
 
 Result<transport::OutgoingFrame> encodeMessage(const EnvelopeFields& fields, const EncodeValueFn& encodeValue,
@@ -134,6 +149,7 @@ Result<transport::OutgoingFrame> encodeMessage(const EnvelopeFields& fields, con
       env.setHasAutogradContext(true);
       env.setAutogradContextId(fields.autograd->contextId);
       env.setAutogradMessageId(fields.autograd->messageId);
+      setClosure(env, fields.autograd->closureKnown, fields.autograd->closure);
     }
     if (fields.error) {
       auto error = env.initError();
@@ -152,12 +168,12 @@ Result<transport::OutgoingFrame> encodeMessage(const EnvelopeFields& fields, con
     if (scope != nullptr && scope->autogradHook != nullptr && scope->autogradContext != 0) {
       // Distributed autograd (rpc/autograd_hook.h): the hook records the send (and its grad tensors).
       DG_ASSERT(!fields.autograd, "a message with explicit autograd ids was encoded inside a context");
-      const uint64_t autogradMessageId =
-          scope->autogradHook->onSend(scope->autogradContext, scope->peer, ctx.gradTensors());
-      if (autogradMessageId != 0) {
+      const AutogradSend sent = scope->autogradHook->onSend(scope->autogradContext, scope->peer, ctx.gradTensors());
+      if (sent.messageId != 0) {
         env.setHasAutogradContext(true);
         env.setAutogradContextId(scope->autogradContext);
-        env.setAutogradMessageId(autogradMessageId);
+        env.setAutogradMessageId(sent.messageId);
+        setClosure(env, sent.closureKnown, sent.closure);
       }
     }
     transport::OutgoingFrame frame;
@@ -270,7 +286,11 @@ Result<DecodedMessage> decodeMessage(transport::IncomingFrame frame, const Decod
     fields.traceId = env.getTraceId();
     fields.spanId = env.getSpanId();
     if (env.getHasAutogradContext()) {
-      fields.autograd = AutogradIds{env.getAutogradContextId(), env.getAutogradMessageId()};
+      fields.autograd = AutogradIds{env.getAutogradContextId(), env.getAutogradMessageId(), false, {}};
+      auto closure = env.getAutogradClosure();  // its size was checked by checkEnvelope
+      fields.autograd->closureKnown = env.getAutogradClosureKnown();
+      fields.autograd->closure.reserve(closure.size());
+      for (uint64_t id : closure) fields.autograd->closure.push_back(id);
     }
     if (fields.kind == MessageKind::kError) {
       auto error = env.getError();

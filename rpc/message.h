@@ -45,10 +45,16 @@ enum class MessageKind : uint8_t {
 
 const char* messageKindName(MessageKind kind);
 
-// Distributed autograd ids carried by messages sent inside a context.
+// Longest autograd closure a message may carry (rpc/autograd_hook.h); a sender with more sends none.
+inline constexpr size_t kMaxAutogradClosure = 4096;
+
+// Distributed autograd ids carried by messages sent inside a context, and (messages with grad tensors) the
+// closure of messages upstream of this one, when the sender knew it (rpc/autograd_hook.h).
 struct AutogradIds {
   uint64_t contextId = 0;
   uint64_t messageId = 0;
+  bool closureKnown = false;
+  std::vector<uint64_t> closure = {};
   friend bool operator==(const AutogradIds&, const AutogradIds&) = default;
 };
 

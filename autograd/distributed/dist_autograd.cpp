@@ -14,6 +14,9 @@ void install(rpc::Registry& registry) {
   registry.bind(kDiscover, [](const rpc::CallContext& call, DiscoverRequest request) {
     return DistAutogradState::of(*call.agent)->onDiscover(std::move(request), call);
   });
+  registry.bind(kPlan, [](const rpc::CallContext& call, const DiscoverRequest& request) {
+    DistAutogradState::of(*call.agent)->onPlan(request, call);
+  });
   registry.bind(kControl, [](const rpc::CallContext& call, const ControlRequest& request) {
     DistAutogradState::of(*call.agent)->onControl(request, call.caller);
   });

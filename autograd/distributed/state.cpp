@@ -16,6 +16,40 @@ constexpr uint64_t kCounterBits = 48;
 constexpr uint64_t kCounterMask = (uint64_t{1} << kCounterBits) - 1;
 // Released context ids remembered so late messages cannot revive them.
 constexpr size_t kReleasedMemory = 1 << 16;
+// Nodes one send may walk to compute its closure (Note [Exact plans]); beyond, the closure is unknown.
+constexpr size_t kMaxClosureWalk = 1 << 16;
+
+uint64_t rankOf(uint64_t id) { return id >> kCounterBits; }
+
+// The closure of a message carrying tensors whose gradients flow into `edges` (Note [Exact plans]), or
+// false when it is unknown.
+bool closureOf(const std::vector<Edge>& edges, size_t limit, std::vector<uint64_t>& out) {
+  std::unordered_set<const Node*> seen;
+  std::unordered_set<uint64_t> ids;
+  std::vector<const Node*> stack;
+  for (const auto& e : edges) {
+    if (e.valid()) stack.push_back(e.fn.get());
+  }
+  while (!stack.empty()) {
+    const Node* node = stack.back();
+    stack.pop_back();
+    if (!seen.insert(node).second) continue;
+    if (seen.size() > kMaxClosureWalk) return false;
+    if (const auto* recv = dynamic_cast<const RecvBackward*>(node)) {
+      if (!recv->closureKnown) return false;
+      ids.insert(recv->messageId);
+      ids.insert(recv->closure.begin(), recv->closure.end());
+      if (ids.size() > limit) return false;
+      continue;
+    }
+    for (const auto& e : node->nextEdges()) {
+      if (e.valid()) stack.push_back(e.fn.get());
+    }
+  }
+  out.assign(ids.begin(), ids.end());
+  std::sort(out.begin(), out.end());
+  return true;
+}
 
 uint64_t makeId(uint64_t rank, std::atomic<uint64_t>& counter) {
   const uint64_t n = counter.fetch_add(1, std::memory_order_relaxed);
@@ -45,9 +79,21 @@ std::string hex(uint64_t id) {
 // Errors travel back the same way (a failed node fails its worker's pass, which fails the caller's
 // kPropagate); the root then tells every worker to abort (kControl/kAbort, forwarded once per worker).
 //
+// Note [Exact plans]
+// The forward records, for every message with grad tensors, its closure: the ids of every message whose
+// received tensors the sent ones were computed from, transitively (the sender walks its graph back from the
+// sent tensors to the RecvBackward nodes there and adds their closures; RecvBackward keeps the closure that
+// came with its message). At backward time the root walks from the roots to the RecvBackward nodes they
+// reach; those messages and their closures are exactly the messages whose sends will receive a gradient
+// (a send receives one iff its RecvBackward is reached, and everything upstream of a reached RecvBackward's
+// send is in its closure). The root keeps its own part and sends each other worker its part (kPlan), all
+// at once and without waiting: a worker buffers gradients that arrive before its plan. No round trip is
+// added to the backward. A closure over kMaxAutogradClosure ids, or a walk over kMaxClosureWalk nodes, is
+// "unknown"; a pass that reaches an unknown closure falls back to discovery.
+//
 // Note [Exact discovery]
-// Before gradients flow, the root walks its graph from the roots; each RecvBackward it reaches means the
-// matching send on the peer will receive a gradient. kDiscover tells that peer, which walks on from those
+// The fallback. Before gradients flow, the root walks its graph from the roots; each RecvBackward it
+// reaches means the matching send on the peer will receive a gradient. kDiscover tells that peer, which walks on from those
 // sends, and so on; each kDiscover completes when the sub-walks it caused have completed, and a worker
 // walks each node at most once per pass, so discovery terminates (the forward is a DAG over time). After
 // it, each worker knows exactly which of its sends get a gradient, and its GraphTask waits for those only.
@@ -73,6 +119,11 @@ struct DistAutogradState::Pass {
   // EXACT: sends that receive a gradient, and nodes already walked by discovery.
   std::unordered_set<uint64_t> activeSends;
   std::unordered_set<Node*> walked;
+  // EXACT: activeSends is complete (a plan came, or discovery made the pass); gradients that arrive before
+  // are buffered (Note [Exact plans]).
+  bool planned = false;
+  std::vector<std::pair<uint64_t, std::vector<Tensor>>> buffered;
+  bool gotGradients = false;  // the first kPropagate of the pass arrived (Note [Distributed backward])
   // Root only.
   std::vector<Edge> roots;
   std::vector<Tensor> rootGrads;
@@ -243,35 +294,39 @@ size_t DistAutogradState::liveContexts() const {
 
 // ---- the forward: rpc::AutogradHook ----
 
-uint64_t DistAutogradState::onSend(uint64_t contextId, const std::string& peer, const std::vector<Tensor>& gradTensors) {
+rpc::AutogradSend DistAutogradState::onSend(uint64_t contextId, const std::string& peer,
+                                            const std::vector<Tensor>& gradTensors) {
   std::shared_ptr<Context> ctx;
   try {
     ctx = find(contextId, true);
   } catch (const std::exception&) {
     // A message that needs nothing from a context that is gone here (a reply finishing after the release,
     // a late call of a thread still holding the id) goes without it: the receiver must not join it.
-    if (gradTensors.empty()) return 0;
+    if (gradTensors.empty()) return {};
     throw;
   }
-  const uint64_t messageId = makeId(rank_, nextMessage_);
+  rpc::AutogradSend sent;
+  sent.messageId = makeId(rank_, nextMessage_);
   std::shared_ptr<SendBackward> node;
   if (!gradTensors.empty()) {
-    node = std::make_shared<SendBackward>(messageId, peer);
+    node = std::make_shared<SendBackward>(sent.messageId, peer);
     for (const auto& t : gradTensors) {
       node->nextEdges().push_back(gradientEdge(t));
       node->inputMeta().push_back(TensorMeta::of(t));
       node->outputMeta().push_back(TensorMeta::of(t));
     }
+    sent.closureKnown = closureOf(node->nextEdges(), closureLimit_.load(), sent.closure);  // Note [Exact plans]
+    if (!sent.closureKnown) sent.closure.clear();
   }
   {
     std::lock_guard<std::mutex> lock(ctx->mutex);
     if (!ctx->released) {
       if (peer != name_) ctx->peers.insert(peer);
-      if (node) ctx->sends.emplace(messageId, std::move(node));
-      return messageId;
+      if (node) ctx->sends.emplace(sent.messageId, std::move(node));
+      return sent;
     }
   }
-  if (gradTensors.empty()) return 0;
+  if (gradTensors.empty()) return {};
   throwReleased(contextId);
 }
 
@@ -291,6 +346,8 @@ std::shared_ptr<Node> DistAutogradState::onReceive(const rpc::AutogradIds& ids, 
                      std::to_string(ids.contextId));
   }
   auto node = std::make_shared<RecvBackward>(ids.contextId, ids.messageId, peer);
+  node->closureKnown = ids.closureKnown;
+  node->closure = ids.closure;
   node->outputs().resize(gradMetas.size());
   node->outputMeta() = std::move(gradMetas);
   it->second = node;
@@ -390,13 +447,37 @@ rpc::Future<void> DistAutogradState::backward(uint64_t contextId, const std::vec
     pass->timer = timers_->schedule(deadline, [abortWith, error] { abortWith(error); });
   }
 
+  // The root's starts are known before any gradient can come back to it, and its own completion is what
+  // the backward waits for: gradients arriving here are "later" ones (Note [Distributed backward]).
+  pass->planned = true;
+  pass->gotGradients = true;
+  std::map<uint64_t, std::vector<uint64_t>> plans;  // other workers' parts of the plan, by rank
   rpc::Future<void> discovered = [&] {
     if (options.mode == BackwardMode::kFast) return rpc::makeReadyFuture(*executor_);
+    if (auto plan = planFrom(edges)) {  // Note [Exact plans]
+      for (uint64_t id : *plan) {
+        if (rankOf(id) != rank_) {
+          plans[rankOf(id)].push_back(id);
+        } else if (ctx->sends.count(id) != 0) {
+          pass->activeSends.insert(id);
+        } else {
+          plans.clear();
+          return rpc::makeErrorFuture<void>(
+              localError(rpc::ErrorKind::kFailed, "the forward record of context " + std::to_string(contextId) +
+                                                      " names message " + hex(id) + ", which worker " + name_ +
+                                                      " never sent"),
+              *executor_);
+        }
+      }
+      return rpc::makeReadyFuture(*executor_);
+    }
     std::vector<Node*> starts;
     for (const auto& e : edges) starts.push_back(e.fn.get());
     return discover(ctx, pass, std::move(starts), lock);
   }();
   lock.unlock();
+  // Before the gradients: on each link a worker's plan precedes the gradients sent to it.
+  if (!plans.empty()) sendPlans(ctx, pass, std::move(plans));
   // Registered outside the lock (a token cancelled already runs the callback inline); the callback only
   // posts the abort, so dropping the registration never waits on a callback that waits on our locks.
   auto registration = options.cancel.onCancel([abortWith, this](const rpc::Error& reason) {
@@ -428,6 +509,77 @@ rpc::Future<void> DistAutogradState::backward(uint64_t contextId, const std::vec
     });
   }
   return done;
+}
+
+std::optional<std::vector<uint64_t>> DistAutogradState::planFrom(const std::vector<Edge>& roots) const {
+  std::unordered_set<const Node*> seen;
+  std::unordered_set<uint64_t> plan;
+  std::vector<const Node*> stack;
+  for (const auto& e : roots) {
+    if (e.valid()) stack.push_back(e.fn.get());
+  }
+  while (!stack.empty()) {
+    const Node* node = stack.back();
+    stack.pop_back();
+    if (!seen.insert(node).second) continue;
+    if (const auto* recv = dynamic_cast<const RecvBackward*>(node)) {
+      if (!recv->closureKnown) return std::nullopt;
+      plan.insert(recv->messageId);
+      plan.insert(recv->closure.begin(), recv->closure.end());
+      continue;
+    }
+    for (const auto& e : node->nextEdges()) {
+      if (e.valid()) stack.push_back(e.fn.get());
+    }
+  }
+  return std::vector<uint64_t>(plan.begin(), plan.end());
+}
+
+void DistAutogradState::sendPlans(const std::shared_ptr<Context>& ctx, const std::shared_ptr<Pass>& pass,
+                                  std::map<uint64_t, std::vector<uint64_t>> byRank) {
+  std::vector<std::string> workers;
+  {
+    std::lock_guard<std::mutex> lock(agentMutex_);
+    if (agent_ != nullptr) workers = agent_->workerNames();
+  }
+  std::unique_lock<std::mutex> lock(ctx->mutex);
+  for (auto& [rank, ids] : byRank) {
+    if (pass->finished) return;
+    if (rank >= workers.size()) {
+      failPass(*ctx, *pass, localError(rpc::ErrorKind::kFailed, "the forward record of context " +
+                                                                    std::to_string(ctx->id) + " names message " +
+                                                                    hex(ids.front()) + " of rank " +
+                                                                    std::to_string(rank) + ", which is not a worker"));
+      return;
+    }
+    DiscoverRequest request;
+    request.contextId = ctx->id;
+    request.passId = pass->id;
+    request.retainGraph = pass->retainGraph;
+    request.messageIds = std::move(ids);
+    ++pass->outstanding;
+    const auto timeout = remaining(*pass);
+    lock.unlock();
+    track(ctx, pass, call(workers[rank], kPlan, request, timeout));
+    lock.lock();
+  }
+}
+
+void DistAutogradState::track(const std::shared_ptr<Context>& ctx, const std::shared_ptr<Pass>& pass,
+                              rpc::Future<void> answered) {
+  std::weak_ptr<DistAutogradState> weak = weak_from_this();
+  (void)std::move(answered).then([weak, ctx, pass](rpc::Result<void>&& result) {
+    auto self = weak.lock();
+    if (!self) return;
+    std::lock_guard<std::mutex> l(ctx->mutex);
+    --pass->outstanding;
+    if (pass->finished) return;
+    if (!result.ok()) {
+      self->failPass(*ctx, *pass, result.error());
+    } else {
+      self->finishIfDone(*ctx, *pass);
+    }
+  });
 }
 
 rpc::Future<void> DistAutogradState::discover(const std::shared_ptr<Context>& ctx, const std::shared_ptr<Pass>& pass,
@@ -478,6 +630,7 @@ rpc::Future<void> DistAutogradState::onDiscover(DiscoverRequest request, const r
   std::unique_lock<std::mutex> lock(ctx->mutex);
   const auto deadline = call.timeout.count() > 0 ? Clock::now() + call.timeout : Clock::time_point::max();
   auto pass = passFor(*ctx, request.passId, BackwardMode::kExact, request.retainGraph, deadline);
+  pass->planned = true;  // discovery completes everywhere before the root lets gradients flow
   if (pass->mode != BackwardMode::kExact || pass->task) {
     throw rpc::RpcError(localError(rpc::ErrorKind::kFailed, "discovery for pass " + hex(request.passId) +
                                                                 " of context " + std::to_string(ctx->id) +
@@ -495,6 +648,39 @@ rpc::Future<void> DistAutogradState::onDiscover(DiscoverRequest request, const r
     if (pass->activeSends.insert(id).second) starts.push_back(it->second.get());
   }
   return discover(ctx, pass, std::move(starts), lock);
+}
+
+void DistAutogradState::onPlan(const DiscoverRequest& request, const rpc::CallContext& call) {
+  auto ctx = find(request.contextId, false);
+  std::unique_lock<std::mutex> lock(ctx->mutex);
+  const auto deadline = call.timeout.count() > 0 ? Clock::now() + call.timeout : Clock::time_point::max();
+  auto pass = passFor(*ctx, request.passId, BackwardMode::kExact, request.retainGraph, deadline);
+  if (pass->finished) return;  // aborted before its plan came
+  if (pass->planned || pass->mode != BackwardMode::kExact) {
+    throw rpc::RpcError(localError(rpc::ErrorKind::kFailed, "a second plan for pass " + hex(request.passId) +
+                                                                " of context " + std::to_string(ctx->id) +
+                                                                " (protocol error)"));
+  }
+  for (uint64_t id : request.messageIds) {
+    if (ctx->sends.count(id) == 0) {
+      throw rpc::RpcError(localError(rpc::ErrorKind::kFailed, "the plan from " + call.caller + " names message " +
+                                                                  hex(id) + ", which worker " + name_ +
+                                                                  " never sent in context " + std::to_string(ctx->id)));
+    }
+  }
+  pass->activeSends.insert(request.messageIds.begin(), request.messageIds.end());
+  pass->planned = true;
+  if (pass->buffered.empty()) return;
+  createTask(*ctx, *pass);
+  auto buffered = std::move(pass->buffered);
+  pass->buffered.clear();
+  for (auto& [messageId, grads] : buffered) {
+    if (auto error = deliverToSend(*ctx, *pass, messageId, std::move(grads))) {
+      failPass(*ctx, *pass, *error);
+      return;
+    }
+  }
+  drain(ctx, pass, lock);
 }
 
 void DistAutogradState::createTask(Context& ctx, Pass& pass) {
@@ -551,25 +737,22 @@ rpc::Future<void> DistAutogradState::onPropagate(PropagateRequest request, const
   DG_CHECK(request.mode <= static_cast<uint8_t>(BackwardMode::kFast), "unknown backward mode ", int(request.mode));
   const auto mode = static_cast<BackwardMode>(request.mode);
   const auto deadline = call.timeout.count() > 0 ? Clock::now() + call.timeout : Clock::time_point::max();
-  if (mode == BackwardMode::kExact && !(ctx->pass && ctx->pass->id == request.passId)) {
-    throw rpc::RpcError(localError(rpc::ErrorKind::kFailed, "gradients for pass " + hex(request.passId) +
-                                                                " of context " + std::to_string(ctx->id) +
-                                                                " arrived before its discovery (protocol error)"));
-  }
   auto pass = passFor(*ctx, request.passId, mode, request.retainGraph, deadline);
+  if (mode != pass->mode) {
+    throw rpc::RpcError(localError(rpc::ErrorKind::kFailed, "gradients of pass " + hex(request.passId) + " in " +
+                                                                backwardModeName(mode) + " mode, but the pass is " +
+                                                                backwardModeName(pass->mode)));
+  }
+  if (mode == BackwardMode::kFast) pass->planned = true;  // every send of the context is expected
   if (pass->finished) {
     throw rpc::RpcError(pass->error ? *pass->error
                                     : localError(rpc::ErrorKind::kFailed, "gradients for message " +
                                                                               hex(request.messageId) +
                                                                               " arrived after the pass finished"));
   }
-  const bool first = pass->task == nullptr;
-  if (first) createTask(*ctx, *pass);
-  if (auto error = deliverToSend(*ctx, *pass, request.messageId, std::move(request.grads))) {
-    failPass(*ctx, *pass, *error);
-    throw rpc::RpcError(*error);
-  }
   // Note [Distributed backward]: the first gradient's call completes with this worker's whole pass.
+  const bool first = !pass->gotGradients;
+  pass->gotGradients = true;
   rpc::Future<void> answer = [&] {
     if (!first) return rpc::makeReadyFuture(*executor_);
     rpc::Promise<void> promise(*executor_);
@@ -577,6 +760,15 @@ rpc::Future<void> DistAutogradState::onPropagate(PropagateRequest request, const
     pass->waiters.push_back(std::move(promise));
     return future;
   }();
+  if (!pass->planned) {  // Note [Exact plans]: this worker's plan is still on its way
+    pass->buffered.emplace_back(request.messageId, std::move(request.grads));
+    return answer;
+  }
+  if (!pass->task) createTask(*ctx, *pass);
+  if (auto error = deliverToSend(*ctx, *pass, request.messageId, std::move(request.grads))) {
+    failPass(*ctx, *pass, *error);
+    throw rpc::RpcError(*error);
+  }
   drain(ctx, pass, lock);
   return answer;
 }
@@ -631,20 +823,7 @@ void DistAutogradState::sendGradients(const std::shared_ptr<Context>& ctx, const
   const auto timeout = remaining(*pass);
   const std::string peer = recv.peer;
   lock.unlock();
-  auto answered = call(peer, kPropagate, request, timeout);
-  std::weak_ptr<DistAutogradState> weak = weak_from_this();
-  (void)std::move(answered).then([weak, ctx, pass](rpc::Result<void>&& result) {
-    auto self = weak.lock();
-    if (!self) return;
-    std::lock_guard<std::mutex> l(ctx->mutex);
-    --pass->outstanding;
-    if (pass->finished) return;
-    if (!result.ok()) {
-      self->failPass(*ctx, *pass, result.error());
-    } else {
-      self->finishIfDone(*ctx, *pass);
-    }
-  });
+  track(ctx, pass, call(peer, kPropagate, request, timeout));
   lock.lock();
 }
 

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -45,6 +46,9 @@ class RecvBackward final : public Node {
   const uint64_t contextId;
   const uint64_t messageId;
   const std::string peer;  // the sender
+  // The sender's closure (rpc::AutogradSend): messages upstream of this one; set before the node is shared.
+  bool closureKnown = false;
+  std::vector<uint64_t> closure;
 };
 
 // Wire forms of the "dg.autograd.*" messages.
@@ -66,7 +70,9 @@ struct PropagateRequest {  // gradients for the sender's SendBackward `messageId
   }
 };
 
-struct DiscoverRequest {  // EXACT mode: these sends of the receiver will receive a gradient in this pass
+// EXACT mode: these sends of the receiver will receive a gradient in this pass. kDiscover: walk on from
+// them (Note [Exact discovery]); kPlan: they are all of the receiver's (Note [Exact plans]).
+struct DiscoverRequest {
   uint64_t contextId = 0;
   uint64_t passId = 0;
   bool retainGraph = false;
@@ -103,6 +109,7 @@ struct ControlRequest {  // release a context / abort a pass, forwarded along th
 
 inline const rpc::Function<void(PropagateRequest)> kPropagate{"dg.autograd.propagate"};
 inline const rpc::Function<void(DiscoverRequest)> kDiscover{"dg.autograd.discover"};
+inline const rpc::Function<void(DiscoverRequest)> kPlan{"dg.autograd.plan"};
 inline const rpc::Function<void(ControlRequest)> kControl{"dg.autograd.control"};
 
 class DistAutogradState final : public rpc::AgentExtension,
@@ -115,6 +122,9 @@ class DistAutogradState final : public rpc::AgentExtension,
   ~DistAutogradState() override;
 
   const std::string& name() const { return name_; }
+  // TEST-ONLY: closures longer than `limit` ids are sent as unknown (0: every non-empty one), so backward
+  // passes through this worker's messages use discovery (Note [Exact discovery]).
+  void setClosureLimitForTesting(size_t limit) { closureLimit_ = limit; }
   rpc::Executor& executor() const { return *executor_; }
   uint64_t createContext();
   // Drops the context here and (forward) tells every worker it exchanged messages with, except `from`.
@@ -130,10 +140,11 @@ class DistAutogradState final : public rpc::AgentExtension,
   // Handlers of the "dg.autograd.*" functions.
   rpc::Future<void> onPropagate(PropagateRequest request, const rpc::CallContext& call);
   rpc::Future<void> onDiscover(DiscoverRequest request, const rpc::CallContext& call);
+  void onPlan(const DiscoverRequest& request, const rpc::CallContext& call);
   void onControl(const ControlRequest& request, const std::string& from);
 
   // rpc::AutogradHook
-  uint64_t onSend(uint64_t contextId, const std::string& peer, const std::vector<Tensor>& gradTensors) override;
+  rpc::AutogradSend onSend(uint64_t contextId, const std::string& peer, const std::vector<Tensor>& gradTensors) override;
   std::shared_ptr<Node> onReceive(const rpc::AutogradIds& ids, const std::string& peer,
                                   std::vector<TensorMeta> gradMetas) override;
   // rpc::AgentExtension
@@ -157,6 +168,15 @@ class DistAutogradState final : public rpc::AgentExtension,
   // sends at once, peers' through kDiscover) and completes when every worker reached has done the same.
   rpc::Future<void> discover(const std::shared_ptr<Context>& ctx, const std::shared_ptr<Pass>& pass,
                              std::vector<Node*> starts, std::unique_lock<std::mutex>& lock);
+  // Note [Exact plans]: the messages whose sends receive a gradient when the backward starts at `roots`,
+  // from the closures the forward recorded; nullopt when a closure is unknown (discovery is used then).
+  std::optional<std::vector<uint64_t>> planFrom(const std::vector<Edge>& roots) const;
+  // Sends each other worker its part of a plan; the calls count as the pass's outstanding work.
+  void sendPlans(const std::shared_ptr<Context>& ctx, const std::shared_ptr<Pass>& pass,
+                 std::map<uint64_t, std::vector<uint64_t>> byRank);
+  // Counts `answered` (a call of the pass, already counted in outstanding) down when it completes; an
+  // error fails the pass.
+  void track(const std::shared_ptr<Context>& ctx, const std::shared_ptr<Pass>& pass, rpc::Future<void> answered);
   // Builds the pass's GraphTask over its starts (roots + sends expected to receive a gradient).
   void createTask(Context& ctx, Pass& pass);
   void startGradients(const std::shared_ptr<Context>& ctx, const std::shared_ptr<Pass>& pass);
@@ -195,6 +215,8 @@ class DistAutogradState final : public rpc::AgentExtension,
   std::mutex timerMutex_;  // innermost: taken under a Context's mutex
   std::unique_ptr<rpc::TimerQueue> timers_;  // GUARDED_BY(timerMutex_), made on the first deadline
 
+  // Longest closure this worker sends (Note [Exact plans]); lowered by tests to force discovery.
+  std::atomic<size_t> closureLimit_{rpc::kMaxAutogradClosure};
   std::atomic<uint64_t> nextContext_{1};
   std::atomic<uint64_t> nextMessage_{1};
   std::atomic<uint64_t> nextPass_{1};

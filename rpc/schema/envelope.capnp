@@ -34,6 +34,11 @@ struct Envelope {
   error @12 :ErrorInfo;
   # Must equal the frame's payload count: every payload is referenced by exactly one TensorDesc.
   payloadCount @13 :UInt32;
+  # Distributed autograd, on a message with grad tensors: the autograd message ids of every message whose
+  # received tensors its own are computed from, transitively (the sender's record of the forward; at most
+  # kMaxAutogradClosure ids). autogradClosureKnown false: the sender could not bound it.
+  autogradClosure @14 :List(UInt64);
+  autogradClosureKnown @15 :Bool;
 
   enum Kind {
     call @0;

@@ -61,6 +61,8 @@ class DistAutogradSmoke : public ::testing::TestWithParam<std::string> {
       return true;
     });
   }
+  void cycleAndSelfCall();
+  void unusedSend();
   Tensor input() {
     tensor::Generator gen(3);
     return tensor::uniform({2, 4}, -1.0, 1.0, gen, DType::kFloat64).setRequiresGrad();
@@ -107,6 +109,16 @@ TEST_P(DistAutogradSmoke, StageOnAnotherWorkerMatchesLocal) {
 }
 
 TEST_P(DistAutogradSmoke, CycleAndSelfCall) {
+  ASSERT_NO_FATAL_FAILURE(cycleAndSelfCall());
+}
+
+// The same with every closure unknown: EXACT falls back to discovery (Note [Exact discovery]).
+TEST_P(DistAutogradSmoke, CycleAndSelfCallThroughDiscovery) {
+  for (auto& a : cluster_.agents) DistAutogradState::of(*a)->setClosureLimitForTesting(0);
+  ASSERT_NO_FATAL_FAILURE(cycleAndSelfCall());
+}
+
+void DistAutogradSmoke::cycleAndSelfCall() {
   Tensor x = input();
   Tensor w0 = params_.of("worker0"), w1 = params_.of("worker1");
   DistContext ctx(agent(0));
@@ -123,6 +135,15 @@ TEST_P(DistAutogradSmoke, CycleAndSelfCall) {
 }
 
 TEST_P(DistAutogradSmoke, UnusedSendExactCompletesFastTimesOut) {
+  ASSERT_NO_FATAL_FAILURE(unusedSend());
+}
+
+TEST_P(DistAutogradSmoke, UnusedSendThroughDiscovery) {
+  for (auto& a : cluster_.agents) DistAutogradState::of(*a)->setClosureLimitForTesting(0);
+  ASSERT_NO_FATAL_FAILURE(unusedSend());
+}
+
+void DistAutogradSmoke::unusedSend() {
   Tensor x = input();
   {
     DistContext ctx(agent(0));
@@ -175,10 +196,20 @@ TEST_P(DistAutogradSmoke, MalformedProtocolMessagesAreClearErrors) {
     badMode.contextId = ctx.id();
     badMode.mode = 7;
     expectError(kPropagate, badMode, "unknown backward mode 7");
-    PropagateRequest noDiscovery;
-    noDiscovery.contextId = ctx.id();
-    noDiscovery.passId = 42;
-    expectError(kPropagate, noDiscovery, "arrived before its discovery");
+    // EXACT gradients of a pass whose plan never comes wait for it (until the caller gives up).
+    PropagateRequest noPlan;
+    noPlan.contextId = ctx.id();
+    noPlan.passId = 42;
+    rpc::CallOptions shortWait;
+    shortWait.timeout = std::chrono::milliseconds(100);
+    auto waited = agent(0).rpcAsyncWith(shortWait, "worker1", kPropagate, noPlan).result();
+    ASSERT_FALSE(waited.ok());
+    EXPECT_EQ(waited.error().kind, rpc::ErrorKind::kTimeout) << waited.error().describe();
+    DiscoverRequest badPlan;
+    badPlan.contextId = ctx.id();
+    badPlan.passId = 42;
+    badPlan.messageIds = {999};
+    expectError(kPlan, badPlan, "never sent in context");
     PropagateRequest unknownMessage;
     unknownMessage.contextId = ctx.id();
     unknownMessage.passId = 43;

@@ -263,7 +263,7 @@ TEST(Codec, EnvelopeFieldsRoundTrip) {
   fields.timeoutMicros = 500'000;
   fields.traceId = 11;
   fields.spanId = 12;
-  fields.autograd = AutogradIds{(3ull << 48) | 5, 42};
+  fields.autograd = AutogradIds{(3ull << 48) | 5, 42, true, {(1ull << 48) | 7, 9}};
   auto frame = encodeCall(fields, floatTensor({2}), 2.0);
   ASSERT_TRUE(frame.ok());
   auto message = receive(frame.value());
@@ -466,6 +466,16 @@ TEST(CodecMalformed, RequiresGradOnlyInsideAnAutogradContextAndForFloats) {
   tensorEnvelope(integer, static_cast<uint8_t>(DType::kInt64), {2}, 16).setRequiresGrad(true);
   integer.getRoot<wire::Envelope>().setHasAutogradContext(true);
   expectRejected(integer, {16}, "requires grad for dtype int64");
+}
+
+TEST(CodecMalformed, AutogradClosureOverTheLimit) {
+  capnp::MallocMessageBuilder builder;
+  tensorEnvelope(builder, 0, {2}, 8);
+  auto env = builder.getRoot<wire::Envelope>();
+  env.setHasAutogradContext(true);
+  env.setAutogradClosureKnown(true);
+  env.initAutogradClosure(static_cast<uint32_t>(kMaxAutogradClosure + 1));
+  expectRejected(builder, {8}, "autograd closure of 4097 message ids exceeds the limit of 4096");
 }
 
 TEST(CodecMalformed, NonContiguousStrides) {
