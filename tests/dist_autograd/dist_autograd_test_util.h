@@ -1,14 +1,16 @@
 // Shared setup of the distributed autograd end-to-end tests (gradients_test.cpp, modes_test.cpp,
-// failure_test.cpp): float64 parameters on every worker (and an identical, independent copy for the
-// single-process reference), registered stage functions that run layers on those parameters (plain, through
-// a chain A→B→C, bouncing back A→B→A, or with a custom op whose backward blocks or throws), two small
-// RemoteModule types (an MLP stage and a conv stage), and a cluster fixture over inproc and tcp whose
-// registry installs the RRef functions and distributed autograd.
+// failure_test.cpp, training_test.cpp): float64 parameters on every worker (and an identical, independent
+// copy for the single-process reference), registered stage functions that run layers on those parameters
+// (plain, through a chain A→B→C, bouncing back A→B→A, or with a custom op whose backward blocks or throws)
+// and hand out RRefs to them, two small RemoteModule types (an MLP stage and a conv stage), and a cluster
+// fixture over inproc and tcp whose registry installs the RRef functions and distributed autograd (suites
+// add their own bindings through bindExtra).
 //
 // Everything lives in namespace e2e (and the module types have their own DG_REMOTE_MODULE declarations) so
 // that other test files of the same binary can declare their own functions and modules without ODR clashes.
 // Not thread-safe beyond what World's mutex guards; parameters are created before the agents start and only
-// read (never written) by handlers.
+// read (never written) by handlers (training tests update them in place through a DistributedOptimizer,
+// between the passes that read them).
 #pragma once
 
 #include <gtest/gtest.h>
@@ -57,12 +59,14 @@ struct LayerShape {
 };
 inline const std::map<std::string, LayerShape>& layerShapes() {
   static const std::map<std::string, LayerShape> shapes = {
-      {"l1", {5, 7}},                            // input (5 features) -> hidden
-      {"l1b", {5, 7}},                           // a second stage on the input (the unused branch)
-      {"l2", {7, 6}},                            // hidden -> hidden
-      {"l3", {6, 6}},                            // hidden -> hidden (the post-processing step of a bounce)
-      {"head", {6, 3}},                          // hidden -> 3 classes
-      {"head7", {7, 3}}, {"cnn_head", {12, 3}},  // flattened conv stage ([3, 2, 2]) -> 3 classes
+      {"l1", {5, 7}},           // input (5 features) -> hidden
+      {"l1b", {5, 7}},          // a second stage on the input (the unused branch)
+      {"l2", {7, 6}},           // hidden -> hidden
+      {"l3", {6, 6}},           // hidden -> hidden (the post-processing step of a bounce)
+      {"head", {6, 3}},         // hidden -> 3 classes
+      {"head7", {7, 3}},        // hidden (7 features) -> 3 classes
+      {"cnn_head", {12, 3}},    // flattened conv stage ([3, 2, 2]) -> 3 classes
+      {"cnn_hidden", {12, 6}},  // flattened conv stage -> hidden (the CNN split in three)
   };
   return shapes;
 }
@@ -198,6 +202,9 @@ inline const rpc::Function<Tensor(Tensor)> kIdentity{"e2e.identity"};        // 
 inline const rpc::Function<Tensor(Tensor, Tensor)> kProduct{"e2e.product"};  // a * b (elementwise)
 // Fetches the RRef's value (toHereAsync, in the handler's synchronous part) and applies layer `key`.
 inline const rpc::Function<Tensor(std::string, rref::RRef<Tensor>)> kConsumeRef{"e2e.consume_ref"};
+// RRefs owned by the callee to its layer `key`'s weight and bias (their owner-side values are the
+// parameters themselves): what a DistributedOptimizer over the layer's parameters needs.
+inline const rpc::Function<std::vector<rref::RRef<Tensor>>(std::string)> kLayerParameters{"e2e.layer_parameters"};
 
 // Parks: answers the number of elements of x plus the value the test later gives World::parked (no
 // executor thread is held meanwhile). x may require grad (the callee then joins the context); the answer
@@ -281,6 +288,11 @@ inline void bindStages(rpc::Registry& reg, World& world) {
   reg.bind(kConsumeRef, [&world](const rpc::CallContext& ctx, std::string key, rref::RRef<Tensor> r) {
     return r.toHereAsync().then(
         [&world, callee = ctx.callee, key](Tensor v) { return applyLayer(v, world.layer(callee, key)); });
+  });
+  reg.bind(kLayerParameters, [&world](const rpc::CallContext& ctx, std::string key) {
+    auto rrefs = rref::RRefContext::of(*ctx.agent);
+    const Layer& l = world.layer(ctx.callee, key);
+    return std::vector<rref::RRef<Tensor>>{rrefs->own<Tensor>(l.weight), rrefs->own<Tensor>(l.bias)};
   });
   reg.bind(kParked, [&world](Tensor x) -> rpc::Future<int64_t> {
     auto promise = std::make_shared<rpc::Promise<int64_t>>(*rpc::Executor::current());
@@ -385,6 +397,7 @@ class DistAutogradFixture : public ::testing::TestWithParam<std::string> {
       world_.layers[name] = makeLayers(name);
     }
     bindStages(registry_, world_);
+    bindExtra(registry_);
     rpc::testing::startCluster(cluster_, spec, rpcWorld_, registry_);
     for (size_t i = 0; i < cluster_.errors.size(); ++i) {
       if (!cluster_.errors[i]) continue;
@@ -400,6 +413,8 @@ class DistAutogradFixture : public ::testing::TestWithParam<std::string> {
       world_.agents[agent->name()] = agent.get();
     }
   }
+  // Suites bind their own functions and classes here (called by start(), before the agents start).
+  virtual void bindExtra(rpc::Registry& registry) {}
   void TearDown() override {
     std::shared_ptr<rpc::Promise<int64_t>> parked;
     {
