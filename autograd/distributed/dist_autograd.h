@@ -17,12 +17,13 @@
 // id; tensors that require grad in its arguments or results record a SendBackward node on the sender and a
 // RecvBackward node on the receiver (sharing a message id), and the callee's handler runs inside the same
 // context, so further hops (A→B→C) and cycles (A→B→A) join it too. A handler's asynchronous continuations do
-// not inherit the context: activate it there with gradientsOf/activate if they make calls.
+// not inherit the context: activate it there (rpc::AutogradContextScope with the id) if they make calls.
 //
-// Backward modes (BackwardOptions::mode): kExact (default) first finds which sends the roots depend on
-// (one small discovery message per cross-worker edge that matters), so a send whose result no root uses
-// is never waited for; kFast is PyTorch's algorithm: every send of the context is assumed to receive a
-// gradient, which saves the discovery messages but waits (until the deadline) when one never does.
+// Backward modes (BackwardOptions::mode): kExact (default) waits only for the sends the roots depend on,
+// known from what the forward recorded (each message carries the ids of the messages upstream of it; the
+// root sends each worker its plan alongside the gradients), so a send whose result no root uses is never
+// waited for; kFast is PyTorch's algorithm: every send of the context is assumed to receive a gradient,
+// which waits (until the deadline) when one never does.
 // Gradients accumulate per context on each worker (gradients()), also over several backward passes of
 // one context (retainGraph). An error on any worker fails the root's backward with that worker's name and
 // message; the deadline and the cancellation token abort the pass on every worker.
