@@ -59,8 +59,9 @@ class AutogradHook {
   // send then fails with that message) when grad tensors cannot be recorded.
   virtual AutogradSend onSend(uint64_t contextId, const std::string& peer, const std::vector<Tensor>& gradTensors) = 0;
   // A message of context `ids.contextId` arrived from `peer` with tensors that require grad, described by
-  // `gradMetas` (payload order); `ids` carries the sender's closure. Returns the node they hang from (one output per entry of gradMetas), or
-  // nullptr when gradMetas is empty. Throws to refuse the message (the call fails with that message).
+  // `gradMetas` (payload order); `ids` carries the sender's closure. Returns the node they hang from (one output per
+  // entry of gradMetas), or nullptr when gradMetas is empty. Throws to refuse the message (the call fails with that
+  // message).
   virtual std::shared_ptr<autograd::Node> onReceive(const AutogradIds& ids, const std::string& peer,
                                                     std::vector<autograd::TensorMeta> gradMetas) = 0;
 };

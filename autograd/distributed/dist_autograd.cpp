@@ -97,7 +97,9 @@ Gradients DistContext::gradients() const {
   return state_->gradients(id_);
 }
 
-Gradients gradientsOf(rpc::Agent& agent, uint64_t contextId) { return DistAutogradState::of(agent)->gradients(contextId); }
+Gradients gradientsOf(rpc::Agent& agent, uint64_t contextId) {
+  return DistAutogradState::of(agent)->gradients(contextId);
+}
 
 size_t liveContexts(rpc::Agent& agent) { return DistAutogradState::of(agent)->liveContexts(); }
 

@@ -106,7 +106,9 @@ class DistContext {
   // (the failing worker's name and message; timeout; cancelled; disconnected) or ValueError (bad roots).
   void backward(const std::vector<Tensor>& roots, const BackwardOptions& options = {},
                 const std::vector<Tensor>& grads = {});
-  void backward(const Tensor& root, const BackwardOptions& options = {}) { backward(std::vector<Tensor>{root}, options); }
+  void backward(const Tensor& root, const BackwardOptions& options = {}) {
+    backward(std::vector<Tensor>{root}, options);
+  }
   rpc::Future<void> backwardAsync(const std::vector<Tensor>& roots, const BackwardOptions& options = {},
                                   const std::vector<Tensor>& grads = {});
 
@@ -124,7 +126,7 @@ class DistContext {
  private:
   std::shared_ptr<DistAutogradState> state_;
   uint64_t id_ = 0;
-  uint64_t previous_ = 0;    // the context active on the creating thread before this one
+  uint64_t previous_ = 0;   // the context active on the creating thread before this one
   std::thread::id thread_;  // the creating thread
 };
 

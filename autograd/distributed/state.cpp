@@ -93,10 +93,10 @@ std::string hex(uint64_t id) {
 //
 // Note [Exact discovery]
 // The fallback. Before gradients flow, the root walks its graph from the roots; each RecvBackward it
-// reaches means the matching send on the peer will receive a gradient. kDiscover tells that peer, which walks on from those
-// sends, and so on; each kDiscover completes when the sub-walks it caused have completed, and a worker
-// walks each node at most once per pass, so discovery terminates (the forward is a DAG over time). After
-// it, each worker knows exactly which of its sends get a gradient, and its GraphTask waits for those only.
+// reaches means the matching send on the peer will receive a gradient. kDiscover tells that peer, which walks on from
+// those sends, and so on; each kDiscover completes when the sub-walks it caused have completed, and a worker walks each
+// node at most once per pass, so discovery terminates (the forward is a DAG over time). After it, each worker knows
+// exactly which of its sends get a gradient, and its GraphTask waits for those only.
 
 SendBackward::SendBackward(uint64_t messageId, std::string peer)
     : Node("SendBackward"), messageId(messageId), peer(std::move(peer)) {}
@@ -105,9 +105,8 @@ RecvBackward::RecvBackward(uint64_t contextId, uint64_t messageId, std::string p
     : Node("RecvBackward"), contextId(contextId), messageId(messageId), peer(std::move(peer)) {}
 
 std::vector<Tensor> RecvBackward::apply(std::vector<Tensor>&&) {
-  throw ValueError("a local backward reached a tensor received from " + peer +
-                   " inside distributed autograd context " + std::to_string(contextId) +
-                   ": run the backward with DistContext::backward of that context");
+  throw ValueError("a local backward reached a tensor received from " + peer + " inside distributed autograd context " +
+                   std::to_string(contextId) + ": run the backward with DistContext::backward of that context");
 }
 
 struct DistAutogradState::Pass {
@@ -131,8 +130,8 @@ struct DistAutogradState::Pass {
   std::optional<rpc::CancellationRegistration> cancelRegistration;
 
   std::unique_ptr<GraphTask> task;
-  bool running = false;     // a thread is draining the task
-  size_t outstanding = 0;   // kPropagate calls not yet answered
+  bool running = false;    // a thread is draining the task
+  size_t outstanding = 0;  // kPropagate calls not yet answered
   bool finished = false;
   std::optional<rpc::Error> error;
   std::vector<rpc::Promise<void>> waiters;
@@ -146,10 +145,10 @@ struct DistAutogradState::Context {
   std::mutex mutex;
   std::unordered_map<uint64_t, std::shared_ptr<SendBackward>> sends;  // GUARDED_BY(mutex)
   std::unordered_map<uint64_t, std::shared_ptr<RecvBackward>> recvs;  // GUARDED_BY(mutex)
-  std::set<std::string> peers;    // GUARDED_BY(mutex): workers it exchanged messages with
-  std::shared_ptr<Pass> pass;     // GUARDED_BY(mutex): the latest pass on this worker
-  uint64_t abortedPass = 0;       // GUARDED_BY(mutex): last pass an abort was forwarded for
-  bool released = false;          // GUARDED_BY(mutex)
+  std::set<std::string> peers;  // GUARDED_BY(mutex): workers it exchanged messages with
+  std::shared_ptr<Pass> pass;   // GUARDED_BY(mutex): the latest pass on this worker
+  uint64_t abortedPass = 0;     // GUARDED_BY(mutex): last pass an abort was forwarded for
+  bool released = false;        // GUARDED_BY(mutex)
 
   std::mutex gradMutex;
   std::unordered_map<const tensor::TensorImpl*, std::pair<Tensor, Tensor>> grads;  // GUARDED_BY(gradMutex)
@@ -259,10 +258,11 @@ void DistAutogradState::releaseContext(uint64_t contextId, const std::string& fr
     recvs.swap(ctx->recvs);
     pass = ctx->pass;
     if (pass && !pass->finished) {
-      failPass(*ctx, *pass, reason ? *reason
-                                   : localError(rpc::ErrorKind::kCancelled,
-                                                "distributed autograd context " + std::to_string(contextId) +
-                                                    " was released during its backward pass"));
+      failPass(
+          *ctx, *pass,
+          reason ? *reason
+                 : localError(rpc::ErrorKind::kCancelled, "distributed autograd context " + std::to_string(contextId) +
+                                                              " was released during its backward pass"));
     }
   }
   if (forward) {
@@ -374,9 +374,9 @@ std::shared_ptr<DistAutogradState::Pass> DistAutogradState::passFor(Context& ctx
                                                                     bool retainGraph, Clock::time_point deadline) {
   if (ctx.pass && ctx.pass->id == passId) return ctx.pass;
   if (ctx.pass && ctx.pass->busy()) {
-    throw rpc::RpcError(localError(rpc::ErrorKind::kFailed,
-                                   "another backward pass is still running in distributed autograd context " +
-                                       std::to_string(ctx.id) + " on worker " + name_));
+    throw rpc::RpcError(
+        localError(rpc::ErrorKind::kFailed, "another backward pass is still running in distributed autograd context " +
+                                                std::to_string(ctx.id) + " on worker " + name_));
   }
   auto pass = std::make_shared<Pass>();
   pass->id = passId;
@@ -438,10 +438,10 @@ rpc::Future<void> DistAutogradState::backward(uint64_t contextId, const std::vec
                              ? " (FAST mode waits for a gradient for every send of the context; a send whose "
                                "result no root uses never receives one: BackwardMode::kExact does not wait for it)"
                              : "";
-    rpc::Error error = localError(rpc::ErrorKind::kTimeout,
-                                  "distributed backward of context " + std::to_string(contextId) + " (" +
-                                      backwardModeName(options.mode) + " mode) did not finish within " +
-                                      std::to_string(timeout.count()) + " ms" + detail);
+    rpc::Error error =
+        localError(rpc::ErrorKind::kTimeout, "distributed backward of context " + std::to_string(contextId) + " (" +
+                                                 backwardModeName(options.mode) + " mode) did not finish within " +
+                                                 std::to_string(timeout.count()) + " ms" + detail);
     std::lock_guard<std::mutex> l(timerMutex_);
     if (!timers_) timers_ = std::make_unique<rpc::TimerQueue>();
     pass->timer = timers_->schedule(deadline, [abortWith, error] { abortWith(error); });
@@ -546,10 +546,10 @@ void DistAutogradState::sendPlans(const std::shared_ptr<Context>& ctx, const std
   for (auto& [rank, ids] : byRank) {
     if (pass->finished) return;
     if (rank >= workers.size()) {
-      failPass(*ctx, *pass, localError(rpc::ErrorKind::kFailed, "the forward record of context " +
-                                                                    std::to_string(ctx->id) + " names message " +
-                                                                    hex(ids.front()) + " of rank " +
-                                                                    std::to_string(rank) + ", which is not a worker"));
+      failPass(*ctx, *pass,
+               localError(rpc::ErrorKind::kFailed, "the forward record of context " + std::to_string(ctx->id) +
+                                                       " names message " + hex(ids.front()) + " of rank " +
+                                                       std::to_string(rank) + ", which is not a worker"));
       return;
     }
     DiscoverRequest request;
@@ -642,8 +642,8 @@ rpc::Future<void> DistAutogradState::onDiscover(DiscoverRequest request, const r
     if (it == ctx->sends.end()) {
       throw rpc::RpcError(localError(rpc::ErrorKind::kFailed, "worker " + call.caller +
                                                                   " asked for gradients of message " + hex(id) +
-                                                                  ", which worker " + name_ + " never sent in context " +
-                                                                  std::to_string(ctx->id)));
+                                                                  ", which worker " + name_ +
+                                                                  " never sent in context " + std::to_string(ctx->id)));
     }
     if (pass->activeSends.insert(id).second) starts.push_back(it->second.get());
   }
@@ -708,9 +708,9 @@ std::optional<rpc::Error> DistAutogradState::deliverToSend(Context& ctx, Pass& p
                                                            std::vector<Tensor> grads) {
   auto it = ctx.sends.find(messageId);
   if (it == ctx.sends.end() || !pass.task->contains(it->second.get())) {
-    return localError(rpc::ErrorKind::kFailed,
-                      "gradients for message " + hex(messageId) + " of context " + std::to_string(ctx.id) +
-                          ", which this backward pass on worker " + name_ + " does not expect");
+    return localError(rpc::ErrorKind::kFailed, "gradients for message " + hex(messageId) + " of context " +
+                                                   std::to_string(ctx.id) + ", which this backward pass on worker " +
+                                                   name_ + " does not expect");
   }
   SendBackward& send = *it->second;
   if (grads.size() != send.numOutputs()) {
@@ -721,10 +721,10 @@ std::optional<rpc::Error> DistAutogradState::deliverToSend(Context& ctx, Pass& p
   for (size_t i = 0; i < grads.size(); ++i) {
     const auto& meta = send.outputMeta()[i];
     if (grads[i].defined() && (grads[i].shape() != meta.shape || grads[i].dtype() != meta.dtype)) {
-      return localError(rpc::ErrorKind::kFailed,
-                        "gradient " + std::to_string(i) + " for message " + hex(messageId) + " is " +
-                            dtypeName(grads[i].dtype()) + " " + tensor::shapeStr(grads[i].shape()) +
-                            ", but the sent tensor was " + dtypeName(meta.dtype) + " " + tensor::shapeStr(meta.shape));
+      return localError(rpc::ErrorKind::kFailed, "gradient " + std::to_string(i) + " for message " + hex(messageId) +
+                                                     " is " + dtypeName(grads[i].dtype()) + " " +
+                                                     tensor::shapeStr(grads[i].shape()) + ", but the sent tensor was " +
+                                                     dtypeName(meta.dtype) + " " + tensor::shapeStr(meta.shape));
     }
   }
   pass.task->deliverAll(it->second.get(), std::move(grads));
@@ -745,10 +745,10 @@ rpc::Future<void> DistAutogradState::onPropagate(PropagateRequest request, const
   }
   if (mode == BackwardMode::kFast) pass->planned = true;  // every send of the context is expected
   if (pass->finished) {
-    throw rpc::RpcError(pass->error ? *pass->error
-                                    : localError(rpc::ErrorKind::kFailed, "gradients for message " +
-                                                                              hex(request.messageId) +
-                                                                              " arrived after the pass finished"));
+    throw rpc::RpcError(pass->error
+                            ? *pass->error
+                            : localError(rpc::ErrorKind::kFailed, "gradients for message " + hex(request.messageId) +
+                                                                      " arrived after the pass finished"));
   }
   // Note [Distributed backward]: the first gradient's call completes with this worker's whole pass.
   const bool first = !pass->gotGradients;
@@ -792,8 +792,8 @@ void DistAutogradState::drain(const std::shared_ptr<Context>& ctx, const std::sh
     try {
       out = pass->task->run(*node, std::move(inputs));
     } catch (const std::exception& e) {
-      failure = localError(rpc::ErrorKind::kRemote, "distributed backward failed on worker " + name_ + " in " +
-                                                        node->name() + ": " + e.what());
+      failure = localError(rpc::ErrorKind::kRemote,
+                           "distributed backward failed on worker " + name_ + " in " + node->name() + ": " + e.what());
     }
     lock.lock();
     if (failure) {
@@ -807,7 +807,8 @@ void DistAutogradState::drain(const std::shared_ptr<Context>& ctx, const std::sh
 }
 
 void DistAutogradState::sendGradients(const std::shared_ptr<Context>& ctx, const std::shared_ptr<Pass>& pass,
-                                      RecvBackward& recv, std::vector<Tensor> grads, std::unique_lock<std::mutex>& lock) {
+                                      RecvBackward& recv, std::vector<Tensor> grads,
+                                      std::unique_lock<std::mutex>& lock) {
   if (recv.peer == name_) {  // a message of this worker to itself: no RPC
     if (auto error = deliverToSend(*ctx, *pass, recv.messageId, std::move(grads))) failPass(*ctx, *pass, *error);
     return;
@@ -931,8 +932,8 @@ void DistAutogradState::onPeerDown(const std::string& peer, const rpc::Error& er
   }
   for (uint64_t id : touched) {
     rpc::Error reason{rpc::ErrorKind::kDisconnected,
-                      "worker " + peer + " of distributed autograd context " + std::to_string(id) +
-                          " is gone (" + error.message + "); the context was released on " + name_,
+                      "worker " + peer + " of distributed autograd context " + std::to_string(id) + " is gone (" +
+                          error.message + "); the context was released on " + name_,
                       peer,
                       {}};
     releaseContext(id, peer, reason, true);

@@ -91,7 +91,7 @@ enum class ControlKind : uint8_t { kRelease = 0, kAbort = 1 };
 struct ControlRequest {  // release a context / abort a pass, forwarded along the context's workers
   uint8_t kind = 0;      // ControlKind
   uint64_t contextId = 0;
-  uint64_t passId = 0;   // kAbort
+  uint64_t passId = 0;  // kAbort
   // Why (kAbort always; kRelease when a worker died, empty message for a normal release).
   uint8_t errorKind = 0;  // rpc::ErrorKind of the reason
   std::string message;
@@ -144,7 +144,8 @@ class DistAutogradState final : public rpc::AgentExtension,
   void onControl(const ControlRequest& request, const std::string& from);
 
   // rpc::AutogradHook
-  rpc::AutogradSend onSend(uint64_t contextId, const std::string& peer, const std::vector<Tensor>& gradTensors) override;
+  rpc::AutogradSend onSend(uint64_t contextId, const std::string& peer,
+                           const std::vector<Tensor>& gradTensors) override;
   std::shared_ptr<Node> onReceive(const rpc::AutogradIds& ids, const std::string& peer,
                                   std::vector<TensorMeta> gradMetas) override;
   // rpc::AgentExtension
@@ -183,7 +184,8 @@ class DistAutogradState final : public rpc::AgentExtension,
   // Delivers `grads` into SendBackward `send` of the pass (validated); a clear error when unexpected.
   std::optional<rpc::Error> deliverToSend(Context& ctx, Pass& pass, uint64_t messageId, std::vector<Tensor> grads);
   // Runs ready nodes until none is left (one runner per pass; other threads only deliver).
-  void drain(const std::shared_ptr<Context>& ctx, const std::shared_ptr<Pass>& pass, std::unique_lock<std::mutex>& lock);
+  void drain(const std::shared_ptr<Context>& ctx, const std::shared_ptr<Pass>& pass,
+             std::unique_lock<std::mutex>& lock);
   void sendGradients(const std::shared_ptr<Context>& ctx, const std::shared_ptr<Pass>& pass, RecvBackward& recv,
                      std::vector<Tensor> grads, std::unique_lock<std::mutex>& lock);
   void finishIfDone(Context& ctx, Pass& pass);
@@ -212,7 +214,7 @@ class DistAutogradState final : public rpc::AgentExtension,
   // Released contexts (and why), so a late message cannot bring one back; bounded, oldest first out.
   std::unordered_map<uint64_t, std::optional<rpc::Error>> released_;  // GUARDED_BY(mutex_)
   std::deque<uint64_t> releasedOrder_;                                // GUARDED_BY(mutex_)
-  std::mutex timerMutex_;  // innermost: taken under a Context's mutex
+  std::mutex timerMutex_;                                             // innermost: taken under a Context's mutex
   std::unique_ptr<rpc::TimerQueue> timers_;  // GUARDED_BY(timerMutex_), made on the first deadline
 
   // Longest closure this worker sends (Note [Exact plans]); lowered by tests to force discovery.
