@@ -321,6 +321,20 @@ inline void bindStages(rpc::Registry& reg, World& world) {
 // ---------------------------------------------------------------- comparisons
 
 // actual == expected elementwise within `tolerance` (both defined, float64, same shape).
+// Private copies of tensors' current values.
+inline std::vector<Tensor> copies(const std::vector<Tensor>& tensors) {
+  std::vector<Tensor> out;
+  for (const Tensor& t : tensors) out.push_back(t.cloneData());
+  return out;
+}
+
+// Copies of the values the RRefs hold now (toHere copies on every transport; call it outside a context).
+inline std::vector<Tensor> fetch(const std::vector<rref::RRef<Tensor>>& params) {
+  std::vector<Tensor> out;
+  for (const auto& p : params) out.push_back(p.toHere());
+  return out;
+}
+
 inline ::testing::AssertionResult allClose(const Tensor& actual, const Tensor& expected,
                                            double tolerance = kGradTolerance) {
   if (!expected.defined()) return ::testing::AssertionFailure() << "the expected gradient is undefined";

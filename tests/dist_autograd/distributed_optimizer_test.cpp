@@ -18,6 +18,7 @@
 #include "autograd/distributed/dist_autograd.h"
 #include "autograd/engine.h"
 #include "autograd/ops.h"
+#include "dist_autograd_test_util.h"
 #include "models/nn/linear.h"
 #include "models/optim/adam.h"
 #include "models/optim/distributed_optimizer.h"
@@ -64,6 +65,8 @@ namespace {
 using autograd::distributed::BackwardMode;
 using autograd::distributed::BackwardOptions;
 using autograd::distributed::DistContext;
+using autograd::distributed::e2e::copies;
+using autograd::distributed::e2e::fetch;
 using rref::RemoteModule;
 using rref::RRef;
 
@@ -89,18 +92,6 @@ double maxAbsDiff(const Tensor& a, const Tensor& b) {
   return out;
 }
 
-std::vector<Tensor> copies(const std::vector<Tensor>& tensors) {
-  std::vector<Tensor> out;
-  for (const auto& t : tensors) out.push_back(t.cloneData());
-  return out;
-}
-
-// Copies of the parameters' current values (toHere copies on every transport).
-std::vector<Tensor> fetch(const std::vector<RRef<Tensor>>& params) {
-  std::vector<Tensor> out;
-  for (const auto& p : params) out.push_back(p.toHere());
-  return out;
-}
 
 std::vector<Tensor> concat(std::vector<Tensor> a, const std::vector<Tensor>& b) {
   a.insert(a.end(), b.begin(), b.end());

@@ -49,18 +49,6 @@ constexpr int kSteps = 20;
 // Keeps the MlpStage module handle it receives on the callee (how a second trainer gets its own handle).
 inline const rpc::Function<bool(RemoteModule<MlpStage>)> kAdoptMlp{"training_test.adopt_mlp"};
 
-std::vector<Tensor> copies(const std::vector<Tensor>& tensors) {
-  std::vector<Tensor> out;
-  for (const Tensor& t : tensors) out.push_back(t.cloneData());
-  return out;
-}
-
-// Copies of the values the RRefs hold now (outside any context).
-std::vector<Tensor> fetch(const std::vector<RRef<Tensor>>& params) {
-  std::vector<Tensor> out;
-  for (const auto& p : params) out.push_back(p.toHere().cloneData());
-  return out;
-}
 
 double maxAbsDiff(const Tensor& a, const Tensor& b) {
   const std::vector<double> x = a.toVector<double>();
