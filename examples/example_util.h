@@ -247,6 +247,7 @@ inline double testAccuracy(const std::function<Tensor(const Tensor&)>& forward,
 // given as integers; strings are escaped.
 class JsonLine {
  public:
+  JsonLine() = default;  // no "example" key (benchmarks start theirs with "bench")
   explicit JsonLine(const std::string& example) { add("example", example); }
 
   JsonLine& add(const std::string& key, const std::string& value) {
@@ -290,7 +291,7 @@ class JsonLine {
     return *this;
   }
 
-  std::string str() const { return out_.str() + "}"; }
+  std::string str() const { return first_ ? "{}" : out_.str() + "}"; }
   void print() const {
     std::printf("%s\n", str().c_str());
     std::fflush(stdout);

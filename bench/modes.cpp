@@ -1,0 +1,335 @@
+// bench_modes: runs every training mode distgrad ships on the same model, data and batch size, and writes
+// the comparison table docs/modes.md (mode, processes, images/s, peak RSS per process, test accuracy after
+// K epochs, RPC overhead share) — the table reference benchmark suites publish for DP / MP / PMP / RPC-PMP.
+//
+//   bench_modes [--epochs K] [--limit N] [--batch-size B] [--model M] [--width W] [--micro-batches M]
+//               [--modes a,b,...] [--out docs/modes.md] [--no-write] [--dry-run]
+//
+// Each mode is one example program, run as a user runs it (the distributed ones through distgrad-run, one
+// thread per process); the example's final JSON line is the measurement (nothing here is timed itself).
+// Every row prints as a JSON line {"bench":"modes","mode":...} on stdout; the examples' own output goes to
+// stderr so a failure can be read. The modes run one after another in one invocation, so their figures
+// share the machine's state: compare them with each other, not with another run.
+#include <sys/utsname.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "examples/example_util.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// A flat JSON object of the examples' final lines: string, number, bool or null values (no nesting).
+using JsonValue = std::variant<std::monostate, double, bool, std::string>;
+using JsonObject = std::map<std::string, JsonValue>;
+
+// Parses one flat JSON object; std::nullopt when `text` is not one (nested values are refused too: the
+// examples never print them, so one means the line is not what we look for).
+std::optional<JsonObject> parseFlatJson(const std::string& text) {
+  size_t i = 0;
+  auto skip = [&] {
+    while (i < text.size() && std::isspace(static_cast<unsigned char>(text[i]))) ++i;
+  };
+  auto string = [&]() -> std::optional<std::string> {
+    if (i >= text.size() || text[i] != '"') return std::nullopt;
+    std::string out;
+    for (++i; i < text.size(); ++i) {
+      char c = text[i];
+      if (c == '"') {
+        ++i;
+        return out;
+      }
+      if (c == '\\') {
+        if (++i >= text.size()) return std::nullopt;
+        c = text[i];
+        if (c == 'u') {
+          if (i + 4 >= text.size()) return std::nullopt;
+          out += static_cast<char>(std::stoi(text.substr(i + 1, 4), nullptr, 16));
+          i += 4;
+          continue;
+        }
+        out += c == 'n' ? '\n' : c == 't' ? '\t' : c;
+        continue;
+      }
+      out += c;
+    }
+    return std::nullopt;
+  };
+  JsonObject object;
+  skip();
+  if (i >= text.size() || text[i++] != '{') return std::nullopt;
+  skip();
+  if (i < text.size() && text[i] == '}') return object;
+  while (true) {
+    skip();
+    auto key = string();
+    if (!key) return std::nullopt;
+    skip();
+    if (i >= text.size() || text[i++] != ':') return std::nullopt;
+    skip();
+    if (i >= text.size()) return std::nullopt;
+    if (text[i] == '"') {
+      auto value = string();
+      if (!value) return std::nullopt;
+      object[*key] = *value;
+    } else if (text.compare(i, 4, "true") == 0) {
+      object[*key] = true;
+      i += 4;
+    } else if (text.compare(i, 5, "false") == 0) {
+      object[*key] = false;
+      i += 5;
+    } else if (text.compare(i, 4, "null") == 0) {
+      object[*key] = std::monostate{};
+      i += 4;
+    } else {
+      size_t used = 0;
+      try {
+        object[*key] = std::stod(text.substr(i), &used);
+      } catch (const std::logic_error&) {
+        return std::nullopt;
+      }
+      i += used;
+    }
+    skip();
+    if (i < text.size() && text[i] == ',') {
+      ++i;
+      continue;
+    }
+    if (i < text.size() && text[i] == '}') return object;
+    return std::nullopt;
+  }
+}
+
+std::optional<double> number(const JsonObject& o, const std::string& key) {
+  auto it = o.find(key);
+  if (it == o.end()) return std::nullopt;
+  if (const double* d = std::get_if<double>(&it->second)) return *d;
+  return std::nullopt;
+}
+
+struct Settings {
+  int64_t epochs = 1;
+  int64_t limit = 12000;
+  int64_t batchSize = 64;
+  int64_t microBatches = 4;
+  std::string model = "resnet18";
+  int64_t width = 16;
+  uint64_t seed = 0;
+  std::string modes;
+  std::string out = "docs/modes.md";
+  bool noWrite = false;
+  bool dryRun = false;
+};
+
+struct Mode {
+  std::string name;         // the row's label
+  std::string description;  // what runs
+  int processes;
+  std::string command;  // relative to the build directory
+};
+
+std::vector<Mode> modes(const Settings& s) {
+  std::ostringstream common;
+  common << " --epochs " << s.epochs << " --limit " << s.limit << " --batch-size " << s.batchSize << " --model "
+         << s.model << " --width " << s.width << " --seed " << s.seed << " --threads 1";
+  const std::string c = common.str();
+  const std::string m = " --micro-batches " + std::to_string(s.microBatches);
+  const std::string run = "tools/distgrad-run --nproc ";
+  // Trainers of a parameter server each take half the batch: the same samples per optimizer step.
+  std::ostringstream psCommon;
+  psCommon << " --epochs " << s.epochs << " --limit " << s.limit << " --batch-size " << s.batchSize / 2
+           << " --model " << s.model << " --width " << s.width << " --seed " << s.seed << " --threads 1";
+  return {
+      {"single", "the whole model in one process (the baseline)", 1, "examples/single_worker" + c},
+      {"local_mp", "2 stages in one process, run one after the other (model parallel)", 1,
+       "examples/local_model_parallel --stages 2" + c},
+      {"local_pipeline_gpipe", "2 stages in one process, one thread each, GPipe", 1,
+       "examples/local_pipeline --stages 2 --schedule gpipe" + m + c},
+      {"local_pipeline_1f1b", "2 stages in one process, one thread each, 1F1B", 1,
+       "examples/local_pipeline --stages 2 --schedule 1f1b" + m + c},
+      {"rpc_pipeline_gpipe", "2 stage workers + a driver over RPC (TCP), GPipe", 3,
+       run + "3 -- examples/rpc_pipeline --schedule gpipe" + m + c},
+      {"rpc_pipeline_1f1b", "2 stage workers + a driver over RPC (TCP), 1F1B", 3,
+       run + "3 -- examples/rpc_pipeline --schedule 1f1b" + m + c},
+      {"ps_ssgd", "parameter server + 2 trainers, synchronous SGD (batch split between trainers)", 3,
+       run + "3 -- examples/parameter_server --mode ssgd" + psCommon.str()},
+      {"ps_asgd", "parameter server + 2 trainers, asynchronous SGD (batch split between trainers)", 3,
+       run + "3 -- examples/parameter_server --mode asgd" + psCommon.str()},
+  };
+}
+
+struct Row {
+  Mode mode;
+  JsonObject result;
+  std::string error;
+};
+
+// Runs `command` in `dir` with stdout and stderr copied to our stderr; returns the last JSON object line
+// that names an example (distgrad-run prefixes lines with "[rank] ").
+Row runMode(const Mode& mode, const fs::path& dir) {
+  Row row{mode, {}, {}};
+  const std::string command = "cd '" + dir.string() + "' && " + mode.command + " 2>&1";
+  std::cerr << "bench_modes: " << mode.name << ": " << mode.command << "\n";
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) {
+    row.error = "popen failed";
+    return row;
+  }
+  std::string line;
+  std::optional<JsonObject> last;
+  char buf[4096];
+  while (std::fgets(buf, sizeof(buf), pipe) != nullptr) {
+    line += buf;
+    if (line.empty() || line.back() != '\n') continue;
+    std::cerr << "  " << line;
+    const size_t brace = line.find("{\"example\"");
+    if (brace != std::string::npos) {
+      if (auto parsed = parseFlatJson(line.substr(brace))) last = std::move(parsed);
+    }
+    line.clear();
+  }
+  const int status = pclose(pipe);
+  if (status != 0) {
+    row.error = "exit status " + std::to_string(WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
+  } else if (!last) {
+    row.error = "no JSON result line";
+  } else {
+    row.result = std::move(*last);
+  }
+  return row;
+}
+
+std::string fixed(std::optional<double> v, int digits, double scale = 1.0) {
+  if (!v) return "—";
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.*f", digits, *v * scale);
+  return buf;
+}
+
+std::string machine() {
+  utsname u{};
+  uname(&u);
+  double load[1] = {0};
+  getloadavg(load, 1);
+  std::ostringstream out;
+  out << u.machine << ", " << sysconf(_SC_NPROCESSORS_ONLN) << " cores, Linux " << u.release << ", load "
+      << fixed(load[0], 2);
+  return out.str();
+}
+
+void writeTable(const Settings& s, const std::vector<Row>& rows, const std::string& when, const std::string& where) {
+  std::ofstream out(s.out);
+  DG_CHECK(out.good(), "bench_modes: cannot write ", s.out);
+  std::optional<double> single;
+  for (const Row& r : rows) {
+    if (r.mode.name == "single" && r.error.empty()) single = number(r.result, "images_per_s");
+  }
+  out << "# Training modes compared\n\n"
+      << "Written by `build/bench/bench_modes` (bench/modes.cpp); do not edit by hand. Every mode trains the same\n"
+      << "model on the same Fashion-MNIST images with the same batch size, one thread per process, one mode\n"
+      << "after another in one run on " << where << ", " << when << ".\n\n"
+      << "Settings: " << s.model << " (width " << s.width << "), " << s.epochs << " epoch(s) over the first " << s.limit
+      << " training images, batch " << s.batchSize << ", " << s.microBatches
+      << " micro-batches in the pipelines; test accuracy on the first " << s.limit << " test images.\n\n"
+      << "| mode | processes | images/s | × single | peak RSS per process (MiB, max) | test accuracy | RPC overhead "
+         "share | what runs |\n"
+      << "|---|---|---|---|---|---|---|---|\n";
+  for (const Row& r : rows) {
+    out << "| " << r.mode.name << " | " << r.mode.processes << " | ";
+    if (!r.error.empty()) {
+      out << "failed: " << r.error << " | | | | | " << r.mode.description << " |\n";
+      continue;
+    }
+    const auto rate = number(r.result, "images_per_s");
+    auto rss = number(r.result, "peak_rss_mib_max");
+    if (!rss) rss = number(r.result, "peak_rss_mib");
+    auto overhead = number(r.result, "rpc_overhead_share");
+    if (!overhead) overhead = number(r.result, "overhead_share");
+    const bool rpc = r.mode.processes > 1;
+    out << fixed(rate, 0) << " | " << (rate && single ? fixed(*rate / *single, 2) : "—") << " | " << fixed(rss, 0)
+        << " | " << fixed(number(r.result, "test_accuracy"), 1, 100.0) << "% | "
+        << (rpc ? fixed(overhead, 1, 100.0) + "%" : "—") << " | " << r.mode.description << " |\n";
+  }
+  out << "\nRPC overhead share: the fraction of the step's wall time that is neither compute nor the schedule's own\n"
+      << "bubbles (pipelines: measured stage compute times replayed through the schedule with free communication\n"
+      << "give the ideal step; overhead = (measured - ideal) / measured). Parameter server: the trainers' step time\n"
+      << "not spent computing. The local pipeline's own hand-over cost is in the examples' JSON as overhead_share.\n";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using distgrad::examples::Flags;
+  Settings s;
+  Flags flags("bench_modes", "runs every training mode on the same model and data; writes docs/modes.md");
+  flags.add("--epochs", s.epochs, "epochs per mode")
+      .add("--limit", s.limit, "train/test images used (0 = all)")
+      .add("--batch-size", s.batchSize, "images per optimizer step (split over trainers / micro-batches)")
+      .add("--micro-batches", s.microBatches, "micro-batches per step in the pipelines")
+      .add("--model", s.model, "model of every mode (resnet18, resnet50, mlp, lenet5)")
+      .add("--width", s.width, "ResNet base width")
+      .add("--seed", s.seed, "initialisation and shuffling seed")
+      .add("--modes", s.modes, "comma-separated subset of the modes (default all)")
+      .add("--out", s.out, "table to write (relative to the source tree)")
+      .add("--no-write", s.noWrite, "print the JSON lines only")
+      .add("--dry-run", s.dryRun, "print the commands, run nothing");
+  flags.parse(argc, argv);
+  flags.require(s.epochs >= 1 && s.limit >= 0 && s.batchSize >= 2 && s.microBatches >= 1 && s.width >= 1,
+                "--epochs, --micro-batches, --width must be >= 1, --batch-size >= 2, --limit >= 0");
+
+  // The build directory is the one this binary lives in (build/bench/bench_modes -> build/).
+  const fs::path buildDir = fs::canonical("/proc/self/exe").parent_path().parent_path();
+  std::vector<Mode> selected;
+  for (const Mode& m : modes(s)) {
+    if (s.modes.empty() || ("," + s.modes + ",").find("," + m.name + ",") != std::string::npos) selected.push_back(m);
+  }
+  flags.require(!selected.empty(), "--modes selects no known mode");
+
+  const std::time_t now = std::time(nullptr);
+  char when[32];
+  std::strftime(when, sizeof(when), "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
+  const std::string where = machine();
+  std::vector<Row> rows;
+  bool failed = false;
+  for (const Mode& m : selected) {
+    if (s.dryRun) {
+      std::cout << m.name << ": (cd " << buildDir.string() << " && " << m.command << ")\n";
+      continue;
+    }
+    Row row = runMode(m, buildDir);
+    distgrad::examples::JsonLine line;
+    line.add("bench", "modes").add("mode", m.name).add("processes", m.processes);
+    if (!row.error.empty()) {
+      failed = true;
+      line.add("error", row.error);
+    }
+    for (const auto& [key, value] : row.result) {
+      if (const double* d = std::get_if<double>(&value)) line.add(key, *d);
+      if (const std::string* str = std::get_if<std::string>(&value); str && key != "example") line.add(key, *str);
+    }
+    std::cout << line.str() << std::endl;
+    rows.push_back(std::move(row));
+  }
+  if (!s.dryRun && !s.noWrite) {
+    // --out is relative to the source tree (bench_modes runs from anywhere).
+    fs::path out = s.out;
+    if (out.is_relative()) out = fs::path(DG_SOURCE_DIR) / out;
+    s.out = out.string();
+    writeTable(s, rows, when, where);
+    std::cerr << "bench_modes: wrote " << s.out << "\n";
+  }
+  return failed ? 1 : 0;
+}
