@@ -1117,9 +1117,10 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message) {
     ctx.messageId = fields.messageId;
     ctx.token = token;
     ctx.timeout = std::chrono::microseconds(fields.timeoutMicros);
+    ctx.autogradContext = fields.autograd ? fields.autograd->contextId : 0;
     Future<EncodeValueFn> result = [&] {
       // The handler's synchronous part runs inside the call's autograd context (nested calls carry it on).
-      AutogradContextScope active(fields.autograd ? fields.autograd->contextId : 0);
+      AutogradContextScope active(ctx.autogradContext);
       return entry->invoke(message, ctx, *executor_);
     }();
     if (result.isReady()) {

@@ -50,6 +50,10 @@ struct CallContext {
   // register onCancel() to stop early; the caller has already given up on the result.
   CancellationToken token;
   std::chrono::microseconds timeout{0};  // the caller's timeout, 0 if none
+  // The distributed autograd context the call carries (0: none). The handler's synchronous part runs with
+  // it active; a continuation that makes calls belonging to the same pass re-activates it with
+  // rpc::AutogradContextScope(ctx.autogradContext) (rpc/autograd_hook.h).
+  uint64_t autogradContext = 0;
   // The agent serving the call (for nested calls and the per-agent state of layers above rpc/, e.g.
   // rref::RRefContext::of(*ctx.agent)). Valid while the handler runs and the agent lives.
   Agent* agent = nullptr;

@@ -4,6 +4,7 @@
 #include <iostream>
 #include <thread>
 
+#include "rpc/autograd_hook.h"
 #include "rref/rref.h"
 
 namespace distgrad::rref {
@@ -547,6 +548,9 @@ rpc::Future<rpc::EncodeValueFn> RRefContext::serveCall(const rpc::DecodedMessage
     auto future = promise->getFuture();
     whenResolved(h.receiver, [self, promise, h, args, ctx](rpc::Result<detail::OwnedValue> receiver) {
       if (!receiver.ok()) return promise->setError(receiver.error());
+      // whenResolved may run this later on an executor thread: the method runs inside the call's
+      // distributed autograd context all the same (calls it makes join the caller's pass).
+      rpc::AutogradContextScope active(ctx.autogradContext);
       (void)self->invokeMethod(receiver.value(), h, args, ctx)
           .then(rpc::kInlineSafe, [promise](rpc::Result<rpc::EncodeValueFn>&& r) { promise->setResult(std::move(r)); });
     });
@@ -587,6 +591,7 @@ rpc::Future<rpc::EncodeValueFn> RRefContext::serveCall(const rpc::DecodedMessage
   } else {
     whenResolved(h.receiver, [self, h, args, ctx, store](rpc::Result<detail::OwnedValue> receiver) mutable {
       if (!receiver.ok()) return self->resolve(h.result, receiver.error());
+      rpc::AutogradContextScope active(ctx.autogradContext);  // as for kMethodValue above
       (void)self->invokeMethod(receiver.value(), h, args, ctx).then(rpc::kInlineSafe, std::move(store));
     });
   }

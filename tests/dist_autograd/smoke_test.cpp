@@ -7,7 +7,24 @@
 #include "autograd/distributed/state.h"
 #include "autograd/engine.h"
 #include "autograd/ops.h"
+#include "rref/rref.h"
 #include "tensor/random.h"
+
+namespace distgrad::autograd::distributed {
+namespace {
+// Reports the distributed autograd context active where its method runs (called through an RRef).
+class ContextProbe {
+ public:
+  uint64_t activeContext() { return rpc::activeAutogradContext(); }
+};
+const rpc::Class<ContextProbe>& probeClass() {
+  static const rpc::Class<ContextProbe> cls =
+      rpc::Class<ContextProbe>("smoke.ContextProbe").method("activeContext", &ContextProbe::activeContext);
+  return cls;
+}
+}  // namespace
+}  // namespace distgrad::autograd::distributed
+DG_RREF_CLASS(distgrad::autograd::distributed::ContextProbe, distgrad::autograd::distributed::probeClass());
 
 namespace distgrad::autograd::distributed {
 namespace {
@@ -27,6 +44,7 @@ struct Params {
 const rpc::Function<Tensor(Tensor)> kStage{"stage"};              // tanh(x @ W_callee)
 const rpc::Function<Tensor(Tensor)> kBounce{"bounce"};            // stage on the caller, called back
 const rpc::Function<Tensor(Tensor)> kTwoOutputsOneUsed{"unused"}; // returns x * W but also sends x away
+const rpc::Function<uint64_t()> kActiveContext{"active_context"};   // the context the handler runs in
 
 class DistAutogradSmoke : public ::testing::TestWithParam<std::string> {
  protected:
@@ -36,6 +54,9 @@ class DistAutogradSmoke : public ::testing::TestWithParam<std::string> {
       params_.weights[w] = tensor::uniform({4, 4}, -1.0, 1.0, gen, DType::kFloat64).setRequiresGrad();
     }
     install(registry_);
+    rref::RRefContext::install(registry_);
+    registry_.bindClass(probeClass()).ctor<>();
+    registry_.bind(kActiveContext, [] { return rpc::activeAutogradContext(); });
     registry_.bind(kStage, [this](const rpc::CallContext& ctx, Tensor x) { return tanh(matmul(x, params_.of(ctx.callee))); });
     registry_.bind(kBounce, [this](const rpc::CallContext& ctx, Tensor x) {
       Tensor h = tanh(matmul(x, params_.of(ctx.callee)));
@@ -234,6 +255,20 @@ TEST_P(DistAutogradSmoke, MalformedProtocolMessagesAreClearErrors) {
   ctx.backward(sum(y));
   Tensor expected = grad({sum(tanh(matmul(x, params_.of("worker1"))))}, {x})[0];
   expectClose(ctx.gradients().get(x), expected);
+}
+
+TEST_P(DistAutogradSmoke, HandlersAndRRefMethodsRunInsideTheCallersContext) {
+  // A method called through an RRef waits at the owner until the object exists (Note [Promise pipelining])
+  // and then runs from an executor task: it must still run inside the caller's context, or calls it makes
+  // (fetching an RRef argument, a nested stage) would leave the pass and lose their gradients.
+  auto probe = rref::RRefContext::of(agent(0))->remote<ContextProbe>("worker1");
+  DistContext ctx(agent(0));
+  EXPECT_EQ(agent(0).rpcSync("worker1", kActiveContext), ctx.id()) << "a function's handler";
+  EXPECT_EQ(probe.rpcSync(&ContextProbe::activeContext), ctx.id()) << "a method through an RRef (value)";
+  EXPECT_EQ(probe.remote(&ContextProbe::activeContext).toHere(), ctx.id()) << "a method through an RRef (remote)";
+  ctx.end();
+  EXPECT_EQ(probe.rpcSync(&ContextProbe::activeContext), 0u) << "no context after it ended";
+  EXPECT_TRUE(allReleased());
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, DistAutogradSmoke, ::testing::Values("inproc", "tcp"));
