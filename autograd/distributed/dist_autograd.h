@@ -16,8 +16,9 @@
 // While a context is active on a thread, every RPC, remote() and toHere() made on that thread carries its
 // id; tensors that require grad in its arguments or results record a SendBackward node on the sender and a
 // RecvBackward node on the receiver (sharing a message id), and the callee's handler runs inside the same
-// context, so further hops (A→B→C) and cycles (A→B→A) join it too. A handler's asynchronous continuations do
-// not inherit the context: activate it there (rpc::AutogradContextScope with the id) if they make calls.
+// context, so further hops (A→B→C) and cycles (A→B→A) join it too; so do methods called through an RRef,
+// also when they waited at the owner for the object. A handler's own asynchronous continuations do not
+// inherit the context: one that makes calls activates it with rpc::AutogradContextScope(ctx.autogradContext).
 //
 // Backward modes (BackwardOptions::mode): kExact (default) waits only for the sends the roots depend on,
 // known from what the forward recorded (each message carries the ids of the messages upstream of it; the
