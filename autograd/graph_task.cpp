@@ -142,6 +142,14 @@ std::vector<Tensor> GraphTask::run(Node& node, std::vector<Tensor>&& grads) cons
   return gradInputs;
 }
 
+std::vector<Tensor> GraphTask::runHooks(Node& node, std::vector<Tensor>&& grads) const {
+  NoGradGuard noGrad;
+  runTensorHooks(node, grads);
+  for (auto& hook : node.preHooks()) hook(grads);
+  for (auto& hook : node.postHooks()) hook({}, grads);
+  return std::move(grads);
+}
+
 void GraphTask::finish(Node* node, std::vector<Tensor>&& gradInputs) {
   DG_ASSERT(remaining_ > 0, "GraphTask::finish called more often than nodes exist");
   --remaining_;

@@ -53,6 +53,10 @@ class GraphTask {
   // node was skipped: no gradient defined). Releases saved tensors unless retainGraph. Touches only the
   // node (and the leaf sink).
   std::vector<Tensor> run(Node& node, std::vector<Tensor>&& inputs) const;
+  // The hooks run() runs around a backward (tensor hooks and retainGrad of the node's outputs, pre- and
+  // post-hooks), without the backward itself: for a node whose gradients leave the task instead (the
+  // distributed engine's RecvBackward sends them to a peer). Returns the gradients as the hooks left them.
+  std::vector<Tensor> runHooks(Node& node, std::vector<Tensor>&& grads) const;
   // Routes the gradients `run` returned along the node's edges; successors may become ready.
   void finish(Node* node, std::vector<Tensor>&& gradInputs);
 

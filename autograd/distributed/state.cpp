@@ -781,16 +781,18 @@ void DistAutogradState::drain(const std::shared_ptr<Context>& ctx, const std::sh
     Node* node = pass->task->popReady();
     if (node == nullptr) break;
     std::vector<Tensor> inputs = pass->task->takeInputs(node);
-    if (auto* recv = dynamic_cast<RecvBackward*>(node)) {
-      pass->task->finish(node, {});
-      sendGradients(ctx, pass, *recv, std::move(inputs), lock);
-      continue;
-    }
+    auto* recv = dynamic_cast<RecvBackward*>(node);
     lock.unlock();
     std::vector<Tensor> out;
     std::optional<rpc::Error> failure;
     try {
-      out = pass->task->run(*node, std::move(inputs));
+      // A RecvBackward's gradients go back to the peer that sent its tensors; hooks on those tensors
+      // (registerHook, retainGrad) run first, as they would on a local node.
+      if (recv != nullptr) {
+        inputs = pass->task->runHooks(*node, std::move(inputs));
+      } else {
+        out = pass->task->run(*node, std::move(inputs));
+      }
     } catch (const std::exception& e) {
       failure = localError(rpc::ErrorKind::kRemote,
                            "distributed backward failed on worker " + name_ + " in " + node->name() + ": " + e.what());
@@ -800,7 +802,9 @@ void DistAutogradState::drain(const std::shared_ptr<Context>& ctx, const std::sh
       if (!pass->finished) failPass(*ctx, *pass, *failure);
       break;
     }
-    if (!pass->finished) pass->task->finish(node, std::move(out));
+    if (pass->finished) break;
+    pass->task->finish(node, std::move(out));
+    if (recv != nullptr) sendGradients(ctx, pass, *recv, std::move(inputs), lock);
   }
   pass->running = false;
   finishIfDone(*ctx, *pass);
