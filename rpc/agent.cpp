@@ -1277,7 +1277,9 @@ size_t Agent::runningHandlers() const {
   return incoming_.size();
 }
 
-void Agent::storeBarrier(const std::string& tag, SteadyTime::time_point deadline, bool onlyStoreHostWaits) {
+void Agent::storeBarrier(const std::string& tag, std::chrono::milliseconds bound, bool onlyStoreHostWaits) {
+  const auto deadline = bound.count() > 0 ? SteadyTime::now() + bound : SteadyTime::time_point::max();
+  std::chrono::milliseconds poll(5);
   const std::string prefix = config_.storePrefix + "/" + tag + "/";
   store_->set(prefix + std::to_string(options_.rank), "1");
   if (onlyStoreHostWaits && !storeServer_) return;
@@ -1322,11 +1324,14 @@ void Agent::storeBarrier(const std::string& tag, SteadyTime::time_point deadline
     }
     if (SteadyTime::now() >= deadline) {
       Error error = Error::timeout("shutdown of " + name_ + ": " + joinNames(names) + " did not reach the '" + tag +
-                                   "' barrier within " + std::to_string(config_.shutdownTimeout.count()) + " ms");
+                                   "' barrier within " + std::to_string(bound.count()) + " ms");
       error.worker = joinNames(names);
       throw RpcError(error);
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    // Poll the store quickly at first (the others are usually close behind), then back off: a worker that
+    // waits here for minutes must not load the store's host (typically the busy driver).
+    std::this_thread::sleep_for(poll);
+    poll = std::min(poll * 2, std::chrono::milliseconds(100));
   }
 }
 
@@ -1364,22 +1369,23 @@ void Agent::shutdown(bool graceful) {
   std::exception_ptr failure;
   if (graceful) {
     try {
-      const auto deadline = SteadyTime::now() + config_.shutdownTimeout;
       // Layers above (rref/) finish their own traffic first, while this agent may still call out.
-      for (auto& extension : extensionList()) extension->onShutdown(deadline);
+      for (auto& extension : extensionList()) extension->onShutdown(SteadyTime::now() + config_.shutdownTimeout);
       {
         std::lock_guard<std::mutex> lock(mutex_);
         callsOpen_ = false;  // handlers may still call out so that in-flight work can finish
       }
-      // 1. Everyone stopped issuing new calls. 2. Our own calls got their answers (peers keep serving
+      // 1. Everyone stopped issuing new calls: a worker that is done waits here while the others work
+      // (unbounded by default; a death ends it). 2. Our own calls got their answers (peers keep serving
       // until they pass barrier 3). 3. Everyone's calls are answered: nobody needs a connection any more.
-      storeBarrier("shutdown", deadline);
+      storeBarrier("shutdown", config_.shutdownBarrierTimeout);
+      const auto deadline = SteadyTime::now() + config_.shutdownTimeout;
       waitQuiet(/*outgoing=*/true, deadline);
-      storeBarrier("drained", deadline);
+      storeBarrier("drained", config_.shutdownTimeout);
       waitQuiet(/*outgoing=*/false, deadline);
       // The host of the store must not close it while others still use it; the others must not poll it
       // after their last write (the host may already have closed it).
-      storeBarrier("left", deadline, /*onlyStoreHostWaits=*/true);
+      storeBarrier("left", config_.shutdownTimeout, /*onlyStoreHostWaits=*/true);
     } catch (...) {
       failure = std::current_exception();
     }

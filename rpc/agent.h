@@ -62,8 +62,13 @@ class InprocHub;
 struct AgentConfig {
   // For options.transport == "inproc": the hub every agent of the in-process job shares (required).
   std::shared_ptr<transport::inproc::InprocHub> inprocHub;
-  // Bound on the shutdown barrier and the drain of in-flight calls.
+  // Bound on each phase of a graceful shutdown once every worker has reached it: the RRef layer's release,
+  // the drain of in-flight calls and the barriers after it.
   std::chrono::milliseconds shutdownTimeout{30'000};
+  // Bound on the first shutdown barrier, where a worker that is done (a parameter server, a pipeline stage)
+  // waits for the others to finish their work: 0 (default) waits as long as the missing workers are alive
+  // (their heartbeats keep coming); a worker that dies fails it at once, naming it.
+  std::chrono::milliseconds shutdownBarrierTimeout{0};
   // Prefix of this job's keys in the store (several jobs may share one store).
   std::string storePrefix = "dg";
   // TEST-ONLY: the protocol version this agent announces in its handshake, so tests can make a peer that
@@ -189,9 +194,10 @@ class Agent {
     return rpcAsyncWith(callOptions, worker, fn, std::forward<A>(args)...).get();
   }
 
-  // Graceful (default): refuse new calls, meet every worker at a store barrier (bounded by
-  // AgentConfig::shutdownTimeout; RpcError naming the workers that never arrived), drain in-flight calls
-  // both ways, then close connections and stop threads. Non-graceful: fail pending calls and stop at once.
+  // Graceful (default): refuse new calls, meet every worker at a store barrier (waiting while the others
+  // are alive, AgentConfig::shutdownBarrierTimeout; RpcError naming the workers that died before arriving),
+  // drain in-flight calls both ways (bounded by AgentConfig::shutdownTimeout), then close connections and
+  // stop threads. Non-graceful: fail pending calls and stop at once.
   // The agent is always torn down when shutdown returns or throws. Idempotent and safe to call
   // concurrently: a call made while another is in progress waits until that teardown is complete, then
   // returns quietly (the first caller alone reports the outcome); a later call returns at once. Throws
@@ -302,10 +308,10 @@ class Agent {
   void onCallDeadline(const std::string& peer, uint64_t id, int64_t timeoutMicros);
   void sendOn(const std::shared_ptr<Link>& link, transport::OutgoingFrame frame);
   void heartbeat();
-  // Sets this rank's key under `tag`, then waits for every other rank's; with onlyStoreHostWaits, only the
-  // rank hosting the store waits (the others may leave at once).
-  void storeBarrier(const std::string& tag, std::chrono::steady_clock::time_point deadline,
-                    bool onlyStoreHostWaits = false);
+  // Sets this rank's key under `tag`, then waits for every other rank's, at most `bound` (0: as long as a
+  // missing rank is alive); with onlyStoreHostWaits, only the rank hosting the store waits (the others may
+  // leave at once).
+  void storeBarrier(const std::string& tag, std::chrono::milliseconds bound, bool onlyStoreHostWaits = false);
   void waitQuiet(bool outgoing, std::chrono::steady_clock::time_point deadline);
   void warn(const std::string& message) const;
   // Names the agent thread the caller is on ("executor", "transport loop", "timer"), or nullptr.

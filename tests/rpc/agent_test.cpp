@@ -249,6 +249,37 @@ TEST_P(AgentTest, ShutdownWithADeadPeerIsBoundedAndNamesIt) {
   for (int r = 0; r < 2; ++r) EXPECT_NE(messages[r].find("worker2"), std::string::npos) << "rank " << r << ": " << messages[r];
 }
 
+TEST_P(AgentTest, ShutdownWaitsForWorkersThatAreStillWorking) {
+  // The serving pattern: worker1 is done at once and shuts down; worker0 keeps calling it for longer than
+  // the shutdown bound. The first barrier waits while worker0 is alive (its heartbeats keep coming).
+  ClusterSpec spec;
+  spec.size = 2;
+  spec.heartbeatInterval = 50ms;
+  spec.heartbeatTimeout = 2s;
+  spec.shutdownTimeout = 300ms;
+  start(spec);
+  std::string served;
+  std::thread server([&] {
+    try {
+      agent(1).shutdown();
+      served = "ok";
+    } catch (const RpcError& e) {
+      served = e.what();
+    }
+  });
+  const auto busyUntil = SteadyTime::now() + 3 * spec.shutdownTimeout;
+  int calls = 0;
+  while (SteadyTime::now() < busyUntil) {
+    EXPECT_EQ(agent(0).rpcSync("worker1", kAddInt, calls, 1), calls + 1);
+    ++calls;
+    std::this_thread::sleep_for(10ms);
+  }
+  agent(0).shutdown();
+  server.join();
+  EXPECT_EQ(served, "ok");
+  EXPECT_GT(calls, 10);
+}
+
 // A stray process that connects to an agent's port and sends garbage (or a frame before any handshake) is
 // cut off; the agent lives on and keeps serving its peers.
 TEST(AgentStray, GarbageOnTheAgentsPortClosesOnlyThatConnection) {
