@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -33,6 +34,14 @@ ModelSpec mlpSpec() {
   s.name = "mlp";
   s.hidden = {24, 16};
   s.seed = 12;
+  return s;
+}
+
+// An MLP of `units` units (Linear + ReLU each, the last Linear alone).
+ModelSpec mlpWithUnits(int64_t units) {
+  ModelSpec s = mlpSpec();
+  s.hidden.clear();
+  for (int64_t i = 1; i < units; ++i) s.hidden.push_back(24 - 4 * i);
   return s;
 }
 
@@ -110,7 +119,8 @@ TEST_P(PipelineParity, SameParametersAsFullBatchTraining) {
   const optim::OptimizerSpec opt = c.useAdam ? adam() : sgd();
   const std::vector<Batch> batches{randomBatch(10, 100), randomBatch(10, 101)};
 
-  auto reference = buildModel(mlpSpec());
+  const ModelSpec spec = mlpWithUnits(std::max<int64_t>(c.stages, 3));
+  auto reference = buildModel(spec);
   auto refOptimizer = opt.make(reference->parameters());
   std::vector<double> refLoss;
   std::vector<int64_t> refCorrect;
@@ -127,7 +137,7 @@ TEST_P(PipelineParity, SameParametersAsFullBatchTraining) {
     refOptimizer->zeroGrad();
   }
 
-  auto stages = stagesOf(mlpSpec(), c.stages);
+  auto stages = stagesOf(spec, c.stages);
   LocalPipeline pipe(stages, optionsFor(c.schedule, c.micro, opt), c.threaded);
   ASSERT_EQ(pipe.numStages(), c.stages);
   for (size_t i = 0; i < batches.size(); ++i) {
@@ -164,6 +174,7 @@ std::vector<ParityCase> parityCases() {
   for (Schedule s : {Schedule::kGPipe, Schedule::k1F1B}) {
     for (bool threaded : {true, false}) {
       for (int64_t m = 1; m <= 4; ++m) cases.push_back({s, threaded, m, m == 1 ? 2 : 3, false});
+      cases.push_back({s, threaded, 8, 4, false});  // a batch of 10 in 8: sizes 2 2 1 1 1 1 1 1
     }
   }
   cases.push_back({Schedule::k1F1B, true, 3, 2, true});
