@@ -119,8 +119,8 @@ std::shared_ptr<models::Module> makeModel(const Options& o) {
 
 std::unique_ptr<models::optim::Optimizer> makeOptimizer(const Options& o, std::vector<Tensor> params) {
   if (o.optimizer == "sgd") {
-    return std::make_unique<models::optim::SGD>(std::move(params),
-                                                models::optim::SgdOptions{.learningRate = o.lr, .momentum = o.momentum});
+    return std::make_unique<models::optim::SGD>(
+        std::move(params), models::optim::SgdOptions{.learningRate = o.lr, .momentum = o.momentum});
   }
   return std::make_unique<models::optim::Adam>(std::move(params), models::optim::AdamOptions{.learningRate = o.lr});
 }
@@ -135,9 +135,11 @@ struct Params {  // one version of the server's parameters
     v("tensors", tensors);
   }
 };
+// One epoch of one trainer (or, summed by the server, of all of them). `seconds` is the server's wall clock
+// for the epoch (trainers leave it 0: their clocks' epochs do not line up).
 struct EpochReport {
   int64_t steps = 0, images = 0;
-  double lossSum = 0, computeSeconds = 0, rpcSeconds = 0, peakRssMiB = 0;
+  double lossSum = 0, computeSeconds = 0, rpcSeconds = 0, peakRssMiB = 0, seconds = 0;
   template <class V>
   void visitFields(V& v) {
     v("steps", steps);
@@ -146,13 +148,19 @@ struct EpochReport {
     v("compute_s", computeSeconds);
     v("rpc_s", rpcSeconds);
     v("peak_rss_mib", peakRssMiB);
+    v("seconds", seconds);
   }
+  void add(const EpochReport& r) {
+    steps += r.steps, images += r.images, lossSum += r.lossSum, computeSeconds += r.computeSeconds;
+    rpcSeconds += r.rpcSeconds, peakRssMiB = std::max(peakRssMiB, r.peakRssMiB), seconds += r.seconds;
+  }
+  double rpcShare() const { return rpcSeconds / std::max(rpcSeconds + computeSeconds, 1e-12); }
 };
 const std::string kServer = "worker0";
 const rpc::Function<Params(int64_t, int64_t)> kJoin{"ps.join"};  // (trainer, steps per epoch) -> version 0
 const rpc::Function<Params(int64_t, int64_t, int64_t, std::vector<Tensor>)> kPush{"ps.push"};  // (trainer, version,
                                                                                                //  batch, grads)
-const rpc::Function<double(int64_t, EpochReport)> kEpochEnd{"ps.epoch_end"};  // -> test accuracy
+const rpc::Function<double(int64_t, EpochReport)> kEpochEnd{"ps.epoch_end"};                   // -> test accuracy
 const rpc::CallOptions kNoDeadline = [] {
   rpc::CallOptions options;
   options.timeout = std::chrono::milliseconds(-1);
@@ -231,10 +239,13 @@ class Barrier {
 // The server's state, shared by its handlers (executor threads) and its main thread.
 struct Server {
   Server(const Options& o, int64_t numTrainers)
-      : trainers(numTrainers), model(makeModel(o)), params(model->parameters()),
+      : trainers(numTrainers),
+        model(makeModel(o)),
+        params(model->parameters()),
         optimizer(makeOptimizer(o, params)),
         aggregator(numTrainers, [this](std::vector<Tensor> avg, int64_t round) { return step(avg, round); }),
-        joins(numTrainers), epochEnds(numTrainers) {}
+        joins(numTrainers),
+        epochEnds(numTrainers) {}
 
   // One optimizer step from `grads` computed on parameters of `version`; the new parameters, copied.
   // Callers serialise it (the aggregator runs one round at a time; asgd holds stepMutex).
@@ -307,21 +318,10 @@ void bindServer(rpc::Registry& reg, Server& s, bool synchronous) {
   }
 }
 
-// The figures of one epoch over every trainer, and of the whole run.
-struct Totals {
-  int64_t images = 0, steps = 0;
-  double lossSum = 0, seconds = 0, computeSeconds = 0, rpcSeconds = 0, peakRssMiB = 0;
-  void add(const EpochReport& r) {
-    images += r.images, steps += r.steps, lossSum += r.lossSum, computeSeconds += r.computeSeconds;
-    rpcSeconds += r.rpcSeconds, peakRssMiB = std::max(peakRssMiB, r.peakRssMiB);
-  }
-  double rpcShare() const { return rpcSeconds / std::max(rpcSeconds + computeSeconds, 1e-12); }
-};
-
-void printEpoch(int64_t epoch, const Options& o, const Totals& t, double accuracy) {
+void printEpoch(int64_t epoch, const Options& o, const EpochReport& t, double accuracy) {
   std::printf("epoch %lld/%lld: test accuracy %.2f%%, %.0f images/s, mean loss %.4f, rpc share %.1f%%\n",
               static_cast<long long>(epoch), static_cast<long long>(o.epochs), 100.0 * accuracy,
-              static_cast<double>(t.images) / t.seconds, t.lossSum / std::max<int64_t>(t.steps, 1),
+              static_cast<double>(t.images) / t.seconds, t.lossSum / static_cast<double>(std::max<int64_t>(t.steps, 1)),
               100.0 * t.rpcShare());
   std::fflush(stdout);
 }
@@ -334,14 +334,15 @@ double evaluate(models::Module& model, const data::TensorDataset& test) {
 }
 
 examples::JsonLine summary(const Options& o, const std::string& mode, int64_t workers, int64_t trainers,
-                           int64_t optimizerSteps, const Totals& all, double accuracy) {
+                           int64_t optimizerSteps, const EpochReport& all, double accuracy) {
   examples::JsonLine json("parameter_server");
   json.add("mode", mode).add("workers", workers).add("trainers", trainers).add("model", o.model);
   json.add("optimizer", o.optimizer).add("epochs", o.epochs).add("batch_size", o.batchSize);
   json.add("global_batch", o.batchSize * trainers).add("lr", o.lr).add("train_images", all.images / o.epochs);
   json.add("steps", optimizerSteps).add("test_accuracy", accuracy);
   json.add("images_per_s", static_cast<double>(all.images) / all.seconds).add("peak_rss_mib", examples::peakRssMiB());
-  json.add("peak_rss_mib_max", std::max(all.peakRssMiB, examples::peakRssMiB())).add("rpc_overhead_share", all.rpcShare());
+  json.add("peak_rss_mib_max", std::max(all.peakRssMiB, examples::peakRssMiB()));
+  json.add("rpc_overhead_share", all.rpcShare());
   return json;
 }
 
@@ -366,17 +367,16 @@ int runServer(const Options& o, rpc::Agent& agent, Server& s) {
     throw rpc::RpcError(error);
   }
   s.joins.release(s.snapshot());
-  Totals all;
+  EpochReport all;
   double accuracy = 0;
   auto epochStart = Clock::now();
   for (int64_t epoch = 1; epoch <= o.epochs; ++epoch) {
-    Totals t;
+    EpochReport t;
     for (const EpochReport& r : s.epochEnds.waitAll()) t.add(r);
     t.seconds = std::chrono::duration<double>(s.epochEnds.lastArrival() - epochStart).count();
     accuracy = evaluate(*s.model, test);
     printEpoch(epoch, o, t, accuracy);
-    all.add({t.steps, t.images, t.lossSum, t.computeSeconds, t.rpcSeconds, t.peakRssMiB});
-    all.seconds += t.seconds;
+    all.add(t);
     if (epoch == o.epochs) s.finished = true;
     s.epochEnds.release(accuracy);
     epochStart = Clock::now();
@@ -389,14 +389,43 @@ int runServer(const Options& o, rpc::Agent& agent, Server& s) {
   return 0;
 }
 
-// ---- a trainer (ranks 1..N) ----
-void loadInto(std::vector<Tensor>& params, const Params& update) {
-  DG_CHECK(update.tensors.size() == params.size(), "the server sent ", update.tensors.size(), " tensors for ",
-           params.size(), " parameters");
-  for (size_t i = 0; i < params.size(); ++i) params[i].copyFrom(update.tensors[i]);
+// ---- a trainer (ranks 1..N), and the single-worker reference ----
+// One epoch: forward and backward on the local model, then update(batch size, gradients), which is a kPush
+// round trip for a trainer and the optimizer's step for the reference. Its time is the report's rpcSeconds.
+EpochReport trainEpoch(models::Module& model, data::DataLoader& loader, const std::string& label, bool showProgress,
+                       const std::function<void(int64_t, std::vector<Tensor>)>& update) {
+  std::optional<examples::Progress> progress;
+  if (showProgress) progress.emplace(label, loader.numBatches());
+  const std::vector<Tensor> params = model.parameters();
+  EpochReport report;
+  examples::RunningLoss runningLoss;
+  auto stepEnd = Clock::now();
+  for (const auto& batch : loader) {  // the next batch is gathered here: compute time
+    Tensor loss = crossEntropy(model.forward(batch.inputs), batch.labels);
+    model.zeroGrad();
+    distgrad::backward(loss);
+    std::vector<Tensor> grads;
+    for (const Tensor& p : params) grads.push_back(p.grad());
+    const auto sent = Clock::now();
+    update(batch.size(), std::move(grads));
+    const auto now = Clock::now();
+    report.computeSeconds += std::chrono::duration<double>(sent - stepEnd).count();
+    report.rpcSeconds += std::chrono::duration<double>(now - sent).count();
+    stepEnd = now;
+    const double l = loss.item();
+    report.lossSum += l, report.images += batch.size(), ++report.steps;
+    const double shown = runningLoss.add(l, label + " step " + std::to_string(report.steps));
+    if (progress) progress->update(report.steps, report.images, shown);
+  }
+  report.peakRssMiB = examples::peakRssMiB();
+  return report;
 }
 
-int runTrainer(const Options& o, rpc::Agent& agent) {
+std::string epochLabel(int64_t epoch, const Options& o) {
+  return "epoch " + std::to_string(epoch) + "/" + std::to_string(o.epochs);
+}
+
+void runTrainer(const Options& o, rpc::Agent& agent) {
   const int64_t trainers = agent.worldSize() - 1;
   const int64_t index = agent.rank() - 1;
   examples::Data data = examples::loadFashionMnist(o.dataDir, o.limit);
@@ -405,40 +434,19 @@ int runTrainer(const Options& o, rpc::Agent& agent) {
   auto model = makeModel(o);  // a replica: its values come from the server
   std::vector<Tensor> params = model->parameters();
   Params current = agent.rpcSyncWith(kNoDeadline, kServer, kJoin, index, loader.numBatches());
-  loadInto(params, current);
+  auto push = [&](int64_t batch, std::vector<Tensor> grads) {
+    current = agent.rpcSyncWith(kNoDeadline, kServer, kPush, index, current.version, batch, std::move(grads));
+    DG_CHECK(current.tensors.size() == params.size(), "the server sent ", current.tensors.size(), " tensors for ",
+             params.size(), " parameters");
+    for (size_t i = 0; i < params.size(); ++i) params[i].copyFrom(current.tensors[i]);
+  };
+  for (size_t i = 0; i < params.size(); ++i) params[i].copyFrom(current.tensors[i]);
   for (int64_t epoch = 1; epoch <= o.epochs; ++epoch) {
-    std::optional<examples::Progress> progress;
-    if (index == 0) progress.emplace("epoch " + std::to_string(epoch) + "/" + std::to_string(o.epochs), loader.numBatches());
-    EpochReport report;
-    examples::RunningLoss runningLoss;
-    auto stepEnd = Clock::now();
-    for (const auto& batch : loader) {
-      Tensor loss = crossEntropy(model->forward(batch.inputs), batch.labels);
-      model->zeroGrad();
-      distgrad::backward(loss);
-      std::vector<Tensor> grads;
-      for (const Tensor& p : params) grads.push_back(p.grad());
-      const auto sent = Clock::now();
-      current = agent.rpcSyncWith(kNoDeadline, kServer, kPush, index, current.version, batch.size(), std::move(grads));
-      loadInto(params, current);
-      const auto now = Clock::now();
-      report.computeSeconds += std::chrono::duration<double>(sent - stepEnd).count();
-      report.rpcSeconds += std::chrono::duration<double>(now - sent).count();
-      stepEnd = now;
-      const double l = loss.item();
-      report.lossSum += l;
-      report.images += batch.size();
-      ++report.steps;
-      const double shown = runningLoss.add(l, "epoch " + std::to_string(epoch) + " step " + std::to_string(report.steps));
-      if (progress) progress->update(report.steps, report.images, shown);
-    }
-    report.peakRssMiB = examples::peakRssMiB();
-    agent.rpcSyncWith(kNoDeadline, kServer, kEpochEnd, index, report);  // the server prints the epoch's figures
+    EpochReport report = trainEpoch(*model, loader, epochLabel(epoch, o), index == 0, push);
+    agent.rpcSyncWith(kNoDeadline, kServer, kEpochEnd, index, report);  // the server prints the figures
   }
-  return 0;
 }
 
-// ---- the single-worker reference (no RPC) ----
 int runLocal(const Options& o) {
   examples::Data data = examples::loadFashionMnist(o.dataDir, o.limit);
   // A DistributedSampler of one: the same epoch orders as the trainers' shards put together.
@@ -449,29 +457,53 @@ int runLocal(const Options& o) {
   std::printf("parameter_server: local, %s (%lld parameters), %s lr %g, batch %lld\n", o.model.c_str(),
               static_cast<long long>(model->numParameters()), o.optimizer.c_str(), o.lr,
               static_cast<long long>(o.batchSize));
-  Totals all;
+  EpochReport all;
   double accuracy = 0;
   for (int64_t epoch = 1; epoch <= o.epochs; ++epoch) {
-    examples::Progress progress("epoch " + std::to_string(epoch) + "/" + std::to_string(o.epochs), loader.numBatches());
-    examples::RunningLoss runningLoss;
-    Totals t;
     const auto start = Clock::now();
-    for (const auto& batch : loader) {
-      Tensor loss = crossEntropy(model->forward(batch.inputs), batch.labels);
-      model->zeroGrad();
-      distgrad::backward(loss);
-      optimizer->step();
-      const double l = loss.item();
-      t.lossSum += l, t.images += batch.size(), ++t.steps;
-      progress.update(t.steps, t.images, runningLoss.add(l, "epoch " + std::to_string(epoch)));
-    }
-    t.seconds = t.computeSeconds = examples::secondsSince(start);
+    EpochReport t = trainEpoch(*model, loader, epochLabel(epoch, o), true,
+                               [&](int64_t, std::vector<Tensor> grads) { optimizer->step(grads); });
+    t.seconds = examples::secondsSince(start);
+    t.computeSeconds += t.rpcSeconds;  // no RPC here: the optimizer's step is compute
+    t.rpcSeconds = 0;
     accuracy = evaluate(*model, data.test);
     printEpoch(epoch, o, t, accuracy);
-    all.add({t.steps, t.images, t.lossSum, t.computeSeconds, 0.0, 0.0});
-    all.seconds += t.seconds;
+    all.add(t);
   }
-  summary(o, "local", 1, 1, all.steps, all, accuracy).add("staleness_mean", 0.0).add("staleness_max", int64_t{0}).print();
+  summary(o, "local", 1, 1, all.steps, all, accuracy)
+      .add("staleness_mean", 0.0)
+      .add("staleness_max", int64_t{0})
+      .print();
+  return 0;
+}
+
+// ---- the server (rank 0) ----
+int serve(const Options& o, const rpc::Options& rpcOptions) {
+  const bool synchronous = o.mode == "ssgd";
+  Server server(o, rpcOptions.worldSize - 1);
+  rpc::Registry reg;
+  bindServer(reg, server, synchronous);
+  auto agent = rpc::Agent::start(rpcOptions, reg);
+  agent->extension("examples.parameter_server",
+                   [&](rpc::Agent&) { return std::make_shared<TrainerWatch>(server, synchronous); });
+  for (const std::string& name : agent->workerNames()) {  // a trainer lost before the watch was in place
+    if (name != agent->name() && !agent->metrics(name).connected) {
+      TrainerWatch(server, synchronous).onPeerDown(name, rpc::Error::disconnected("not connected after start"));
+    }
+  }
+  try {
+    runServer(o, *agent, server);
+  } catch (...) {
+    // A trainer is gone, so the graceful shutdown's barrier would wait for it in vain. Let the error replies to
+    // the other trainers' open calls leave first (they say which trainer left), then stop.
+    const auto deadline = Clock::now() + std::chrono::seconds(2);
+    while (agent->runningHandlers() > 0 && Clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    agent->shutdown(false);
+    throw;
+  }
+  agent->shutdown();
   return 0;
 }
 
@@ -489,36 +521,10 @@ int main(int argc, char** argv) {
                 << "distgrad-run --nproc N+1 -- parameter_server ... (or use --mode local)\n";
       return 2;
     }
-    rpc::Registry reg;
-    if (rpcOptions.rank != 0) {
-      who += " (trainer " + std::to_string(rpcOptions.rank) + ")";
-      auto agent = rpc::Agent::start(rpcOptions, reg);
-      runTrainer(o, *agent);
-      agent->shutdown();
-      return 0;
-    }
-    const bool synchronous = o.mode == "ssgd";
-    Server server(o, rpcOptions.worldSize - 1);
-    bindServer(reg, server, synchronous);
-    auto agent = rpc::Agent::start(rpcOptions, reg);
-    agent->extension("examples.parameter_server", [&](rpc::Agent&) {
-      return std::make_shared<TrainerWatch>(server, synchronous);
-    });
-    for (const std::string& name : agent->workerNames()) {  // a trainer lost before the watch was in place
-      if (name != agent->name() && !agent->metrics(name).connected) {
-        TrainerWatch(server, synchronous).onPeerDown(name, rpc::Error::disconnected("not connected after start"));
-      }
-    }
-    try {
-      runServer(o, *agent, server);
-    } catch (...) {
-      // A trainer is gone, so the graceful shutdown's barrier would wait for it in vain. Let the error
-      // replies to the other trainers' open calls leave first (they say which trainer left), then stop.
-      const auto deadline = Clock::now() + std::chrono::seconds(2);
-      while (agent->runningHandlers() > 0 && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-      agent->shutdown(false);
-      throw;
-    }
+    if (rpcOptions.rank == 0) return serve(o, rpcOptions);
+    who += " (trainer " + std::to_string(rpcOptions.rank) + ")";
+    auto agent = rpc::Agent::start(rpcOptions, rpc::Registry());  // trainers serve nothing
+    runTrainer(o, *agent);
     agent->shutdown();
     return 0;
   } catch (const std::exception& e) {

@@ -6,7 +6,8 @@
 
 namespace distgrad::models::optim {
 
-std::optional<std::string> gradientMismatch(const std::vector<Tensor>& reference, const std::vector<Tensor>& candidate) {
+std::optional<std::string> gradientMismatch(const std::vector<Tensor>& reference,
+                                            const std::vector<Tensor>& candidate) {
   if (!reference.empty() && reference.size() != candidate.size()) {
     return std::to_string(candidate.size()) + " gradients, expected " + std::to_string(reference.size());
   }

@@ -69,7 +69,9 @@ class GradientAggregator {
   using Apply = std::function<R(std::vector<Tensor> averaged, int64_t round)>;
 
   GradientAggregator(int64_t contributors, Apply apply, int64_t firstRound = 0)
-      : contributors_(contributors), apply_(std::move(apply)), round_(firstRound),
+      : contributors_(contributors),
+        apply_(std::move(apply)),
+        round_(firstRound),
         slots_(static_cast<size_t>(contributors > 0 ? contributors : 0)) {
     DG_CHECK(contributors >= 1, "GradientAggregator: contributors must be >= 1, got ", contributors);
     DG_CHECK(apply_ != nullptr, "GradientAggregator: apply must be callable");
@@ -89,8 +91,8 @@ class GradientAggregator {
         promise.setError(*aborted_);
         return future;
       }
-      const std::string who = "GradientAggregator: contributor " + std::to_string(contributor) + ", round " +
-                              std::to_string(round) + ": ";
+      const std::string who =
+          "GradientAggregator: contributor " + std::to_string(contributor) + ", round " + std::to_string(round) + ": ";
       std::optional<std::string> problem;
       if (contributor < 0 || contributor >= contributors_) {
         problem = "no such contributor (expected 0.." + std::to_string(contributors_ - 1) + ")";

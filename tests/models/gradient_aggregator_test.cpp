@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 #include <numeric>
 #include <thread>
 #include <vector>
@@ -48,7 +50,8 @@ struct Recorder {
 TEST(GradientAggregatorTest, CompletesEveryContributorOnlyWhenTheRoundIsFull) {
   rpc::Executor executor(2);
   Recorder rec;
-  GradientAggregator<int64_t> agg(3, [&](std::vector<Tensor> avg, int64_t round) { return rec(std::move(avg), round); });
+  GradientAggregator<int64_t> agg(3,
+                                  [&](std::vector<Tensor> avg, int64_t round) { return rec(std::move(avg), round); });
   auto f0 = agg.submit(executor, 0, 0, {filled({2}, 1.0)});
   auto f2 = agg.submit(executor, 2, 0, {filled({2}, 5.0)});
   EXPECT_FALSE(f0.wait(50ms));
@@ -232,11 +235,45 @@ TEST(GradientAggregatorTest, AbortFailsTheWaitingAndEveryLaterSubmission) {
   EXPECT_EQ(agg.submit(executor, 0, 0, {filled({1}, 1)}).result().error().message, "trainer worker3 went down");
 }
 
+// A contributor dies while the round's step is being applied: nobody may take that round's answer as good.
+TEST(GradientAggregatorTest, AbortDuringApplyFailsTheRoundBeingApplied) {
+  rpc::Executor executor(2);
+  std::mutex mutex;
+  std::condition_variable cv;
+  bool inApply = false, mayFinish = false;
+  GradientAggregator<int64_t> agg(2, [&](std::vector<Tensor>, int64_t round) {
+    std::unique_lock<std::mutex> lock(mutex);
+    inApply = true;
+    cv.notify_all();
+    cv.wait(lock, [&] { return mayFinish; });
+    return round;
+  });
+  auto f0 = agg.submit(executor, 0, 0, {filled({1}, 1)});
+  std::thread last([&] { (void)agg.submit(executor, 1, 0, {filled({1}, 1)}); });  // runs apply
+  {
+    std::unique_lock<std::mutex> lock(mutex);
+    cv.wait(lock, [&] { return inApply; });
+  }
+  EXPECT_NE(agg.submit(executor, 0, 1, {filled({1}, 1)}).result().error().message.find("being applied"),
+            std::string::npos);
+  agg.abort(rpc::Error::disconnected("worker2 left"));
+  EXPECT_FALSE(f0.isReady()) << "the promises of the round being applied belong to the applying thread";
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    mayFinish = true;
+  }
+  cv.notify_all();
+  last.join();
+  auto r = f0.result();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().message, "worker2 left");
+  EXPECT_EQ(agg.round(), 0);
+}
+
 TEST(GradientAggregatorTest, AFailingApplyFailsTheRoundAndAbortsTheAggregator) {
   rpc::Executor executor(2);
-  GradientAggregator<int64_t> agg(2, [](std::vector<Tensor>, int64_t) -> int64_t {
-    throw std::runtime_error("optimizer exploded");
-  });
+  GradientAggregator<int64_t> agg(
+      2, [](std::vector<Tensor>, int64_t) -> int64_t { throw std::runtime_error("optimizer exploded"); });
   auto f0 = agg.submit(executor, 0, 0, {filled({1}, 1)});
   auto f1 = agg.submit(executor, 1, 0, {filled({1}, 1)});
   for (auto* f : {&f0, &f1}) {
