@@ -41,7 +41,9 @@
 //
 // rpc_overhead_share: per trainer step, compute = batch gathering, forward, backward; rpc = from sending kPush
 // until the new parameters are in the replica (the server's step and, in ssgd, waiting for the slowest trainer
-// included). The share is sum(rpc) / sum(rpc + compute) over every trainer and step, measured.
+// included). The share is sum(rpc) / sum(rpc + compute) over every trainer and step, measured. server_wait_share
+// is the part of it spent inside the server's kPush (waiting for the other trainers in ssgd, for the step lock
+// in asgd, the step itself); the rest is the wire: encoding, transport, decoding, copying the parameters in.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -135,11 +137,13 @@ struct Params {  // one version of the server's parameters
     v("tensors", tensors);
   }
 };
-// One epoch of one trainer (or, summed by the server, of all of them). `seconds` is the server's wall clock
-// for the epoch (trainers leave it 0: their clocks' epochs do not line up).
+// One epoch of one trainer (or, summed by the server, of all of them). The server adds `seconds`, its wall
+// clock for the epoch, and `serverSeconds`, the part of the trainers' rpcSeconds their kPush calls spent in the
+// server (waiting for the other trainers in ssgd, for the step lock in asgd, and the step itself).
 struct EpochReport {
   int64_t steps = 0, images = 0;
-  double lossSum = 0, computeSeconds = 0, rpcSeconds = 0, peakRssMiB = 0, seconds = 0;
+  double lossSum = 0, computeSeconds = 0, rpcSeconds = 0, peakRssMiB = 0;
+  double seconds = 0, serverSeconds = 0;  // filled in by the server
   template <class V>
   void visitFields(V& v) {
     v("steps", steps);
@@ -149,12 +153,15 @@ struct EpochReport {
     v("rpc_s", rpcSeconds);
     v("peak_rss_mib", peakRssMiB);
     v("seconds", seconds);
+    v("server_s", serverSeconds);
   }
   void add(const EpochReport& r) {
     steps += r.steps, images += r.images, lossSum += r.lossSum, computeSeconds += r.computeSeconds;
-    rpcSeconds += r.rpcSeconds, peakRssMiB = std::max(peakRssMiB, r.peakRssMiB), seconds += r.seconds;
+    rpcSeconds += r.rpcSeconds, peakRssMiB = std::max(peakRssMiB, r.peakRssMiB);
+    seconds += r.seconds, serverSeconds += r.serverSeconds;
   }
   double rpcShare() const { return rpcSeconds / std::max(rpcSeconds + computeSeconds, 1e-12); }
+  double serverShare() const { return serverSeconds / std::max(rpcSeconds + computeSeconds, 1e-12); }
 };
 const std::string kServer = "worker0";
 const rpc::Function<Params(int64_t, int64_t)> kJoin{"ps.join"};  // (trainer, steps per epoch) -> version 0
@@ -264,6 +271,9 @@ struct Server {
     return p;
   }
   int64_t steps() const { return version_; }
+  void addServerTime(Clock::time_point since) {
+    serverNanos += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - since).count();
+  }
 
   const int64_t trainers;
   std::shared_ptr<models::Module> model;
@@ -275,6 +285,7 @@ struct Server {
   models::optim::GradientAggregator<Params> aggregator;  // ssgd
   Barrier<int64_t, Params> joins;                        // (steps per epoch) -> version 0
   Barrier<EpochReport, double> epochEnds;                // -> test accuracy
+  std::atomic<int64_t> serverNanos{0};                   // kPush time in the server, this epoch
   std::atomic<bool> finished{false};                     // trainers leaving afterwards is no failure
 };
 
@@ -308,21 +319,31 @@ void bindServer(rpc::Registry& reg, Server& s, bool synchronous) {
   if (synchronous) {
     reg.bind(kPush, [&s](const rpc::CallContext& ctx, int64_t trainer, int64_t version, int64_t batch,
                          std::vector<Tensor> grads) {
-      return s.aggregator.submit(ctx.agent->executor(), trainer, version, std::move(grads), static_cast<double>(batch));
+      const auto arrived = Clock::now();
+      return s.aggregator.submit(ctx.agent->executor(), trainer, version, std::move(grads), static_cast<double>(batch))
+          .then(rpc::kInlineSafe, [&s, arrived](rpc::Result<Params> reply) {
+            s.addServerTime(arrived);
+            return reply;
+          });
     });
   } else {
     reg.bind(kPush, [&s](int64_t trainer, int64_t version, int64_t batch, std::vector<Tensor> grads) {
+      const auto arrived = Clock::now();
       std::lock_guard<std::mutex> lock(s.stepMutex);
-      return s.step(grads, version);
+      Params latest = s.step(grads, version);
+      s.addServerTime(arrived);
+      return latest;
     });
   }
 }
 
 void printEpoch(int64_t epoch, const Options& o, const EpochReport& t, double accuracy) {
-  std::printf("epoch %lld/%lld: test accuracy %.2f%%, %.0f images/s, mean loss %.4f, rpc share %.1f%%\n",
-              static_cast<long long>(epoch), static_cast<long long>(o.epochs), 100.0 * accuracy,
-              static_cast<double>(t.images) / t.seconds, t.lossSum / static_cast<double>(std::max<int64_t>(t.steps, 1)),
-              100.0 * t.rpcShare());
+  std::printf(
+      "epoch %lld/%lld: test accuracy %.2f%%, %.0f images/s, mean loss %.4f, rpc share %.1f%% (%.1f%% in "
+      "the server)\n",
+      static_cast<long long>(epoch), static_cast<long long>(o.epochs), 100.0 * accuracy,
+      static_cast<double>(t.images) / t.seconds, t.lossSum / static_cast<double>(std::max<int64_t>(t.steps, 1)),
+      100.0 * t.rpcShare(), 100.0 * t.serverShare());
   std::fflush(stdout);
 }
 
@@ -342,7 +363,7 @@ examples::JsonLine summary(const Options& o, const std::string& mode, int64_t wo
   json.add("steps", optimizerSteps).add("test_accuracy", accuracy);
   json.add("images_per_s", static_cast<double>(all.images) / all.seconds).add("peak_rss_mib", examples::peakRssMiB());
   json.add("peak_rss_mib_max", std::max(all.peakRssMiB, examples::peakRssMiB()));
-  json.add("rpc_overhead_share", all.rpcShare());
+  json.add("rpc_overhead_share", all.rpcShare()).add("server_wait_share", all.serverShare());
   return json;
 }
 
@@ -374,6 +395,7 @@ int runServer(const Options& o, rpc::Agent& agent, Server& s) {
     EpochReport t;
     for (const EpochReport& r : s.epochEnds.waitAll()) t.add(r);
     t.seconds = std::chrono::duration<double>(s.epochEnds.lastArrival() - epochStart).count();
+    t.serverSeconds = static_cast<double>(s.serverNanos.exchange(0)) * 1e-9;  // quiescent: all at the barrier
     accuracy = evaluate(*s.model, test);
     printEpoch(epoch, o, t, accuracy);
     all.add(t);
