@@ -12,17 +12,22 @@ shift 5
 here=$(cd "$(dirname "$0")" && pwd)
 workdir=$(mktemp -d)
 trap 'rm -rf "$workdir"' EXIT
-accuracy() { sed -n 's/.*"test_accuracy":\([0-9.eE+-]*\).*/\1/p' "$1" | tail -n 1; }
+field() { grep -o "\"$2\":[0-9.eE+-]*" "$1" | tail -n 1 | cut -d: -f2; }
 
 echo "== single worker, batch $batch"
-"$here/check_parameter_server.sh" "$min_accuracy" "$binary" --mode local --batch-size "$batch" "$@" |
+"$here/check_example.sh" --expect mode=local parameter_server "$min_accuracy" -- \
+  "$binary" --mode local --batch-size "$batch" "$@" |
   tee "$workdir/local.txt"
 echo "== synchronous parameter server, 2 trainers, batch $((batch / 2)) each"
-"$here/check_parameter_server.sh" "$min_accuracy" "$launcher" --nproc 3 -- "$binary" --mode ssgd \
-  --batch-size $((batch / 2)) "$@" | tee "$workdir/ssgd.txt"
+"$here/check_example.sh" --expect mode=ps_ssgd --expect trainers=2 parameter_server "$min_accuracy" -- \
+  "$launcher" --nproc 3 -- "$binary" --mode ssgd --batch-size $((batch / 2)) "$@" | tee "$workdir/ssgd.txt"
 
-local_acc=$(accuracy "$workdir/local.txt")
-ssgd_acc=$(accuracy "$workdir/ssgd.txt")
+for key in steps train_images epochs; do  # the same optimizer steps over the same samples
+  [[ "$(field "$workdir/local.txt" $key)" == "$(field "$workdir/ssgd.txt" $key)" ]] ||
+    { echo "FAIL: $key differs: $(field "$workdir/local.txt" $key) vs $(field "$workdir/ssgd.txt" $key)"; exit 1; }
+done
+local_acc=$(field "$workdir/local.txt" test_accuracy)
+ssgd_acc=$(field "$workdir/ssgd.txt" test_accuracy)
 awk -v a="$local_acc" -v b="$ssgd_acc" -v g="$max_gap" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(d <= g) }' ||
   { echo "FAIL: ssgd test accuracy $ssgd_acc vs single worker $local_acc: gap above $max_gap"; exit 1; }
 echo "OK: ssgd (2 trainers) test accuracy $ssgd_acc, single worker $local_acc: gap within $max_gap"
