@@ -20,9 +20,10 @@
 //     executor thread waits. When the last trainer's gradients of step k arrive, that handler's thread
 //     averages them (weighted by batch size, summed in trainer order, so runs are reproducible), takes ONE
 //     optimizer step and completes every trainer's future with the same new parameters. With batch b per
-//     trainer, step k's N batches are exactly positions kNb .. (k+1)Nb - 1 of the epoch's order: the batch of
-//     `--mode local --batch-size N*b` with the same seed, so SSGD takes the single worker's steps up to float
-//     rounding (tests/examples/check_parameter_server_target.sh checks the accuracies agree).
+//     trainer, step k's N batches are exactly positions kNb .. (k+1)Nb - 1 of the epoch's order (when N divides
+//     the training set): the batch of `--mode local --batch-size N*b` with the same seed, so SSGD takes the
+//     single worker's steps up to float rounding (with one trainer, bit for bit the same run);
+//     tests/examples/check_parameter_server_target.sh checks the accuracies agree.
 //   asgd: kPush applies the trainer's gradients on arrival, one optimizer step each, serialised by a mutex
 //     (held for one step and a parameter copy, well under a millisecond), and replies with the latest
 //     parameters and their version. Staleness = steps other trainers applied between the version a trainer
@@ -44,6 +45,11 @@
 // included). The share is sum(rpc) / sum(rpc + compute) over every trainer and step, measured. server_wait_share
 // is the part of it spent inside the server's kPush (waiting for the other trainers in ssgd, for the step lock
 // in asgd, the step itself); the rest is the wire: encoding, transport, decoding, copying the parameters in.
+//
+// The server's last line: {"example":"parameter_server","mode":"ps_ssgd"|"ps_asgd"|"local","workers":N+1,
+// "trainers":N,"model",...,"batch_size" (per trainer),"global_batch","steps" (optimizer steps),"test_accuracy",
+// "images_per_s" (all trainers),"peak_rss_mib" (server),"peak_rss_mib_max" (every process),
+// "rpc_overhead_share","server_wait_share","staleness_mean","staleness_max"}.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -258,19 +264,19 @@ struct Server {
   // Callers serialise it (the aggregator runs one round at a time; asgd holds stepMutex).
   Params step(const std::vector<Tensor>& grads, int64_t version) {
     if (auto problem = models::optim::gradientMismatch(params, grads)) DG_CHECK(false, "bad gradients: ", *problem);
-    const int64_t behind = version_ - version;
-    DG_CHECK(behind >= 0, "gradients of version ", version, ", but the parameters are at version ", version_);
+    const int64_t behind = currentVersion - version;
+    DG_CHECK(behind >= 0, "gradients of version ", version, ", but the parameters are at version ", currentVersion);
     stalenessSum += behind, stalenessMax = std::max(stalenessMax, behind);
     optimizer->step(grads);
-    ++version_;
+    ++currentVersion;
     return snapshot();
   }
   Params snapshot() const {
-    Params p{version_, {}};
+    Params p{currentVersion, {}};
     for (const Tensor& t : params) p.tensors.push_back(t.cloneData());
     return p;
   }
-  int64_t steps() const { return version_; }
+  int64_t steps() const { return currentVersion; }
   void addServerTime(Clock::time_point since) {
     serverNanos += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - since).count();
   }
@@ -279,8 +285,8 @@ struct Server {
   std::shared_ptr<models::Module> model;
   std::vector<Tensor> params;
   std::unique_ptr<models::optim::Optimizer> optimizer;
-  std::mutex stepMutex;  // asgd: one step at a time
-  int64_t version_ = 0;  // steps taken (guarded by the aggregator's rounds or stepMutex)
+  std::mutex stepMutex;        // asgd: one step at a time
+  int64_t currentVersion = 0;  // steps taken (guarded by the aggregator's rounds or stepMutex)
   int64_t stalenessSum = 0, stalenessMax = 0;
   models::optim::GradientAggregator<Params> aggregator;  // ssgd
   Barrier<int64_t, Params> joins;                        // (steps per epoch) -> version 0
