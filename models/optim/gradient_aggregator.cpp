@@ -1,0 +1,75 @@
+#include "models/optim/gradient_aggregator.h"
+
+#include <cmath>
+
+#include "tensor/error.h"
+
+namespace distgrad::models::optim {
+
+std::optional<std::string> gradientMismatch(const std::vector<Tensor>& reference,
+                                            const std::vector<Tensor>& candidate) {
+  if (!reference.empty() && reference.size() != candidate.size()) {
+    return std::to_string(candidate.size()) + " gradients, expected " + std::to_string(reference.size());
+  }
+  for (size_t i = 0; i < candidate.size(); ++i) {
+    const Tensor& g = candidate[i];
+    if (!g.defined()) continue;
+    const std::string which = "gradient " + std::to_string(i);
+    if (g.dtype() != DType::kFloat32 && g.dtype() != DType::kFloat64) {
+      return which + " is " + tensor::dtypeName(g.dtype()) + ", expected float32 or float64";
+    }
+    if (!g.device().isCpu()) return which + " is on " + g.device().str() + ", expected the CPU";
+    if (reference.empty() || !reference[i].defined()) continue;
+    if (g.shape() != reference[i].shape()) {
+      return which + " has shape " + tensor::shapeStr(g.shape()) + ", expected " +
+             tensor::shapeStr(reference[i].shape());
+    }
+    if (g.dtype() != reference[i].dtype()) {
+      return which + " is " + tensor::dtypeName(g.dtype()) + ", expected " + tensor::dtypeName(reference[i].dtype());
+    }
+  }
+  return std::nullopt;
+}
+
+std::vector<Tensor> weightedAverage(const std::vector<std::vector<Tensor>>& grads, const std::vector<double>& weights) {
+  DG_CHECK(!grads.empty(), "weightedAverage: no gradients");
+  DG_CHECK(grads.size() == weights.size(), "weightedAverage: ", grads.size(), " gradient sets but ", weights.size(),
+           " weights");
+  double total = 0;
+  for (double w : weights) {
+    DG_CHECK(std::isfinite(w) && w > 0, "weightedAverage: weights must be finite and > 0, got ", w);
+    total += w;
+  }
+  std::vector<Tensor> reference(grads[0].size());
+  for (size_t k = 0; k < grads.size(); ++k) {
+    if (auto problem = gradientMismatch(reference.empty() ? std::vector<Tensor>{} : reference, grads[k])) {
+      DG_CHECK(false, "weightedAverage: set ", k, ": ", *problem);
+    }
+    for (size_t i = 0; i < reference.size(); ++i) {
+      if (!reference[i].defined()) reference[i] = grads[k][i];
+    }
+  }
+  std::vector<Tensor> out(reference.size());
+  for (size_t i = 0; i < reference.size(); ++i) {
+    if (!reference[i].defined()) continue;  // nobody produced this gradient
+    out[i] = Tensor::zeros(reference[i].shape(), reference[i].dtype());
+    tensor::dispatchFloat(out[i].dtype(), "weightedAverage", [&](auto zero) {
+      using T = decltype(zero);
+      T* acc = out[i].data<T>();
+      const int64_t n = out[i].numel();
+      for (size_t k = 0; k < grads.size(); ++k) {
+        const Tensor& g0 = grads[k][i];
+        if (!g0.defined()) continue;
+        const Tensor g = g0.isContiguous() ? g0 : g0.cloneData();
+        const T* src = g.data<T>();
+        // The scale is w / total (0.5 for two equal weights: exact), so equal weights average without an
+        // extra rounding from a separate division.
+        const T scale = static_cast<T>(weights[k] / total);
+        for (int64_t j = 0; j < n; ++j) acc[j] += scale * src[j];
+      }
+    });
+  }
+  return out;
+}
+
+}  // namespace distgrad::models::optim
