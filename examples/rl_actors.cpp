@@ -105,10 +105,10 @@ Options parseArgs(int argc, char** argv) {
   return o;
 }
 
-// The observer's episode loop. A coroutine: each co_await gives its thread back while the agent decides.
+// The observer's episode loop. A coroutine: each co_await gives its thread back while the agent decides;
+// it resumes on `executor` (a coroutine's first Executor& parameter is its home).
 rpc::Future<std::tuple<std::vector<double>, double>> playEpisode(rpc::Executor& executor, rpc::Agent* agent,
                                                                  std::string agentName, std::shared_ptr<CartPole> env) {
-  (void)executor;  // the coroutine's home: where it resumes after each action arrives
   const int64_t me = agent->rank();
   std::vector<double> rewards;
   double envSeconds = 0;
@@ -137,6 +137,8 @@ class PolicyServer {
   void beginEpisode(int64_t observers) {
     std::lock_guard<std::mutex> lock(mutex_);
     playing_ = observers;
+    active_.assign(static_cast<size_t>(observers) + 1, true);
+    active_[0] = false;  // the agent itself
     saved_.assign(static_cast<size_t>(observers) + 1, {});
   }
 
@@ -144,9 +146,15 @@ class PolicyServer {
     rpc::Promise<int64_t> promise(executor);
     rpc::Future<int64_t> action = promise.getFuture();
     std::lock_guard<std::mutex> lock(mutex_);
-    if (observer < 1 || observer >= static_cast<int64_t>(saved_.size()) ||
-        state.size() != static_cast<size_t>(CartPole::kObservationSize)) {
-      promise.setError(rpc::Error::failed("select_action: bad request from observer " + std::to_string(observer)));
+    // A request from an observer that is not playing, or that already waits for an action, would stall
+    // the batches (they wait for one request per playing observer): refuse it.
+    const bool playing = observer >= 0 && observer < static_cast<int64_t>(active_.size()) && active_[observer];
+    const bool waiting =
+        std::any_of(pending_.begin(), pending_.end(), [&](const Request& r) { return r.observer == observer; });
+    if (!playing || waiting || state.size() != static_cast<size_t>(CartPole::kObservationSize)) {
+      promise.setError(rpc::Error::failed("select_action: unexpected request from observer " +
+                                          std::to_string(observer) + (playing ? "" : " (not playing)") +
+                                          (waiting ? " (already waiting for an action)" : "")));
       return action;
     }
     pending_.push_back(Request{observer, std::move(state), std::move(promise)});
@@ -158,6 +166,8 @@ class PolicyServer {
   // stop waiting for it.
   void observerDone(int64_t observer) {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (observer < 0 || observer >= static_cast<int64_t>(active_.size()) || !active_[observer]) return;
+    active_[observer] = false;
     --playing_;
     // Only a failed observer can still have a request parked here; its caller has given up on it.
     std::erase_if(pending_, [&](Request& r) {
@@ -217,7 +227,8 @@ class PolicyServer {
   mutable std::mutex mutex_;
   std::shared_ptr<models::MLP> policy_;
   tensor::Generator sampler_;
-  int64_t playing_ = 0;
+  int64_t playing_ = 0;       // observers still in this episode
+  std::vector<bool> active_;  // by observer rank: still in this episode
   std::vector<Request> pending_;
   std::vector<std::vector<Tensor>> saved_;
   int64_t batches_ = 0, requests_ = 0;
