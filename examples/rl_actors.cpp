@@ -33,7 +33,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <future>
 #include <iostream>
 #include <memory>
 #include <mutex>
@@ -63,8 +62,6 @@ inline const rpc::Function<std::tuple<std::vector<double>, double>()> kRunEpisod
 // Agent: the action for observer `observer` in `state` (answered once the batch it joins is complete).
 inline const rpc::Function<int64_t(int64_t, std::vector<double>)> kSelectAction{"rl.select_action"};
 inline const rpc::Function<double()> kPeakRss{"rl.peak_rss_mib"};
-// The agent is done: the observers may leave (see serveUntilFinished).
-inline const rpc::Function<void()> kFinished{"rl.finished"};
 }  // namespace rl
 
 namespace {
@@ -250,16 +247,6 @@ double meanOf(const std::vector<double>& v, size_t first, size_t count) {
          static_cast<double>(count);
 }
 
-// A serving worker's main thread waits here until the driver (worker0) calls kFinished, then shuts down.
-// Agent::shutdown() alone is a barrier too, but one that gives up after AgentConfig::shutdownTimeout (30 s by
-// default), far shorter than a training run. Throws if worker0 goes away first (it failed: the launcher is
-// stopping the job).
-void serveUntilFinished(rpc::Agent& agent, std::future<void> finished) {
-  while (finished.wait_for(std::chrono::milliseconds(100)) != std::future_status::ready) {
-    if (!agent.metrics("worker0").connected) throw std::runtime_error("worker0 left before it had finished");
-  }
-}
-
 int runAgent(rpc::Agent& agent, const Options& opt, const std::shared_ptr<models::MLP>& policy,
              const std::shared_ptr<PolicyServer>& server) {
   const int64_t observers = agent.worldSize() - 1;
@@ -349,8 +336,7 @@ int runAgent(rpc::Agent& agent, const Options& opt, const std::shared_ptr<models
   double rssMax = examples::peakRssMiB();
   for (int64_t k = 1; k <= observers; ++k) {
     rssMax = std::max(rssMax, agent.rpcSync("worker" + std::to_string(k), rl::kPeakRss));
-    agent.rpcSync("worker" + std::to_string(k), rl::kFinished);
-  }
+    }
   // The agent's compute (policy batches and updates) and the environments' (the slowest observer of each
   // episode) against the wall time; the rest went to messages and waiting for them.
   const double compute = server->computeSeconds() + updateSeconds + envSeconds;
@@ -390,8 +376,6 @@ int main(int argc, char** argv) {
     const rpc::Options rpcOptions = rpc::Options::fromEnv();
     rpc::Registry reg;
     reg.bind(rl::kPeakRss, [] { return examples::peakRssMiB(); });
-    auto finished = std::make_shared<std::promise<void>>();
-    reg.bind(rl::kFinished, [finished] { finished->set_value(); });
     std::shared_ptr<models::MLP> policy;
     std::shared_ptr<PolicyServer> server;
     if (rpcOptions.rank == 0) {
@@ -419,8 +403,6 @@ int main(int argc, char** argv) {
     int status = 0;
     if (agent->rank() == 0) {
       status = runAgent(*agent, opt, policy, server);
-    } else {
-      serveUntilFinished(*agent, finished->get_future());
     }
     agent->shutdown();  // the observers serve until the agent is done: the graceful shutdown is a barrier
     return status;

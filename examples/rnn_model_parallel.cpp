@@ -32,7 +32,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <future>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -64,8 +63,6 @@ inline const rpc::Class<Embedding> kEmbeddingClass = rref::moduleClass<Embedding
 inline const rpc::Class<Linear> kLinearClass = rref::moduleClass<Linear>("Linear");
 // Peak RSS of the worker that serves it (MiB).
 inline const rpc::Function<double()> kPeakRss{"rnn.peak_rss_mib"};
-// The trainer is done: the server may leave (see serveUntilFinished).
-inline const rpc::Function<void()> kFinished{"rnn.finished"};
 // Times the server's compute of one training step on its own modules: {forward + backward seconds,
 // optimizer-update seconds} (medians over `reps`), for tokens [T, N] and decoder inputs [N, H].
 inline const rpc::Function<std::vector<double>(rref::RemoteModule<Embedding>, rref::RemoteModule<Linear>, Tensor,
@@ -196,16 +193,6 @@ struct StepTimes {
   int64_t steps = 0;
 };
 
-// A serving worker's main thread waits here until the driver (worker0) calls kFinished, then shuts down.
-// Agent::shutdown() alone is a barrier too, but one that gives up after AgentConfig::shutdownTimeout (30 s by
-// default), far shorter than a training run. Throws if worker0 goes away first (it failed: the launcher is
-// stopping the job).
-void serveUntilFinished(rpc::Agent& agent, std::future<void> finished) {
-  while (finished.wait_for(std::chrono::milliseconds(100)) != std::future_status::ready) {
-    if (!agent.metrics("worker0").connected) throw std::runtime_error("worker0 left before it had finished");
-  }
-}
-
 int runTrainer(rpc::Agent& agent, const Options& opt) {
   examples::Data data = examples::loadFashionMnist(opt.dataDir, opt.limit);
   const models::data::TensorDataset trainSet = tokenized(data.train, opt);
@@ -267,20 +254,17 @@ int runTrainer(rpc::Agent& agent, const Options& opt) {
           return grad;
         };
       };
-      auto alias = [](const Tensor& t) { return view(t, t.shape()); };
       Tensor loss;
       {
         t0 = Clock::now();
         autograd::distributed::DistContext ctx(agent);
         const Tensor sequence = contiguous(transpose(batch.inputs, 0, 1));  // [T, N]: the LSTM's layout
         embedded0 = Clock::now();
-        // The received tensors pass through a free local view: hooks on a tensor received over RPC do not
-        // run in a distributed backward (its RecvBackward node bypasses them), hooks on the views do.
-        Tensor embedded = alias(embedding.forward(sequence));  // [T, N, E], computed on worker1
+        Tensor embedded = embedding.forward(sequence);  // [T, N, E], computed on worker1
         lstm0 = Clock::now();
         Tensor last = select(lstm->forwardWithState(embedded).state.h, 0, lstm->numLayers() - 1);  // [N, H]
         decoder0 = Clock::now();
-        Tensor logits = alias(decoder.forward(last));  // [N, 10], computed on worker1
+        Tensor logits = decoder.forward(last);  // [N, 10], computed on worker1
         loss0 = Clock::now();
         loss = crossEntropy(logits, batch.labels);
         logits.registerHook(stampInto(decoderGradOut));     // the loss's backward done: off to worker1
@@ -332,7 +316,6 @@ int runTrainer(rpc::Agent& agent, const Options& opt) {
   }
 
   const double serverRss = agent.rpcSync("worker1", rnn::kPeakRss);
-  agent.rpcSync("worker1", rnn::kFinished);
   const double rss = examples::peakRssMiB();
   examples::JsonLine("rnn_model_parallel")
       .add("mode", "rnn_mp")
@@ -376,8 +359,6 @@ int main(int argc, char** argv) {
           return std::make_shared<Linear>(in, out, gen);
         });
     reg.bind(rnn::kPeakRss, [] { return examples::peakRssMiB(); });
-    auto finished = std::make_shared<std::promise<void>>();
-    reg.bind(rnn::kFinished, [finished] { finished->set_value(); });
     reg.bind(rnn::kTimeServerStep, &timeServerStep);
     auto agent = rpc::Agent::start(rpc::Options::fromEnv(), reg);
     if (agent->worldSize() != 2) {
@@ -389,8 +370,6 @@ int main(int argc, char** argv) {
     int status = 0;
     if (agent->rank() == 0) {
       status = runTrainer(*agent, opt);
-    } else {
-      serveUntilFinished(*agent, finished->get_future());
     }
     agent->shutdown();  // rank 1 serves until rank 0 is done: the graceful shutdown is a barrier of both
     return status;
