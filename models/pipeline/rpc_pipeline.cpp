@@ -1,0 +1,718 @@
+#include "models/pipeline/rpc_pipeline.h"
+
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <exception>
+#include <functional>
+#include <optional>
+#include <sstream>
+#include <utility>
+
+#include "autograd/grad_mode.h"
+#include "autograd/node.h"
+#include "autograd/ops.h"
+#include "rpc/autograd_hook.h"
+#include "rpc/detail/handler.h"
+#include "rref/context.h"
+#include "tensor/storage.h"
+
+namespace distgrad::models::pipeline {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double secondsBetween(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+double processPeakRssMiB() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_maxrss) / 1024.0;  // KiB on Linux
+}
+
+// Micro-batch indices come from the wire: bounded, so a bad one cannot make a stage allocate without limit.
+constexpr int64_t kMaxMicroBatches = 1 << 16;
+
+template <typename T>
+T& slot(std::vector<T>& values, int64_t index) {
+  if (static_cast<size_t>(index) >= values.size()) values.resize(static_cast<size_t>(index) + 1);
+  return values[static_cast<size_t>(index)];
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- the stage
+
+// Note [Stage compute token]
+// A stage computes one thing at a time, like a device: its forwards AND its backwards are serialised on one
+// token. Without it, the distributed engine runs the backwards of several micro-batch contexts at once on
+// the stage's executor threads (each context's pass drains on the thread its gradient arrived on): on a
+// machine with a core per stage they would share the stage's core and all finish late, so the previous
+// stage would start its backwards late too (a wider bubble), and per-micro-batch times would be
+// meaningless. Forwards take the token from the forward queue's runner without blocking: when a backward
+// holds it, the runner registers a wake-up and returns its thread (the wake-up posts it again). A backward
+// takes it inside the engine (the identity op at the stage's output) and can only block there: the holder
+// never waits for anything but the CPU (a forward job runs to its end; a backward's drain from the stage's
+// output to its input is local compute, its sends are asynchronous), so the wait is bounded by one op.
+// Blocked backwards go first when the token is released (they hold threads; and finishing a backward frees
+// its activations). The token a backward took is released by the identity op at the stage's input, or,
+// when that op never runs (a failed pass), when the pass's graph is destroyed (the context ends).
+class ComputeToken {
+ public:
+  // Blocks until the token is this caller's.
+  void acquireBlocking() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    ++blocked_;
+    freed_.wait(lock, [&] { return !held_; });
+    --blocked_;
+    held_ = true;
+  }
+  // Takes the token if it is free and no blocked caller waits; else keeps `wake` (replacing an earlier
+  // one) and calls it once the token is released with nobody blocked on it.
+  bool tryAcquireOrNotify(std::function<void()> wake) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!held_ && blocked_ == 0) {
+      held_ = true;
+      return true;
+    }
+    wake_ = std::move(wake);
+    return false;
+  }
+  void release() {
+    std::function<void()> wake;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      held_ = false;
+      if (blocked_ > 0) {
+        freed_.notify_one();
+        return;
+      }
+      wake.swap(wake_);
+    }
+    if (wake) wake();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable freed_;
+  bool held_ = false;          // GUARDED_BY(mutex_)
+  int blocked_ = 0;            // GUARDED_BY(mutex_)
+  std::function<void()> wake_;  // GUARDED_BY(mutex_)
+};
+
+// The token a backward holds from the stage's output to its input (see the note): released once, by the
+// input op or by the destruction of the graph's closures, whichever comes first.
+class BackwardHold {
+ public:
+  explicit BackwardHold(std::shared_ptr<ComputeToken> token) : token_(std::move(token)) {}
+  ~BackwardHold() { release(); }
+  void acquire() {
+    token_->acquireBlocking();
+    std::lock_guard<std::mutex> lock(mutex_);
+    held_ = true;
+  }
+  void release() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!held_) return;
+      held_ = false;
+    }
+    token_->release();
+  }
+
+ private:
+  std::shared_ptr<ComputeToken> token_;
+  std::mutex mutex_;
+  bool held_ = false;  // GUARDED_BY(mutex_)
+};
+
+struct PipelineStage::Meter {
+  std::shared_ptr<ComputeToken> token = std::make_shared<ComputeToken>();
+  mutable std::mutex mutex;
+  StageStats stats;                                 // GUARDED_BY(mutex), peakRssMiB filled when taken
+  std::vector<Clock::time_point> backwardStarted;   // GUARDED_BY(mutex): [microBatch]
+  int64_t inFlight = 0;                             // GUARDED_BY(mutex)
+  int64_t baselineBytes = -1;                       // GUARDED_BY(mutex): before the first forward since reset
+
+  // Memory is sampled where the activations kept for backward peak: after a forward, before a backward.
+  void sampleLocked() {
+    if (baselineBytes < 0) return;
+    const auto bytes = static_cast<int64_t>(tensor::cpuBytesInUse());
+    stats.peakActivationBytes = std::max(stats.peakActivationBytes, std::max<int64_t>(bytes - baselineBytes, 0));
+  }
+  void forwardStarting() {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (baselineBytes < 0 && inFlight == 0) baselineBytes = static_cast<int64_t>(tensor::cpuBytesInUse());
+  }
+  void forwardDone(int64_t microBatch, double seconds) {
+    std::lock_guard<std::mutex> lock(mutex);
+    slot(stats.forwardSeconds, microBatch) += seconds;
+    ++stats.forwards;
+    ++inFlight;
+    stats.maxInFlight = std::max(stats.maxInFlight, inFlight);
+    sampleLocked();
+  }
+  void backwardStarting(int64_t microBatch) {
+    std::lock_guard<std::mutex> lock(mutex);
+    slot(backwardStarted, microBatch) = Clock::now();
+    sampleLocked();
+  }
+  void backwardDone(int64_t microBatch) {
+    const auto now = Clock::now();
+    std::lock_guard<std::mutex> lock(mutex);
+    slot(stats.backwardSeconds, microBatch) += secondsBetween(slot(backwardStarted, microBatch), now);
+    ++stats.backwards;
+    inFlight = std::max<int64_t>(inFlight - 1, 0);
+  }
+  void reset() {
+    std::lock_guard<std::mutex> lock(mutex);
+    std::string worker = std::move(stats.worker);
+    stats = StageStats{};
+    stats.worker = std::move(worker);
+    backwardStarted.clear();
+    inFlight = 0;
+    baselineBytes = -1;
+  }
+};
+
+namespace {
+
+std::string stageWhat(const std::string& worker, const StageSpec& spec) {
+  return "pipeline stage on " + worker + " (" + spec.describe() + ")";
+}
+
+}  // namespace
+
+PipelineStage::PipelineStage(std::string worker, StageSpec spec)
+    : worker_(std::move(worker)), spec_(std::move(spec)), what_(stageWhat(worker_, spec_)) {
+  spec_.validate();  // it came from the wire
+  module_ = buildStage(spec_);
+  module_->train(true);
+  anchor_ = Tensor::zeros({1});
+  anchor_.setRequiresGrad(true);
+  meter_ = std::make_shared<Meter>();
+  meter_->stats.worker = worker_;
+}
+
+PipelineStage::~PipelineStage() = default;
+
+void PipelineStage::recordSource(int64_t microBatch, const std::string& from) {
+  DG_CHECK(microBatch >= 0 && microBatch < kMaxMicroBatches, what_, ": micro-batch index must be in [0, ",
+           kMaxMicroBatches, "), got ", microBatch);
+  if (!training_.load()) return;
+  std::lock_guard<std::mutex> lock(meter_->mutex);
+  slot(meter_->stats.inputFrom, microBatch) = from;
+}
+
+rpc::Future<Tensor> PipelineStage::forwardFirst(const rpc::CallContext& ctx, Tensor input, int64_t microBatch) {
+  recordSource(microBatch, ctx.caller);
+  return enqueue(ctx.agent->executor(), std::move(input), microBatch);
+}
+
+rpc::Future<Tensor> PipelineStage::forward(const rpc::CallContext& ctx, rref::RRef<Tensor> previous,
+                                           int64_t microBatch, uint64_t contextId) {
+  DG_CHECK(previous.valid(), what_, ": forward got an empty RRef");
+  recordSource(microBatch, previous.isOwner() ? worker_ : previous.owner());
+  // The fetch joins the micro-batch's context, so the previous stage records where the gradient goes and
+  // the received input hangs from a RecvBackward here. On the owner this is the local value itself, no
+  // message.
+  rpc::Future<Tensor> value = [&] {
+    rpc::AutogradContextScope active(contextId != 0 ? contextId : rpc::activeAutogradContext());
+    return previous.toHereAsync();
+  }();
+  rpc::Executor* executor = &ctx.agent->executor();
+  return std::move(value).then(
+      [self = shared_from_this(), executor, microBatch](rpc::Result<Tensor>&& fetched) -> rpc::Future<Tensor> {
+        // A failed input is the previous stage's error (it names that worker): passed on as it is.
+        if (!fetched.ok()) return rpc::makeErrorFuture<Tensor>(fetched.error(), *executor);
+        return self->enqueue(*executor, std::move(fetched).value(), microBatch);
+      });
+}
+
+rpc::Future<Tensor> PipelineStage::enqueue(rpc::Executor& executor, Tensor input, int64_t microBatch) {
+  auto promise = std::make_shared<rpc::Promise<Tensor>>(executor);
+  rpc::Future<Tensor> future = promise->getFuture();
+  {
+    std::lock_guard<std::mutex> lock(queueMutex_);
+    executor_ = &executor;
+    queue_.push_back(Job{std::move(input), microBatch, std::move(promise)});
+    if (running_) return future;  // the running thread takes it
+    running_ = true;
+  }
+  runQueued();
+  return future;
+}
+
+void PipelineStage::runQueued() {
+  while (true) {
+    Job job;
+    {
+      std::lock_guard<std::mutex> lock(queueMutex_);
+      if (queue_.empty()) {
+        running_ = false;
+        return;
+      }
+      // Note [Stage compute token]: a backward holds it; the release posts this runner again.
+      std::weak_ptr<PipelineStage> weak = weak_from_this();
+      rpc::Executor* executor = executor_;
+      const bool mine = meter_->token->tryAcquireOrNotify([weak, executor] {
+        if (!executor->post([weak] {
+              if (auto self = weak.lock()) self->runQueued();
+            })) {
+          // The agent is closing: the queued promises break when the stage is destroyed.
+        }
+      });
+      if (!mine) return;  // running_ stays true: the wake-up resumes this loop
+      job = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    rpc::Result<Tensor> result = [&]() -> rpc::Result<Tensor> {
+      try {
+        return runForward(job.input, job.microBatch);
+      } catch (...) {
+        rpc::Error error = rpc::detail::handlerError(std::current_exception(), worker_);
+        error.message = what_ + ", forward of micro-batch " + std::to_string(job.microBatch) + ": " + error.message;
+        return error;
+      }
+    }();
+    meter_->token->release();
+    job.promise->setResult(std::move(result));
+  }
+}
+
+Tensor PipelineStage::runForward(const Tensor& input, int64_t microBatch) {
+  if (!training_.load()) {
+    autograd::NoGradGuard noGrad;
+    return module_->forward(input);
+  }
+  meter_->forwardStarting();
+  const auto start = Clock::now();
+  std::shared_ptr<Meter> meter = meter_;
+  // Identity ops at the stage's input and output time its backward (Note [Stage compute token]): the output
+  // one runs first in the backward (and takes the token), the input one last. The hold is shared by both
+  // closures, so it is released when the graph goes even if the input op never runs.
+  auto hold = std::make_shared<BackwardHold>(meter->token);
+  Tensor x = autograd::recordOp("PipelineStageInput", {input, anchor_}, input.detach(),
+                                [meter, hold, microBatch](const std::vector<Tensor>& grads, const autograd::Node& self) {
+                                  meter->backwardDone(microBatch);
+                                  hold->release();
+                                  return std::vector<Tensor>{self.needsInputGrad(0) ? grads[0] : Tensor(), Tensor()};
+                                });
+  Tensor y = module_->forward(x);
+  Tensor out = autograd::recordOp("PipelineStageOutput", {y}, y.detach(),
+                                  [meter, hold, microBatch](const std::vector<Tensor>& grads, const autograd::Node&) {
+                                    hold->acquire();
+                                    meter->backwardStarting(microBatch);
+                                    return std::vector<Tensor>{grads[0]};
+                                  });
+  meter_->forwardDone(microBatch, secondsBetween(start, Clock::now()));
+  return out;
+}
+
+void PipelineStage::train(bool enabled) {
+  std::lock_guard<std::mutex> lock(queueMutex_);
+  DG_CHECK(!running_ && queue_.empty(), what_, ": train(", enabled ? "true" : "false",
+           ") while forwards run; switch modes between steps");
+  training_.store(enabled);
+  module_->train(enabled);
+}
+
+StageStats PipelineStage::stats() const {
+  StageStats out;
+  {
+    std::lock_guard<std::mutex> lock(meter_->mutex);
+    out = meter_->stats;
+  }
+  out.peakRssMiB = processPeakRssMiB();
+  return out;
+}
+
+void PipelineStage::resetStats() { meter_->reset(); }
+
+StageStats PipelineStage::takeStats() {
+  StageStats out;
+  {
+    std::lock_guard<std::mutex> lock(meter_->mutex);
+    out = meter_->stats;
+  }
+  meter_->reset();
+  out.peakRssMiB = processPeakRssMiB();
+  return out;
+}
+
+std::vector<Tensor> PipelineStage::parameters() const { return module_->parameters(); }
+
+const rpc::Class<PipelineStage>& pipelineStageClass() {
+  static const rpc::Class<PipelineStage> cls = rref::moduleClass<PipelineStage>("dg.pipeline.PipelineStage")
+                                                   .method("forwardFirst", &PipelineStage::forwardFirst)
+                                                   .method("train", &PipelineStage::train)
+                                                   .method("stats", &PipelineStage::stats)
+                                                   .method("resetStats", &PipelineStage::resetStats)
+                                                   .method("takeStats", &PipelineStage::takeStats);
+  return cls;
+}
+
+void installPipeline(rpc::Registry& registry) {
+  rref::bindRemoteModule(registry, pipelineStageClass())
+      .factory<StageSpec>([](const rpc::CallContext& ctx, StageSpec spec) {
+        return std::make_shared<PipelineStage>(ctx.callee, std::move(spec));
+      });
+}
+
+// ---------------------------------------------------------------- the driver
+
+namespace {
+
+// Where each micro-batch starts (microBatchSizes, the split both pipelines share), and n at the end.
+std::vector<int64_t> microBatchBounds(int64_t n, int64_t microBatches) {
+  std::vector<int64_t> bounds{0};
+  for (int64_t size : microBatchSizes(n, microBatches)) bounds.push_back(bounds.back() + size);
+  return bounds;
+}
+
+}  // namespace
+
+RpcPipeline::RpcPipeline(rpc::Agent& agent, std::vector<RemoteStage> stages, PipelineOptions options,
+                         autograd::distributed::BackwardMode mode)
+    : agent_(&agent), options_(std::move(options)), mode_(mode), specs_(std::move(stages)) {
+  DG_CHECK(!specs_.empty(), "RpcPipeline: got no stages");
+  options_.validate();
+  for (size_t s = 0; s < specs_.size(); ++s) {
+    specs_[s].spec.validate();
+    (void)rref::ModulePlacement::parse(specs_[s].placement);
+    if (s == 0) continue;
+    const StageSpec& a = specs_[s - 1].spec;
+    const StageSpec& b = specs_[s].spec;
+    DG_CHECK(b.model.describe() == a.model.describe() && b.model.seed == a.model.seed && b.firstUnit == a.endUnit,
+             "RpcPipeline: stage ", s, " (", b.describe(), ") does not continue stage ", s - 1, " (", a.describe(),
+             "): stages must be consecutive unit ranges of one model");
+  }
+  auto rrefs = rref::RRefContext::of(agent);
+  // Nothing here belongs to a distributed autograd context the caller may have active.
+  rpc::AutogradContextScope noContext(0);
+  for (const RemoteStage& stage : specs_) {
+    stages_.push_back(rref::RemoteModule<PipelineStage>::create(rrefs, stage.placement, stage.spec));
+  }
+  std::vector<rpc::Future<std::vector<rref::RRef<Tensor>>>> pending;
+  for (const auto& stage : stages_) pending.push_back(stage.remoteParametersAsync());
+  std::vector<rref::RRef<Tensor>> params;
+  std::optional<rpc::Error> failure;
+  for (auto& result : rpc::whenAll(std::move(pending), &agent.executor()).get()) {
+    if (!result.ok()) {
+      if (!failure) failure = result.error();
+      continue;
+    }
+    for (auto& p : result.value()) params.push_back(std::move(p));
+  }
+  if (failure) {
+    failure->message = "RpcPipeline: building a stage failed: " + failure->message;
+    throw rpc::RpcError(*failure);
+  }
+  parameters_ = params;
+  optimizer_ = std::make_unique<optim::DistributedOptimizer>(agent, options_.optimizer, std::move(params));
+}
+
+RpcPipeline::~RpcPipeline() = default;
+
+std::vector<std::string> RpcPipeline::workers() const {
+  std::vector<std::string> out;
+  for (const auto& stage : stages_) out.push_back(stage.owner());
+  return out;
+}
+
+std::vector<Tensor> RpcPipeline::fetchParameters() const {
+  rpc::AutogradContextScope noContext(0);
+  std::vector<rpc::Future<Tensor>> fetches;
+  for (const auto& p : parameters_) fetches.push_back(p.toHereAsync());
+  std::vector<Tensor> out;
+  for (auto& r : rpc::whenAll(std::move(fetches), &agent_->executor()).get()) out.push_back(std::move(r).value());
+  return out;
+}
+
+std::string RpcPipeline::describe() const {
+  std::ostringstream out;
+  out << "rpc pipeline, " << stages_.size() << " stage" << (stages_.size() == 1 ? "" : "s") << " on ";
+  for (size_t s = 0; s < stages_.size(); ++s) out << (s ? ", " : "") << stages_[s].owner();
+  out << ", " << scheduleName(options_.schedule) << ", " << options_.microBatches << " micro-batch"
+      << (options_.microBatches == 1 ? "" : "es");
+  return out.str();
+}
+
+namespace {
+
+// What the step loop waits for: a micro-batch's logits arrived (or failed), or its backward finished.
+struct StepEvent {
+  bool logits = false;
+  int64_t microBatch = 0;
+  std::optional<rpc::Error> error;
+  Tensor value;
+};
+
+class EventQueue {
+ public:
+  void push(StepEvent event) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      events_.push_back(std::move(event));
+    }
+    ready_.notify_one();
+  }
+  StepEvent pop() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    ready_.wait(lock, [&] { return !events_.empty(); });
+    StepEvent event = std::move(events_.front());
+    events_.pop_front();
+    return event;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable ready_;
+  std::deque<StepEvent> events_;  // GUARDED_BY(mutex_)
+};
+
+// The first error of a step; later ones are consequences (a stage's failure fails every later stage's
+// fetch of that micro-batch) unless they come from another worker.
+void noteError(std::optional<rpc::Error>& first, const rpc::Error& error) {
+  if (!first) first = error;
+}
+
+}  // namespace
+
+struct RpcPipeline::MicroBatch {
+  int64_t index = 0;
+  Tensor inputs, labels;
+  double share = 0;  // of the batch: the loss scale
+  std::unique_ptr<autograd::distributed::DistContext> context;
+  Tensor logits;
+  bool backwardStarted = false;
+};
+
+StepResult RpcPipeline::step(const Tensor& inputs, const Tensor& labels) {
+  DG_CHECK(inputs.defined() && inputs.dim() >= 1, "RpcPipeline::step: inputs must have a batch dimension");
+  DG_CHECK(labels.defined() && labels.dim() == 1 && labels.shape()[0] == inputs.shape()[0],
+           "RpcPipeline::step: labels must be one per input (", inputs.shape()[0], "), got shape ",
+           tensor::shapeStr(labels.shape()));
+  DG_CHECK(!agent_->executor().isCurrentThread(),
+           "RpcPipeline::step blocks: never call it on the agent's executor (inside a handler)");
+  const auto start = Clock::now();
+  const int64_t n = inputs.shape()[0];
+  const std::vector<int64_t> bounds = microBatchBounds(n, options_.microBatches);
+  const auto count = static_cast<int64_t>(bounds.size()) - 1;
+  const auto numStages = static_cast<int64_t>(stages_.size());
+
+  std::vector<MicroBatch> batches(static_cast<size_t>(count));
+  {
+    // Contexts that stay inactive on this thread except while their micro-batch's calls are made.
+    rpc::AutogradContextScope restore(rpc::activeAutogradContext());
+    for (int64_t m = 0; m < count; ++m) {
+      MicroBatch& mb = batches[static_cast<size_t>(m)];
+      mb.index = m;
+      const int64_t size = bounds[m + 1] - bounds[m];
+      mb.inputs = count == 1 ? inputs : narrow(inputs, 0, bounds[m], size);
+      mb.labels = count == 1 ? labels : narrow(labels, 0, bounds[m], size);
+      mb.share = static_cast<double>(size) / static_cast<double>(n);
+      mb.context = std::make_unique<autograd::distributed::DistContext>(*agent_);
+    }
+  }
+
+  auto events = std::make_shared<EventQueue>();
+  int64_t outstanding = 0;
+  std::optional<rpc::Error> failure;
+  StepResult result;
+  result.samples = n;
+  result.microBatches = count;
+
+  auto issueForward = [&](MicroBatch& mb) {
+    auto active = mb.context->activate();
+    // The chain is issued at once: each stage's call carries the previous stage's result RRef, which its
+    // owner resolves when that forward finishes (promise pipelining); activations never come here.
+    rref::RRef<Tensor> out = stages_[0].moduleRRef().remote(&PipelineStage::forwardFirst, mb.inputs, mb.index);
+    for (int64_t s = 1; s < numStages; ++s) {
+      out = stages_[static_cast<size_t>(s)].moduleRRef().remote(&PipelineStage::forward, out, mb.index,
+                                                                mb.context->id());
+    }
+    ++outstanding;
+    (void)out.toHereAsync().then(rpc::kInlineSafe, [events, m = mb.index](rpc::Result<Tensor>&& logits) {
+      StepEvent event;
+      event.logits = true;
+      event.microBatch = m;
+      if (logits.ok()) {
+        event.value = std::move(logits).value();
+      } else {
+        event.error = logits.error();
+      }
+      events->push(std::move(event));
+    });
+  };
+  autograd::distributed::BackwardOptions backwardOptions;
+  backwardOptions.mode = mode_;
+  auto startBackward = [&](MicroBatch& mb) {
+    mb.backwardStarted = true;
+    Tensor loss;
+    try {
+      loss = mul(crossEntropy(mb.logits, mb.labels), mb.share);
+      autograd::NoGradGuard noGrad;
+      result.loss += loss.item();
+      result.correct += static_cast<int64_t>(sum(eq(argmax(mb.logits, 1), mb.labels)).item());
+    } catch (const std::exception& e) {
+      // Logits that do not fit the labels: the last stage's output is not a classifier's.
+      noteError(failure, rpc::Error::failed(std::string("RpcPipeline: the loss of micro-batch ") +
+                                            std::to_string(mb.index) + " failed: " + e.what())
+                             .onWorker(agent_->name()));
+      return;
+    }
+    ++outstanding;
+    (void)mb.context->backwardAsync({loss}, backwardOptions)
+        .then(rpc::kInlineSafe, [events, m = mb.index](rpc::Result<void>&& done) {
+          StepEvent event;
+          event.microBatch = m;
+          if (!done.ok()) event.error = done.error();
+          events->push(std::move(event));
+        });
+  };
+
+  const bool oneFOneB = options_.schedule == Schedule::k1F1B;
+  int64_t nextForward = 0;
+  const int64_t firstWave = oneFOneB ? std::min(count, numStages) : count;
+  for (; nextForward < firstWave; ++nextForward) issueForward(batches[static_cast<size_t>(nextForward)]);
+  int64_t logitsIn = 0;
+  while (outstanding > 0) {
+    StepEvent event = events->pop();
+    --outstanding;
+    MicroBatch& mb = batches[static_cast<size_t>(event.microBatch)];
+    if (event.error) {
+      noteError(failure, *event.error);
+      // A failed pass may leave a stage's compute token with the graph (Note [Stage compute token]): release
+      // the context now rather than after the others settle.
+      if (!event.logits) mb.context.reset();
+      continue;
+    }
+    if (event.logits) {
+      mb.logits = std::move(event.value);
+      ++logitsIn;
+      if (failure) continue;
+      if (oneFOneB) {
+        startBackward(mb);
+      } else if (logitsIn == count) {
+        for (auto& b : batches) {
+          if (failure) break;
+          startBackward(b);
+        }
+      }
+      continue;
+    }
+    // A backward finished: 1F1B lets the next micro-batch in.
+    if (oneFOneB && !failure && nextForward < count) issueForward(batches[static_cast<size_t>(nextForward++)]);
+  }
+  if (failure) {
+    batches.clear();  // ends every context (on every worker)
+    throw rpc::RpcError(*failure);
+  }
+
+  // One optimizer step over every micro-batch's context; meanwhile the stages hand over their measurements.
+  std::vector<uint64_t> contextIds;
+  for (const auto& mb : batches) contextIds.push_back(mb.context->id());
+  std::vector<rpc::Future<StageStats>> statsCalls;
+  rpc::Result<void> stepped;
+  {
+    rpc::AutogradContextScope noContext(0);
+    rpc::Future<void> stepping = optimizer_->stepAsync(contextIds);
+    if (collectStats_) {
+      for (const auto& stage : stages_) statsCalls.push_back(stage.moduleRRef().rpcAsync(&PipelineStage::takeStats));
+    }
+    stepped = stepping.result();
+  }
+  std::vector<rpc::Result<StageStats>> stageResults;
+  if (!statsCalls.empty()) stageResults = rpc::whenAll(std::move(statsCalls), &agent_->executor()).get();
+  batches.clear();
+  stepped.value();  // throws the optimizer's error (naming the owners)
+
+  result.stats.wallSeconds = secondsBetween(start, Clock::now());
+  result.stats.steps = 1;
+  if (!collectStats_) return result;
+  lastStageStats_.clear();
+  StageTimes times;
+  for (int64_t s = 0; s < numStages; ++s) {
+    auto& r = stageResults[static_cast<size_t>(s)];
+    if (!r.ok()) throw rpc::RpcError(r.error());
+    StageStats st = std::move(r).value();
+    st.forwardSeconds.resize(static_cast<size_t>(count), 0.0);
+    st.backwardSeconds.resize(static_cast<size_t>(count), 0.0);
+    double busy = 0;
+    for (int64_t m = 0; m < count; ++m) busy += st.forwardSeconds[m] + st.backwardSeconds[m];
+    result.stats.busySeconds.push_back(busy);
+    result.stats.maxInFlight.push_back(st.maxInFlight);
+    result.stats.peakActivationBytes.push_back(st.peakActivationBytes);
+    times.forward.push_back(st.forwardSeconds);
+    times.backward.push_back(st.backwardSeconds);
+    lastStageStats_.push_back(std::move(st));
+  }
+  result.stats.idealSeconds = idealMakespan(options_.schedule, times);
+  return result;
+}
+
+std::vector<StageStats> RpcPipeline::stageStats() {
+  rpc::AutogradContextScope noContext(0);
+  std::vector<rpc::Future<StageStats>> calls;
+  for (const auto& stage : stages_) calls.push_back(stage.moduleRRef().rpcAsync(&PipelineStage::stats));
+  std::vector<StageStats> out;
+  std::optional<rpc::Error> failure;
+  for (auto& r : rpc::whenAll(std::move(calls), &agent_->executor()).get()) {
+    if (!r.ok()) {
+      noteError(failure, r.error());
+      continue;
+    }
+    out.push_back(std::move(r).value());
+  }
+  if (failure) throw rpc::RpcError(*failure);
+  return out;
+}
+
+Tensor RpcPipeline::predict(const Tensor& inputs) {
+  DG_CHECK(inputs.defined() && inputs.dim() >= 1, "RpcPipeline::predict: inputs must have a batch dimension");
+  DG_CHECK(!agent_->executor().isCurrentThread(),
+           "RpcPipeline::predict blocks: never call it on the agent's executor (inside a handler)");
+  rpc::AutogradContextScope noContext(0);
+  auto setTraining = [&](bool enabled) {
+    std::vector<rpc::Future<void>> calls;
+    for (const auto& stage : stages_) calls.push_back(stage.moduleRRef().rpcAsync(&PipelineStage::train, enabled));
+    std::optional<rpc::Error> failure;
+    for (auto& r : rpc::whenAll(std::move(calls), &agent_->executor()).get()) {
+      if (!r.ok()) noteError(failure, r.error());
+    }
+    return failure;
+  };
+  if (auto error = setTraining(false)) {
+    (void)setTraining(true);
+    throw rpc::RpcError(*error);
+  }
+  // Big micro-batches, one per stage, so the stages still overlap.
+  const std::vector<int64_t> bounds = microBatchBounds(inputs.shape()[0], numStages());
+  std::vector<rpc::Future<Tensor>> chunks;
+  for (size_t m = 0; m + 1 < bounds.size(); ++m) {
+    Tensor x = bounds.size() == 2 ? inputs : narrow(inputs, 0, bounds[m], bounds[m + 1] - bounds[m]);
+    rref::RRef<Tensor> out =
+        stages_[0].moduleRRef().remote(&PipelineStage::forwardFirst, x, static_cast<int64_t>(m));
+    for (size_t s = 1; s < stages_.size(); ++s) {
+      out = stages_[s].moduleRRef().remote(&PipelineStage::forward, out, static_cast<int64_t>(m), uint64_t{0});
+    }
+    chunks.push_back(out.toHereAsync());
+  }
+  std::vector<Tensor> logits;
+  std::optional<rpc::Error> failure;
+  for (auto& r : rpc::whenAll(std::move(chunks), &agent_->executor()).get()) {
+    if (!r.ok()) {
+      noteError(failure, r.error());
+      continue;
+    }
+    logits.push_back(std::move(r).value());
+  }
+  if (auto error = setTraining(true)) noteError(failure, *error);
+  if (failure) throw rpc::RpcError(*failure);
+  return logits.size() == 1 ? logits.front() : cat(logits, 0);
+}
+
+}  // namespace distgrad::models::pipeline
