@@ -1,0 +1,161 @@
+// single_worker: trains a model of the zoo on Fashion-MNIST in one process with a plain loop, the whole
+// model on the calling thread. It is the baseline the pipeline examples are measured against:
+// local_model_parallel (the model cut into stages run one after another), local_pipeline (the stages on
+// threads, micro-batches flowing through them) and rpc_pipeline (the stages on workers).
+//
+// The model is described by value (models/pipeline/model_spec.h), so every example builds the very same
+// network from the same --seed. Defaults: a ResNet-18 of base width 16 with a CIFAR stem (3x3, no pool),
+// which suits 28x28 images; one epoch reaches about 88% test accuracy.
+//
+// Ends with one JSON line: {"example":"single_worker","mode":"single","images_per_s":...,
+// "test_accuracy":...,"compute_share":...,...}. compute_share is the share of each step's wall time spent
+// in forward + backward (the rest, overhead_share, is the optimizer step and the loop itself); there is no
+// pipeline, so bubble_share is 0.
+//
+//   single_worker [--model resnet18|resnet50|mlp|lenet5] [--width N] [--epochs N] [--batch-size N]
+//                 [--optimizer sgd|adam] [--lr X] [--seed N] [--limit N] [--threads N] [--data-dir DIR]
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <string>
+
+#include "autograd/engine.h"
+#include "autograd/ops.h"
+#include "examples/example_util.h"
+#include "models/data/data_loader.h"
+#include "models/optim/distributed_optimizer.h"
+#include "models/pipeline/model_spec.h"
+#include "models/pipeline/schedule.h"
+#include "tensor/cpu/dnnl_context.h"
+
+using namespace distgrad;
+namespace data = distgrad::models::data;
+namespace pipeline = distgrad::models::pipeline;
+
+namespace {
+
+struct Options {
+  std::string model = "resnet18";
+  int64_t width = 16;
+  int64_t epochs = 1;
+  int64_t batchSize = 64;
+  std::string optimizer = "adam";
+  double lr = 0;  // 0: the optimizer's default below
+  uint64_t seed = 0;
+  int64_t limit = 0;
+  int threads = 1;
+  std::string dataDir;
+};
+
+Options parseArgs(int argc, char** argv) {
+  Options o;
+  examples::Flags flags("single_worker", "trains a zoo model on Fashion-MNIST in one process (the baseline)");
+  flags.add("--model", o.model, "resnet18 | resnet50 | mlp | lenet5")
+      .add("--width", o.width, "ResNet base width (torchvision's is 64)")
+      .add("--epochs", o.epochs, "passes over the training set")
+      .add("--batch-size", o.batchSize, "images per step")
+      .add("--optimizer", o.optimizer, "sgd (momentum 0.9) | adam")
+      .add("--lr", o.lr, "learning rate (0: 0.05 for sgd, 0.001 for adam)")
+      .add("--seed", o.seed, "initialisation and shuffling seed")
+      .add("--limit", o.limit, "use only the first N training and test images (0 = all)")
+      .add("--threads", o.threads, "oneDNN threads")
+      .add("--data-dir", o.dataDir, "Fashion-MNIST directory (default: the Debian package's)");
+  flags.parse(argc, argv);
+  flags.require(o.epochs >= 1 && o.batchSize >= 1 && o.width >= 1 && o.threads >= 1 && o.limit >= 0 && o.lr >= 0,
+                "--epochs, --batch-size, --width, --threads must be >= 1, --limit and --lr >= 0");
+  flags.require(o.optimizer == "sgd" || o.optimizer == "adam", "--optimizer must be sgd or adam");
+  return o;
+}
+
+models::optim::OptimizerSpec optimizerSpec(const Options& o) {
+  if (o.optimizer == "adam") return models::optim::OptimizerSpec::adam({.learningRate = o.lr > 0 ? o.lr : 1e-3});
+  return models::optim::OptimizerSpec::sgd({.learningRate = o.lr > 0 ? o.lr : 0.05, .momentum = 0.9});
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options opt = parseArgs(argc, argv);
+  try {
+    tensor::setNumThreads(opt.threads);
+    const examples::Data data = examples::loadFashionMnist(opt.dataDir, opt.limit);
+    pipeline::ModelSpec spec;
+    spec.name = opt.model;
+    spec.baseWidth = opt.width;
+    spec.seed = opt.seed;
+    auto model = pipeline::buildModel(spec);
+    const models::optim::OptimizerSpec optSpec = optimizerSpec(opt);
+    auto optimizer = optSpec.make(model->parameters());
+    std::printf("single_worker: %s (%.2fM parameters), %s, batch %lld, %lld train / %lld test images, %d thread(s)\n",
+                spec.describe().c_str(), static_cast<double>(model->numParameters()) / 1e6, optSpec.describe().c_str(),
+                static_cast<long long>(opt.batchSize), static_cast<long long>(data.train.size()),
+                static_cast<long long>(data.test.size()), opt.threads);
+
+    data::DataLoader loader(data.train, {.batchSize = opt.batchSize, .shuffle = true, .seed = opt.seed});
+    pipeline::StepStats total;
+    int64_t trainImages = 0;
+    double accuracy = 0;
+    for (int64_t epoch = 1; epoch <= opt.epochs; ++epoch) {
+      const std::string label = "epoch " + std::to_string(epoch) + "/" + std::to_string(opt.epochs);
+      examples::Progress progress(label, loader.numBatches());
+      examples::RunningLoss runningLoss;
+      pipeline::StepStats epochStats;
+      int64_t done = 0;
+      int64_t images = 0;
+      for (const auto& batch : loader) {
+        const auto start = std::chrono::steady_clock::now();
+        Tensor loss = crossEntropy(model->forward(batch.inputs), batch.labels);
+        distgrad::backward(loss);
+        const double compute = examples::secondsSince(start);
+        optimizer->step();
+        optimizer->zeroGrad();
+        // The same accounting as the pipelines, for one stage that is never idle.
+        pipeline::StepStats step;
+        step.wallSeconds = examples::secondsSince(start);
+        step.idealSeconds = compute;
+        step.busySeconds = {compute};
+        step.maxInFlight = {1};
+        step.peakActivationBytes = {-1};
+        step.steps = 1;
+        epochStats.accumulate(step);
+        images += batch.size();
+        const double smoothed = runningLoss.add(loss.item(), label + " batch " + std::to_string(done + 1));
+        progress.update(++done, images, smoothed);
+      }
+      total.accumulate(epochStats);
+      trainImages += images;
+      model->eval();
+      accuracy = examples::testAccuracy([&](const Tensor& x) { return model->forward(x); }, data.test);
+      model->train();
+      std::printf("epoch %lld: test accuracy %.2f%%, %.0f images/s, compute %.0f%%\n", static_cast<long long>(epoch),
+                  100.0 * accuracy, static_cast<double>(images) / epochStats.wallSeconds,
+                  100.0 * epochStats.computeShare());
+      std::fflush(stdout);
+    }
+
+    examples::JsonLine("single_worker")
+        .add("mode", "single")
+        .add("workers", 1)
+        .add("model", spec.name)
+        .add("width", opt.width)
+        .add("epochs", opt.epochs)
+        .add("batch_size", opt.batchSize)
+        .add("optimizer", opt.optimizer)
+        .add("threads", opt.threads)
+        .add("train_images", data.train.size())
+        .add("stages", 1)
+        .add("micro_batches", 1)
+        .add("schedule", "none")
+        .add("compute_share", total.computeShare())
+        .add("bubble_share", total.bubbleShare())
+        .add("overhead_share", total.overheadShare())
+        .add("images_per_s", static_cast<double>(trainImages) / total.wallSeconds)
+        .add("test_accuracy", accuracy)
+        .add("peak_rss_mib", examples::peakRssMiB())
+        .print();
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "single_worker: error: " << e.what() << "\n";
+    return 1;
+  }
+}
