@@ -59,6 +59,16 @@ T& slot(std::vector<T>& values, int64_t index) {
 // Blocked backwards go first when the token is released (they hold threads; and finishing a backward frees
 // its activations). The token a backward took is released by the identity op at the stage's input, or,
 // when that op never runs (a failed pass), when the pass's graph is destroyed (the context ends).
+// Note [Stage in-flight limit]
+// Under 1F1B a stage holds at most S - s micro-batches in flight (forwarded, backward not done), the
+// schedule's own bound (models/pipeline/schedule.h): the driver sets it per stage (setMaxInFlight) and the
+// stage enforces it itself, so the forward of micro-batch m + S - s starts right when the backward of m
+// ends HERE, as stageOrder says, instead of after that backward's completion has travelled to the driver
+// and a new call has come back (a round trip of idle time at every steady-state forward). The driver only
+// keeps the calls coming early enough: it issues the forward of m + S when the logits of m arrive. A forward
+// over the limit waits in the queue without a thread; the end of a micro-batch's graph here (its backward,
+// or its release after a failed step) frees the slot and wakes it. GPipe sets no limit.
+
 class ComputeToken {
  public:
   // Blocks until the token is this caller's.
@@ -102,38 +112,14 @@ class ComputeToken {
   std::function<void()> wake_;  // GUARDED_BY(mutex_)
 };
 
-// The token a backward holds from the stage's output to its input (see the note): released once, by the
-// input op or by the destruction of the graph's closures, whichever comes first.
-class BackwardHold {
- public:
-  explicit BackwardHold(std::shared_ptr<ComputeToken> token) : token_(std::move(token)) {}
-  ~BackwardHold() { release(); }
-  void acquire() {
-    token_->acquireBlocking();
-    std::lock_guard<std::mutex> lock(mutex_);
-    held_ = true;
-  }
-  void release() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (!held_) return;
-      held_ = false;
-    }
-    token_->release();
-  }
-
- private:
-  std::shared_ptr<ComputeToken> token_;
-  std::mutex mutex_;
-  bool held_ = false;  // GUARDED_BY(mutex_)
-};
-
 struct PipelineStage::Meter {
   std::shared_ptr<ComputeToken> token = std::make_shared<ComputeToken>();
   mutable std::mutex mutex;
   StageStats stats;                                 // GUARDED_BY(mutex), peakRssMiB filled when taken
   std::vector<Clock::time_point> backwardStarted;   // GUARDED_BY(mutex): [microBatch]
-  int64_t inFlight = 0;                             // GUARDED_BY(mutex)
+  int64_t inFlight = 0;                             // GUARDED_BY(mutex): forwarded, graph not yet done
+  int64_t maxInFlight = 0;                          // GUARDED_BY(mutex): forwards wait above it (0: no limit)
+  std::function<void()> admit;                      // GUARDED_BY(mutex): a forward waiting for a slot
   int64_t baselineBytes = -1;                       // GUARDED_BY(mutex): before the first forward since reset
 
   // Memory is sampled where the activations kept for backward peak: after a forward, before a backward.
@@ -141,6 +127,14 @@ struct PipelineStage::Meter {
     if (baselineBytes < 0) return;
     const auto bytes = static_cast<int64_t>(tensor::cpuBytesInUse());
     stats.peakActivationBytes = std::max(stats.peakActivationBytes, std::max<int64_t>(bytes - baselineBytes, 0));
+  }
+  // Note [Stage in-flight limit]: true when a training forward may start now; else keeps `wake` and calls it
+  // once a micro-batch in flight is done.
+  bool admitOrNotify(std::function<void()> wake) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (maxInFlight <= 0 || inFlight < maxInFlight) return true;
+    admit = std::move(wake);
+    return false;
   }
   void forwardStarting() {
     std::lock_guard<std::mutex> lock(mutex);
@@ -159,22 +153,84 @@ struct PipelineStage::Meter {
     slot(backwardStarted, microBatch) = Clock::now();
     sampleLocked();
   }
-  void backwardDone(int64_t microBatch) {
+  // A micro-batch's graph here is done: its backward ran (`backwardRan`), or the graph went away without one
+  // (a failed step). Either frees its in-flight slot.
+  void flightEnded(int64_t microBatch, bool backwardRan) {
     const auto now = Clock::now();
-    std::lock_guard<std::mutex> lock(mutex);
-    slot(stats.backwardSeconds, microBatch) += secondsBetween(slot(backwardStarted, microBatch), now);
-    ++stats.backwards;
-    inFlight = std::max<int64_t>(inFlight - 1, 0);
+    std::function<void()> wake;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (backwardRan) {
+        slot(stats.backwardSeconds, microBatch) += secondsBetween(slot(backwardStarted, microBatch), now);
+        ++stats.backwards;
+      }
+      inFlight = std::max<int64_t>(inFlight - 1, 0);
+      wake.swap(admit);
+    }
+    if (wake) wake();
   }
   void reset() {
     std::lock_guard<std::mutex> lock(mutex);
     std::string worker = std::move(stats.worker);
     stats = StageStats{};
     stats.worker = std::move(worker);
+    stats.maxInFlight = inFlight;  // the state itself stays: micro-batches may still be in flight
     backwardStarted.clear();
-    inFlight = 0;
     baselineBytes = -1;
   }
+};
+
+// One micro-batch's passage through the stage, shared by the identity ops recorded at the stage's input
+// and output: the output op starts its backward (takes the compute token, Note [Stage compute token]), the
+// input op ends it (releases the token, frees the in-flight slot). When the graph goes away without its
+// backward having ended (a failed step: the context released, the output dropped), the destructor does what
+// the input op would have: a failed step never leaves the token held or the slot taken.
+class PipelineStage::Flight {
+ public:
+  Flight(std::shared_ptr<Meter> meter, int64_t microBatch)
+      : meter_(std::move(meter)), microBatch_(microBatch) {}
+  ~Flight() { end(false); }
+  Flight(const Flight&) = delete;
+  Flight& operator=(const Flight&) = delete;
+
+  // The forward finished: from now on the micro-batch occupies an in-flight slot here.
+  void forwardDone(double seconds) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      counted_ = true;
+    }
+    meter_->forwardDone(microBatch_, seconds);
+  }
+  void backwardStarts() {
+    meter_->token->acquireBlocking();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      holdsToken_ = true;
+    }
+    meter_->backwardStarting(microBatch_);
+  }
+  void end(bool backwardRan) {
+    bool release = false;
+    bool counted = false;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (ended_) return;
+      ended_ = true;
+      release = std::exchange(holdsToken_, false);
+      counted = counted_;
+    }
+    if (release) meter_->token->release();
+    // A forward that threw never took a slot.
+    if (counted) meter_->flightEnded(microBatch_, backwardRan);
+  }
+
+ private:
+  std::shared_ptr<Meter> meter_;
+  const int64_t microBatch_;
+  std::mutex mutex_;
+  bool counted_ = false;     // GUARDED_BY(mutex_): the forward finished (the slot is taken)
+  bool holdsToken_ = false;  // GUARDED_BY(mutex_)
+  bool ended_ = false;       // GUARDED_BY(mutex_)
 };
 
 namespace {
@@ -254,17 +310,18 @@ void PipelineStage::runQueued() {
         running_ = false;
         return;
       }
-      // Note [Stage compute token]: a backward holds it; the release posts this runner again.
+      // Waiting, this runner returns its thread (running_ stays true) and a wake-up posts it again. If the
+      // agent is closing the post is refused: the queued promises break when the stage is destroyed.
       std::weak_ptr<PipelineStage> weak = weak_from_this();
       rpc::Executor* executor = executor_;
-      const bool mine = meter_->token->tryAcquireOrNotify([weak, executor] {
-        if (!executor->post([weak] {
-              if (auto self = weak.lock()) self->runQueued();
-            })) {
-          // The agent is closing: the queued promises break when the stage is destroyed.
-        }
-      });
-      if (!mine) return;  // running_ stays true: the wake-up resumes this loop
+      auto resume = [weak, executor] {
+        (void)executor->post([weak] {
+          if (auto self = weak.lock()) self->runQueued();
+        });
+      };
+      // Note [Stage in-flight limit], then Note [Stage compute token].
+      if (training_.load() && !meter_->admitOrNotify(resume)) return;
+      if (!meter_->token->tryAcquireOrNotify(resume)) return;
       job = std::move(queue_.front());
       queue_.pop_front();
     }
@@ -289,26 +346,34 @@ Tensor PipelineStage::runForward(const Tensor& input, int64_t microBatch) {
   }
   meter_->forwardStarting();
   const auto start = Clock::now();
-  std::shared_ptr<Meter> meter = meter_;
   // Identity ops at the stage's input and output time its backward (Note [Stage compute token]): the output
-  // one runs first in the backward (and takes the token), the input one last. The hold is shared by both
-  // closures, so it is released when the graph goes even if the input op never runs.
-  auto hold = std::make_shared<BackwardHold>(meter->token);
+  // one runs first in the backward (and takes the token), the input one last. Both share the Flight, which
+  // also ends when the graph goes without a backward.
+  auto flight = std::make_shared<Flight>(meter_, microBatch);
   Tensor x = autograd::recordOp("PipelineStageInput", {input, anchor_}, input.detach(),
-                                [meter, hold, microBatch](const std::vector<Tensor>& grads, const autograd::Node& self) {
-                                  meter->backwardDone(microBatch);
-                                  hold->release();
+                                [flight](const std::vector<Tensor>& grads, const autograd::Node& self) {
+                                  flight->end(/*backwardRan=*/true);
                                   return std::vector<Tensor>{self.needsInputGrad(0) ? grads[0] : Tensor(), Tensor()};
                                 });
   Tensor y = module_->forward(x);
   Tensor out = autograd::recordOp("PipelineStageOutput", {y}, y.detach(),
-                                  [meter, hold, microBatch](const std::vector<Tensor>& grads, const autograd::Node&) {
-                                    hold->acquire();
-                                    meter->backwardStarting(microBatch);
+                                  [flight](const std::vector<Tensor>& grads, const autograd::Node&) {
+                                    flight->backwardStarts();
                                     return std::vector<Tensor>{grads[0]};
                                   });
-  meter_->forwardDone(microBatch, secondsBetween(start, Clock::now()));
+  flight->forwardDone(secondsBetween(start, Clock::now()));
   return out;
+}
+
+void PipelineStage::setMaxInFlight(int64_t limit) {
+  DG_CHECK(limit >= 0, what_, ": the in-flight limit must be >= 0 (0: none), got ", limit);
+  std::function<void()> wake;
+  {
+    std::lock_guard<std::mutex> lock(meter_->mutex);
+    meter_->maxInFlight = limit;
+    wake.swap(meter_->admit);  // a waiting forward re-checks against the new limit
+  }
+  if (wake) wake();
 }
 
 void PipelineStage::train(bool enabled) {
@@ -348,6 +413,7 @@ const rpc::Class<PipelineStage>& pipelineStageClass() {
   static const rpc::Class<PipelineStage> cls = rref::moduleClass<PipelineStage>("dg.pipeline.PipelineStage")
                                                    .method("forwardFirst", &PipelineStage::forwardFirst)
                                                    .method("train", &PipelineStage::train)
+                                                   .method("setMaxInFlight", &PipelineStage::setMaxInFlight)
                                                    .method("stats", &PipelineStage::stats)
                                                    .method("resetStats", &PipelineStage::resetStats)
                                                    .method("takeStats", &PipelineStage::takeStats);
@@ -412,6 +478,14 @@ RpcPipeline::RpcPipeline(rpc::Agent& agent, std::vector<RemoteStage> stages, Pip
   }
   parameters_ = params;
   optimizer_ = std::make_unique<optim::DistributedOptimizer>(agent, options_.optimizer, std::move(params));
+  // Note [Stage in-flight limit]: 1F1B's bound, enforced by each stage.
+  std::vector<rpc::Future<void>> limits;
+  const auto numStages = static_cast<int64_t>(stages_.size());
+  for (int64_t s = 0; s < numStages; ++s) {
+    const int64_t limit = options_.schedule == Schedule::k1F1B ? numStages - s : 0;
+    limits.push_back(stages_[static_cast<size_t>(s)].moduleRRef().rpcAsync(&PipelineStage::setMaxInFlight, limit));
+  }
+  for (auto& r : rpc::whenAll(std::move(limits), &agent.executor()).get()) r.value();
 }
 
 RpcPipeline::~RpcPipeline() = default;
@@ -487,7 +561,6 @@ struct RpcPipeline::MicroBatch {
   double share = 0;  // of the batch: the loss scale
   std::unique_ptr<autograd::distributed::DistContext> context;
   Tensor logits;
-  bool backwardStarted = false;
 };
 
 StepResult RpcPipeline::step(const Tensor& inputs, const Tensor& labels) {
@@ -549,8 +622,8 @@ StepResult RpcPipeline::step(const Tensor& inputs, const Tensor& labels) {
   };
   autograd::distributed::BackwardOptions backwardOptions;
   backwardOptions.mode = mode_;
-  auto startBackward = [&](MicroBatch& mb) {
-    mb.backwardStarted = true;
+  // Starts micro-batch mb's backward; false (the step's failure noted) when its loss cannot be computed.
+  auto startBackward = [&](MicroBatch& mb) -> bool {
     Tensor loss;
     try {
       loss = mul(crossEntropy(mb.logits, mb.labels), mb.share);
@@ -562,7 +635,7 @@ StepResult RpcPipeline::step(const Tensor& inputs, const Tensor& labels) {
       noteError(failure, rpc::Error::failed(std::string("RpcPipeline: the loss of micro-batch ") +
                                             std::to_string(mb.index) + " failed: " + e.what())
                              .onWorker(agent_->name()));
-      return;
+      return false;
     }
     ++outstanding;
     (void)mb.context->backwardAsync({loss}, backwardOptions)
@@ -572,6 +645,7 @@ StepResult RpcPipeline::step(const Tensor& inputs, const Tensor& labels) {
           if (!done.ok()) event.error = done.error();
           events->push(std::move(event));
         });
+    return true;
   };
 
   const bool oneFOneB = options_.schedule == Schedule::k1F1B;
@@ -579,33 +653,37 @@ StepResult RpcPipeline::step(const Tensor& inputs, const Tensor& labels) {
   const int64_t firstWave = oneFOneB ? std::min(count, numStages) : count;
   for (; nextForward < firstWave; ++nextForward) issueForward(batches[static_cast<size_t>(nextForward)]);
   int64_t logitsIn = 0;
+  // Once a step has failed, nothing new starts, and every micro-batch whose own calls have all settled
+  // releases its context at once: that frees its graphs on the stages, and with them the compute token and
+  // in-flight slots they may hold, which later micro-batches' forwards may be waiting for (Note [Stage
+  // in-flight limit]); waiting for the others first could stall the step until the calls' deadlines.
+  auto abandon = [](MicroBatch& mb) { mb.context.reset(); };
   while (outstanding > 0) {
     StepEvent event = events->pop();
     --outstanding;
     MicroBatch& mb = batches[static_cast<size_t>(event.microBatch)];
     if (event.error) {
       noteError(failure, *event.error);
-      // A failed pass may leave a stage's compute token with the graph (Note [Stage compute token]): release
-      // the context now rather than after the others settle.
-      if (!event.logits) mb.context.reset();
+      abandon(mb);
       continue;
     }
-    if (event.logits) {
-      mb.logits = std::move(event.value);
-      ++logitsIn;
-      if (failure) continue;
-      if (oneFOneB) {
-        startBackward(mb);
-      } else if (logitsIn == count) {
-        for (auto& b : batches) {
-          if (failure) break;
-          startBackward(b);
-        }
+    if (!event.logits) continue;  // a backward finished: the optimizer step waits for all of them
+    mb.logits = std::move(event.value);
+    ++logitsIn;
+    if (failure) {
+      abandon(mb);
+      continue;
+    }
+    if (oneFOneB) {
+      // The next micro-batch's calls go out now, so each stage finds them there when its in-flight limit
+      // lets it start (Note [Stage in-flight limit]); then this one's backward.
+      if (nextForward < count) issueForward(batches[static_cast<size_t>(nextForward++)]);
+      if (!startBackward(mb)) abandon(mb);
+    } else if (logitsIn == count) {
+      for (auto& b : batches) {
+        if (failure || !startBackward(b)) abandon(b);
       }
-      continue;
     }
-    // A backward finished: 1F1B lets the next micro-batch in.
-    if (oneFOneB && !failure && nextForward < count) issueForward(batches[static_cast<size_t>(nextForward++)]);
   }
   if (failure) {
     batches.clear();  // ends every context (on every worker)

@@ -19,8 +19,10 @@
 //
 // One step: one distributed autograd context PER MICRO-BATCH (so each micro-batch's backward can start as
 // soon as its logits are in, independently of the others), the loss of micro-batch m scaled by its share of
-// the batch, the backwards ordered by the schedule (GPipe: all forwards, then all backwards; 1F1B: at most
-// numStages micro-batches in flight, the forward of m + S issued when the backward of m completed), then ONE
+// the batch, the backwards ordered by the schedule (GPipe: all forwards, then all backwards; 1F1B: each
+// micro-batch's backward starts as soon as its logits are in, and stage s holds at most S - s micro-batches
+// in flight, a bound the stage enforces itself so its next forward starts right after a backward, without a
+// round trip to the driver: Note [Stage in-flight limit] in the .cpp), then ONE
 // DistributedOptimizer step over all the micro-batch contexts (each owner sums its parameters' gradients
 // over them: the step of the whole batch), then the contexts end.
 //
@@ -116,6 +118,9 @@ class PipelineStage : public std::enable_shared_from_this<PipelineStage> {
   // DISABLED_RRefMethodRunsInsideTheCallersContext). The fetch activates the context itself.
   rpc::Future<Tensor> forward(const rpc::CallContext& ctx, rref::RRef<Tensor> previous, int64_t microBatch,
                               uint64_t contextId);
+  // At most `limit` micro-batches in flight here (forwarded, backward not done; 0: no limit): a training
+  // forward waits (holding no thread) until a backward frees a slot (Note [Stage in-flight limit]).
+  void setMaxInFlight(int64_t limit);
   // Training (autograd, measurements) or evaluation (no autograd, BatchNorm running statistics). Throws
   // ValueError while a forward runs or waits (switch between steps).
   void train(bool enabled);
@@ -129,7 +134,8 @@ class PipelineStage : public std::enable_shared_from_this<PipelineStage> {
   const std::shared_ptr<Module>& module() const { return module_; }
 
  private:
-  struct Meter;  // the measurements, shared with the backward closures
+  struct Meter;   // the measurements and the stage's compute state, shared with the backward closures
+  class Flight;   // one micro-batch's graph here, from its forward to the end of its backward
   struct Job {
     Tensor input;
     int64_t microBatch = 0;
