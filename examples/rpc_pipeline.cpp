@@ -21,6 +21,8 @@
 //   rpc_pipeline [--stage-workers N] [--micro-batches N] [--schedule gpipe|1f1b] [--balance time|params]
 //                [--model resnet18|resnet50|mlp|lenet5] [--width N] [--epochs N] [--batch-size N]
 //                [--optimizer sgd|adam] [--lr X] [--seed N] [--limit N] [--threads N] [--data-dir DIR]
+#include "models/pipeline/rpc_pipeline.h"
+
 #include <algorithm>
 #include <cstdio>
 #include <future>
@@ -34,7 +36,6 @@
 #include "models/optim/distributed_optimizer.h"
 #include "models/pipeline/model_spec.h"
 #include "models/pipeline/partition.h"
-#include "models/pipeline/rpc_pipeline.h"
 #include "rpc/agent.h"
 #include "rref/context.h"
 #include "tensor/cpu/dnnl_context.h"
@@ -118,10 +119,11 @@ void printOverheadSummary(const pipeline::StepStats& total, const std::vector<st
                 percent(compute).c_str(), percent(bubble).c_str(), percent(overhead).c_str(),
                 static_cast<long long>(total.maxInFlight[s]));
   }
-  std::printf("RPC overhead is %s of the step; bubbles %s; compute %s (ideal pipelined step %.1f ms, measured %.1f ms)\n",
-              percent(total.overheadShare()).c_str(), percent(total.bubbleShare()).c_str(),
-              percent(total.computeShare()).c_str(), 1e3 * total.idealSeconds / std::max<int64_t>(total.steps, 1),
-              1e3 * total.wallSeconds / std::max<int64_t>(total.steps, 1));
+  std::printf(
+      "RPC overhead is %s of the step; bubbles %s; compute %s (ideal pipelined step %.1f ms, measured %.1f ms)\n",
+      percent(total.overheadShare()).c_str(), percent(total.bubbleShare()).c_str(),
+      percent(total.computeShare()).c_str(), 1e3 * total.idealSeconds / std::max<int64_t>(total.steps, 1),
+      1e3 * total.wallSeconds / std::max<int64_t>(total.steps, 1));
 }
 
 int runDriver(rpc::Agent& agent, const Options& opt) {

@@ -2,10 +2,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <deque>
 #include <functional>
 #include <future>
-#include <cmath>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -593,14 +593,14 @@ rpc::Future<void> DistributedOptimizer::stepAsync(const std::vector<uint64_t>& c
     owners.push_back(agent_->name());
   }
   return rpc::whenAll(std::move(parts), &agent_->executor())
-      .then(rpc::kInlineSafe, [owners = std::move(owners), what = contextsText(contextIds)](
-                                  std::vector<rpc::Result<int64_t>> results) {
-        std::vector<std::pair<std::string, rpc::Error>> failures;
-        for (size_t i = 0; i < results.size(); ++i) {
-          if (!results[i].ok()) failures.emplace_back(owners[i], results[i].error());
-        }
-        if (!failures.empty()) throwFailures("DistributedOptimizer::step(" + what + ")", std::move(failures));
-      });
+      .then(rpc::kInlineSafe,
+            [owners = std::move(owners), what = contextsText(contextIds)](std::vector<rpc::Result<int64_t>> results) {
+              std::vector<std::pair<std::string, rpc::Error>> failures;
+              for (size_t i = 0; i < results.size(); ++i) {
+                if (!results[i].ok()) failures.emplace_back(owners[i], results[i].error());
+              }
+              if (!failures.empty()) throwFailures("DistributedOptimizer::step(" + what + ")", std::move(failures));
+            });
 }
 
 void DistributedOptimizer::step(uint64_t contextId) { stepAsync(contextId).get(); }

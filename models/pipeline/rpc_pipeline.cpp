@@ -107,20 +107,20 @@ class ComputeToken {
  private:
   std::mutex mutex_;
   std::condition_variable freed_;
-  bool held_ = false;          // GUARDED_BY(mutex_)
-  int blocked_ = 0;            // GUARDED_BY(mutex_)
+  bool held_ = false;           // GUARDED_BY(mutex_)
+  int blocked_ = 0;             // GUARDED_BY(mutex_)
   std::function<void()> wake_;  // GUARDED_BY(mutex_)
 };
 
 struct PipelineStage::Meter {
   std::shared_ptr<ComputeToken> token = std::make_shared<ComputeToken>();
   mutable std::mutex mutex;
-  StageStats stats;                                 // GUARDED_BY(mutex), peakRssMiB filled when taken
-  std::vector<Clock::time_point> backwardStarted;   // GUARDED_BY(mutex): [microBatch]
-  int64_t inFlight = 0;                             // GUARDED_BY(mutex): forwarded, graph not yet done
-  int64_t maxInFlight = 0;                          // GUARDED_BY(mutex): forwards wait above it (0: no limit)
-  std::function<void()> admit;                      // GUARDED_BY(mutex): a forward waiting for a slot
-  int64_t baselineBytes = -1;                       // GUARDED_BY(mutex): before the first forward since reset
+  StageStats stats;                                // GUARDED_BY(mutex), peakRssMiB filled when taken
+  std::vector<Clock::time_point> backwardStarted;  // GUARDED_BY(mutex): [microBatch]
+  int64_t inFlight = 0;                            // GUARDED_BY(mutex): forwarded, graph not yet done
+  int64_t maxInFlight = 0;                         // GUARDED_BY(mutex): forwards wait above it (0: no limit)
+  std::function<void()> admit;                     // GUARDED_BY(mutex): a forward waiting for a slot
+  int64_t baselineBytes = -1;                      // GUARDED_BY(mutex): before the first forward since reset
 
   // Memory is sampled where the activations kept for backward peak: after a forward, before a backward.
   void sampleLocked() {
@@ -187,8 +187,7 @@ struct PipelineStage::Meter {
 // the input op would have: a failed step never leaves the token held or the slot taken.
 class PipelineStage::Flight {
  public:
-  Flight(std::shared_ptr<Meter> meter, int64_t microBatch)
-      : meter_(std::move(meter)), microBatch_(microBatch) {}
+  Flight(std::shared_ptr<Meter> meter, int64_t microBatch) : meter_(std::move(meter)), microBatch_(microBatch) {}
   ~Flight() { end(false); }
   Flight(const Flight&) = delete;
   Flight& operator=(const Flight&) = delete;
@@ -267,8 +266,8 @@ rpc::Future<Tensor> PipelineStage::forwardFirst(const rpc::CallContext& ctx, Ten
   return enqueue(ctx.agent->executor(), std::move(input), microBatch);
 }
 
-rpc::Future<Tensor> PipelineStage::forward(const rpc::CallContext& ctx, rref::RRef<Tensor> previous,
-                                           int64_t microBatch, uint64_t contextId) {
+rpc::Future<Tensor> PipelineStage::forward(const rpc::CallContext& ctx, rref::RRef<Tensor> previous, int64_t microBatch,
+                                           uint64_t contextId) {
   DG_CHECK(previous.valid(), what_, ": forward got an empty RRef");
   recordSource(microBatch, previous.isOwner() ? worker_ : previous.owner());
   // The fetch joins the micro-batch's context, so the previous stage records where the gradient goes and
@@ -604,8 +603,8 @@ StepResult RpcPipeline::step(const Tensor& inputs, const Tensor& labels) {
     // owner resolves when that forward finishes (promise pipelining); activations never come here.
     rref::RRef<Tensor> out = stages_[0].moduleRRef().remote(&PipelineStage::forwardFirst, mb.inputs, mb.index);
     for (int64_t s = 1; s < numStages; ++s) {
-      out = stages_[static_cast<size_t>(s)].moduleRRef().remote(&PipelineStage::forward, out, mb.index,
-                                                                mb.context->id());
+      out =
+          stages_[static_cast<size_t>(s)].moduleRRef().remote(&PipelineStage::forward, out, mb.index, mb.context->id());
     }
     ++outstanding;
     (void)out.toHereAsync().then(rpc::kInlineSafe, [events, m = mb.index](rpc::Result<Tensor>&& logits) {
@@ -772,8 +771,7 @@ Tensor RpcPipeline::predict(const Tensor& inputs) {
   std::vector<rpc::Future<Tensor>> chunks;
   for (size_t m = 0; m + 1 < bounds.size(); ++m) {
     Tensor x = bounds.size() == 2 ? inputs : narrow(inputs, 0, bounds[m], bounds[m + 1] - bounds[m]);
-    rref::RRef<Tensor> out =
-        stages_[0].moduleRRef().remote(&PipelineStage::forwardFirst, x, static_cast<int64_t>(m));
+    rref::RRef<Tensor> out = stages_[0].moduleRRef().remote(&PipelineStage::forwardFirst, x, static_cast<int64_t>(m));
     for (size_t s = 1; s < stages_.size(); ++s) {
       out = stages_[s].moduleRRef().remote(&PipelineStage::forward, out, static_cast<int64_t>(m), uint64_t{0});
     }

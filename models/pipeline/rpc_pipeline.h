@@ -68,20 +68,20 @@ namespace distgrad::models::pipeline {
 // Micro-batch indices are the step's: forwardSeconds[m] is micro-batch m's forward (0 when it did not run
 // here). A value (travels to the driver).
 struct StageStats {
-  std::string worker;                    // where the stage runs
-  std::vector<double> forwardSeconds;    // [microBatch]: the module's forward (training mode only)
-  std::vector<double> backwardSeconds;   // [microBatch]: from the gradient's arrival at the stage's output
-                                         // to its departure from the stage's input
-  std::vector<std::string> inputFrom;    // [microBatch]: the worker the stage's input came from (the driver
-                                         // for stage 0, the previous stage's owner otherwise)
+  std::string worker;                   // where the stage runs
+  std::vector<double> forwardSeconds;   // [microBatch]: the module's forward (training mode only)
+  std::vector<double> backwardSeconds;  // [microBatch]: from the gradient's arrival at the stage's output
+                                        // to its departure from the stage's input
+  std::vector<std::string> inputFrom;   // [microBatch]: the worker the stage's input came from (the driver
+                                        // for stage 0, the previous stage's owner otherwise)
   int64_t forwards = 0;
   int64_t backwards = 0;
-  int64_t maxInFlight = 0;               // most micro-batches forwarded and not yet backwarded at once
+  int64_t maxInFlight = 0;  // most micro-batches forwarded and not yet backwarded at once
   // Peak of this process's tensor bytes (tensor::cpuBytesInUse) above the level before the step's first
   // forward, sampled at every forward's end and every backward's start: the activations the stage keeps.
   // Process-wide, so stages sharing a process share it. -1 when nothing was sampled.
   int64_t peakActivationBytes = -1;
-  double peakRssMiB = 0;                 // of the stage's process (ru_maxrss)
+  double peakRssMiB = 0;  // of the stage's process (ru_maxrss)
 
   template <class V>
   void visitFields(V& v) {
@@ -134,8 +134,8 @@ class PipelineStage : public std::enable_shared_from_this<PipelineStage> {
   const std::shared_ptr<Module>& module() const { return module_; }
 
  private:
-  struct Meter;   // the measurements and the stage's compute state, shared with the backward closures
-  class Flight;   // one micro-batch's graph here, from its forward to the end of its backward
+  struct Meter;  // the measurements and the stage's compute state, shared with the backward closures
+  class Flight;  // one micro-batch's graph here, from its forward to the end of its backward
   struct Job {
     Tensor input;
     int64_t microBatch = 0;
@@ -159,8 +159,8 @@ class PipelineStage : public std::enable_shared_from_this<PipelineStage> {
 
   std::mutex queueMutex_;
   rpc::Executor* executor_ = nullptr;  // GUARDED_BY(queueMutex_): the agent's, where a runner resumes
-  bool running_ = false;   // GUARDED_BY(queueMutex_): a forward runs (on the thread that runs the queue)
-  std::deque<Job> queue_;  // GUARDED_BY(queueMutex_)
+  bool running_ = false;               // GUARDED_BY(queueMutex_): a forward runs (on the thread that runs the queue)
+  std::deque<Job> queue_;              // GUARDED_BY(queueMutex_)
   std::atomic<bool> training_{true};
 };
 

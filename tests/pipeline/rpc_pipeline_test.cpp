@@ -6,6 +6,8 @@
 // error (a wrong input shape) comes back from step() naming the stage's worker, and the pipeline works
 // again afterwards; predict() equals the local model; every context, RRef and optimizer is released. Then,
 // across processes: a killed stage worker fails step() with an error naming it, within the heartbeat bound.
+#include "models/pipeline/rpc_pipeline.h"
+
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <signal.h>
@@ -29,7 +31,6 @@
 #include "models/optim/distributed_optimizer.h"
 #include "models/pipeline/model_spec.h"
 #include "models/pipeline/partition.h"
-#include "models/pipeline/rpc_pipeline.h"
 #include "models/pipeline/schedule.h"
 #include "rref/context.h"
 #include "tensor/random.h"
@@ -192,8 +193,8 @@ TEST_P(RpcPipelineTest, MlpMatchesLocalFullBatchTrainingForEverySchedule) {
   for (Schedule schedule : {Schedule::kGPipe, Schedule::k1F1B}) {
     for (int64_t microBatches : {1, 2, 3, 4}) {
       SCOPED_TRACE(std::string(scheduleName(schedule)) + ", " + std::to_string(microBatches) + " micro-batches");
-      RpcPipeline pipe(agent(0), twoStages(model, 2), {.microBatches = microBatches, .schedule = schedule,
-                                                      .optimizer = optimizer});
+      RpcPipeline pipe(agent(0), twoStages(model, 2),
+                       {.microBatches = microBatches, .schedule = schedule, .optimizer = optimizer});
       EXPECT_EQ(pipe.numStages(), 2);
       EXPECT_EQ(pipe.workers(), (std::vector<std::string>{"worker1", "worker2"}));
       const std::vector<Tensor> start = pipe.fetchParameters();
@@ -301,9 +302,11 @@ TEST_P(RpcPipelineTest, SmallResNetTrains) {
   model.numClasses = 4;
   model.seed = 3;
   const int64_t units = numUnits(model);
-  RpcPipeline pipe(agent(0),
-                   {RemoteStage{"worker1", StageSpec{model, 0, units / 2}}, RemoteStage{"worker2", StageSpec{model, units / 2, units}}},
-                   {.microBatches = 3, .schedule = Schedule::k1F1B, .optimizer = OptimizerSpec::adam({.learningRate = 0.01})});
+  RpcPipeline pipe(
+      agent(0),
+      {RemoteStage{"worker1", StageSpec{model, 0, units / 2}},
+       RemoteStage{"worker2", StageSpec{model, units / 2, units}}},
+      {.microBatches = 3, .schedule = Schedule::k1F1B, .optimizer = OptimizerSpec::adam({.learningRate = 0.01})});
   const Tensor x = images(12, model, 5);
   const Tensor y = classes(12, 4, 6);
   std::vector<double> losses;
@@ -317,7 +320,9 @@ TEST_P(RpcPipelineTest, SmallResNetTrains) {
 
 TEST_P(RpcPipelineTest, PredictEqualsTheLocalModel) {
   const ModelSpec model = mlpSpec();
-  RpcPipeline pipe(agent(0), twoStages(model, 2), {.microBatches = 2, .schedule = Schedule::kGPipe, .optimizer = OptimizerSpec::sgd({.learningRate = 0.2})});
+  RpcPipeline pipe(
+      agent(0), twoStages(model, 2),
+      {.microBatches = 2, .schedule = Schedule::kGPipe, .optimizer = OptimizerSpec::sgd({.learningRate = 0.2})});
   (void)pipe.step(images(8, model, 30), classes(8, 5, 31));
   // The local model with the pipeline's trained parameters.
   auto local = buildModel(model);
@@ -396,10 +401,14 @@ TEST_P(RpcPipelineTest, BadConfigurationsAreValueErrors) {
   const ModelSpec model = mlpSpec();
   EXPECT_THROW(RpcPipeline(agent(0), {}, {}), ValueError);
   // Stages that do not chain.
-  EXPECT_THROW(RpcPipeline(agent(0), {RemoteStage{"worker1", StageSpec{model, 0, 1}}, RemoteStage{"worker2", StageSpec{model, 2, 3}}}, {}),
-               ValueError);
+  EXPECT_THROW(
+      RpcPipeline(agent(0),
+                  {RemoteStage{"worker1", StageSpec{model, 0, 1}}, RemoteStage{"worker2", StageSpec{model, 2, 3}}}, {}),
+      ValueError);
   EXPECT_THROW(RpcPipeline(agent(0), {RemoteStage{"worker1/cuda:0", StageSpec{model, 0, 3}}}, {}), ValueError);
-  EXPECT_THROW(RpcPipeline(agent(0), twoStages(model, 2), PipelineOptions{.microBatches = 0, .schedule = Schedule::kGPipe, .optimizer = {}}), ValueError);
+  EXPECT_THROW(RpcPipeline(agent(0), twoStages(model, 2),
+                           PipelineOptions{.microBatches = 0, .schedule = Schedule::kGPipe, .optimizer = {}}),
+               ValueError);
 }
 
 // BUG (rref/, reported): a method called through an RRef (RRef::rpcAsync / remote) does not run inside the
@@ -492,7 +501,8 @@ TEST_F(StageWorkerDeathTest, KilledStageWorkerFailsTheStepNamingItWithinTheHeart
   for (Schedule schedule : {Schedule::kGPipe, Schedule::k1F1B}) {
     SCOPED_TRACE(scheduleName(schedule));
     auto pipe = std::make_unique<RpcPipeline>(
-        *agent0_, twoStages(model, 2), PipelineOptions{.microBatches = 4, .schedule = schedule, .optimizer = OptimizerSpec::sgd({})});
+        *agent0_, twoStages(model, 2),
+        PipelineOptions{.microBatches = 4, .schedule = schedule, .optimizer = OptimizerSpec::sgd({})});
     (void)pipe->step(images(8, model, 1), classes(8, 5, 2));
     if (schedule == Schedule::kGPipe) continue;  // the worker dies once, under the second schedule's step
     ASSERT_EQ(kill(child_, SIGKILL), 0);
