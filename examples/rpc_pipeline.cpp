@@ -3,8 +3,9 @@
 // (models/pipeline/rpc_pipeline.h): every batch is split into --micro-batches micro-batches whose
 // forwards go stage to stage directly (each stage fetches its input from the previous one; only the logits
 // come back to the driver), whose backwards run under distributed autograd in the --schedule's order
-// (GPipe: all forwards, then all backwards; 1F1B: at most one micro-batch per stage in flight), and one
-// DistributedOptimizer step per batch updates every stage where it lives. Run it on local processes with:
+// (GPipe: all forwards, then all backwards; 1F1B: one forward, one backward, stage s holding at most
+// stages - s micro-batches in flight), and one DistributedOptimizer step per batch updates every stage where
+// it lives. Run it on local processes with:
 //
 //   build/tools/distgrad-run --nproc 3 -- build/examples/rpc_pipeline [FLAGS]
 //
