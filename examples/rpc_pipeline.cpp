@@ -24,6 +24,8 @@
 //                [--optimizer sgd|adam] [--lr X] [--seed N] [--limit N] [--threads N] [--data-dir DIR]
 #include "models/pipeline/rpc_pipeline.h"
 
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <future>
@@ -106,20 +108,45 @@ std::string percent(double share) {
   return buffer;
 }
 
+double processCpuSeconds() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  auto seconds = [](const timeval& t) { return static_cast<double>(t.tv_sec) + 1e-6 * static_cast<double>(t.tv_usec); };
+  return seconds(usage.ru_utime) + seconds(usage.ru_stime);
+}
+
+// CPU seconds the training steps cost: each stage's process (from its own measurements) and the driver.
+struct CpuTotals {
+  std::vector<double> stages;
+  double driver = 0;
+  double stagesTotal() const {
+    double sum = 0;
+    for (double c : stages) sum += c;
+    return sum;
+  }
+};
+
 // Per stage: the share of the steps' wall time it computed, idled for the schedule (its bubble), and lost
-// to everything else (the RPC overhead); then the verdict line.
-void printOverheadSummary(const pipeline::StepStats& total, const std::vector<std::string>& workers) {
+// to everything else (the RPC overhead), and the CPU its process spent per step beyond its compute (what
+// the RPC machinery cost: a figure the machine's load hardly moves); then the verdict line.
+void printOverheadSummary(const pipeline::StepStats& total, const CpuTotals& cpu,
+                          const std::vector<std::string>& workers) {
   std::printf("RPC overhead summary (%lld steps, %.1f s of step wall time):\n", static_cast<long long>(total.steps),
               total.wallSeconds);
-  std::printf("  %-8s %-9s %8s %8s %9s %14s\n", "stage", "worker", "compute", "bubble", "overhead", "in flight max");
+  const double steps = static_cast<double>(std::max<int64_t>(total.steps, 1));
+  std::printf("  %-6s %-9s %8s %7s %9s %10s %14s %16s\n", "stage", "worker", "compute", "bubble", "overhead",
+              "in flight", "CPU ms/step", "CPU not compute");
   for (int64_t s = 0; s < total.numStages(); ++s) {
     const double compute = total.busySeconds[s] / total.wallSeconds;
     const double bubble = std::max(0.0, total.idealSeconds - total.busySeconds[s]) / total.wallSeconds;
     const double overhead = std::max(0.0, total.wallSeconds - total.idealSeconds) / total.wallSeconds;
-    std::printf("  %-8lld %-9s %8s %8s %9s %14lld\n", static_cast<long long>(s), workers[s].c_str(),
+    const double stageCpu = cpu.stages[s];
+    std::printf("  %-6lld %-9s %8s %7s %9s %10lld %14.1f %16s\n", static_cast<long long>(s), workers[s].c_str(),
                 percent(compute).c_str(), percent(bubble).c_str(), percent(overhead).c_str(),
-                static_cast<long long>(total.maxInFlight[s]));
+                static_cast<long long>(total.maxInFlight[s]), 1e3 * stageCpu / steps,
+                percent(stageCpu > 0 ? std::max(0.0, stageCpu - total.busySeconds[s]) / stageCpu : 0.0).c_str());
   }
+  std::printf("  driver CPU %.1f ms/step (data, loss, schedule)\n", 1e3 * cpu.driver / steps);
   std::printf(
       "RPC overhead is %s of the step; bubbles %s; compute %s (ideal pipelined step %.1f ms, measured %.1f ms)\n",
       percent(total.overheadShare()).c_str(), percent(total.bubbleShare()).c_str(),
@@ -160,6 +187,8 @@ int runDriver(rpc::Agent& agent, const Options& opt) {
 
   data::DataLoader loader(data.train, {.batchSize = opt.batchSize, .shuffle = true, .seed = opt.seed});
   pipeline::StepStats total;
+  CpuTotals cpu;
+  cpu.stages.assign(static_cast<size_t>(pipe.numStages()), 0.0);
   int64_t trainImages = 0;
   double accuracy = 0;
   for (int64_t epoch = 1; epoch <= opt.epochs; ++epoch) {
@@ -169,13 +198,16 @@ int runDriver(rpc::Agent& agent, const Options& opt) {
     pipeline::StepStats epochStats;
     int64_t done = 0;
     int64_t images = 0;
+    const double driverCpuStart = processCpuSeconds();
     for (const auto& batch : loader) {
       const pipeline::StepResult r = pipe.step(batch.inputs, batch.labels);
       epochStats.accumulate(r.stats);
+      for (size_t s = 0; s < cpu.stages.size(); ++s) cpu.stages[s] += pipe.lastStageStats()[s].cpuSeconds;
       images += r.samples;
       const double smoothed = runningLoss.add(r.loss, label + " batch " + std::to_string(done + 1));
       progress.update(++done, images, smoothed);
     }
+    cpu.driver += processCpuSeconds() - driverCpuStart;
     total.accumulate(epochStats);
     trainImages += images;
     accuracy = examples::testAccuracy([&](const Tensor& x) { return pipe.predict(x); }, data.test);
@@ -185,7 +217,7 @@ int runDriver(rpc::Agent& agent, const Options& opt) {
                 percent(epochStats.overheadShare()).c_str());
     std::fflush(stdout);
   }
-  printOverheadSummary(total, pipe.workers());
+  printOverheadSummary(total, cpu, pipe.workers());
 
   // Every process's peak RSS: the stages report theirs.
   double peakMax = examples::peakRssMiB();
@@ -208,6 +240,18 @@ int runDriver(rpc::Agent& agent, const Options& opt) {
       .add("bubble_share", total.bubbleShare())
       .add("overhead_share", total.overheadShare())
       .add("rpc_overhead_share", total.overheadShare())
+      .add("stage_cpu_ms_per_step", 1e3 * cpu.stagesTotal() / static_cast<double>(std::max<int64_t>(total.steps, 1)))
+      .add("stage_cpu_noncompute_share", cpu.stagesTotal() > 0 ? std::max(
+                                                                     0.0, cpu.stagesTotal() -
+                                                                              [&] {
+                                                                                double busy = 0;
+                                                                                for (double b : total.busySeconds)
+                                                                                  busy += b;
+                                                                                return busy;
+                                                                              }()) /
+                                                                     cpu.stagesTotal()
+                                                               : 0.0)
+      .add("driver_cpu_ms_per_step", 1e3 * cpu.driver / static_cast<double>(std::max<int64_t>(total.steps, 1)))
       .add("images_per_s", static_cast<double>(trainImages) / total.wallSeconds)
       .add("test_accuracy", accuracy)
       .add("peak_rss_mib", examples::peakRssMiB())

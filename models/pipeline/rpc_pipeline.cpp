@@ -8,6 +8,7 @@
 #include <functional>
 #include <optional>
 #include <sstream>
+#include <unordered_set>
 #include <utility>
 
 #include "autograd/grad_mode.h"
@@ -25,6 +26,13 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double secondsBetween(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+double processCpuSeconds() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  auto seconds = [](const timeval& t) { return static_cast<double>(t.tv_sec) + 1e-6 * static_cast<double>(t.tv_usec); };
+  return seconds(usage.ru_utime) + seconds(usage.ru_stime);
+}
 
 double processPeakRssMiB() {
   rusage usage{};
@@ -57,8 +65,10 @@ T& slot(std::vector<T>& values, int64_t index) {
 // never waits for anything but the CPU (a forward job runs to its end; a backward's drain from the stage's
 // output to its input is local compute, its sends are asynchronous), so the wait is bounded by one op.
 // Blocked backwards go first when the token is released (they hold threads; and finishing a backward frees
-// its activations). The token a backward took is released by the identity op at the stage's input, or,
-// when that op never runs (a failed pass), when the pass's graph is destroyed (the context ends).
+// its activations). The token a backward took is released at the end of the stage's backward (Note [Stage
+// backward bracket]), or, when that never comes (a failed pass), when the pass's graph is destroyed (the
+// context ends).
+//
 // Note [Stage in-flight limit]
 // Under 1F1B a stage holds at most S - s micro-batches in flight (forwarded, backward not done), the
 // schedule's own bound (models/pipeline/schedule.h): the driver sets it per stage (setMaxInFlight) and the
@@ -121,6 +131,7 @@ struct PipelineStage::Meter {
   int64_t maxInFlight = 0;                         // GUARDED_BY(mutex): forwards wait above it (0: no limit)
   std::function<void()> admit;                     // GUARDED_BY(mutex): a forward waiting for a slot
   int64_t baselineBytes = -1;                      // GUARDED_BY(mutex): before the first forward since reset
+  double cpuAtReset = processCpuSeconds();         // GUARDED_BY(mutex)
 
   // Memory is sampled where the activations kept for backward peak: after a forward, before a backward.
   void sampleLocked() {
@@ -171,20 +182,37 @@ struct PipelineStage::Meter {
   }
   void reset() {
     std::lock_guard<std::mutex> lock(mutex);
+    resetLocked();
+  }
+  StageStats snapshot() const {
+    std::lock_guard<std::mutex> lock(mutex);
+    StageStats out = stats;
+    out.cpuSeconds = processCpuSeconds() - cpuAtReset;
+    return out;
+  }
+  StageStats take() {
+    std::lock_guard<std::mutex> lock(mutex);
+    StageStats out = stats;
+    out.cpuSeconds = processCpuSeconds() - cpuAtReset;
+    resetLocked();
+    return out;
+  }
+  void resetLocked() {
     std::string worker = std::move(stats.worker);
     stats = StageStats{};
     stats.worker = std::move(worker);
     stats.maxInFlight = inFlight;  // the state itself stays: micro-batches may still be in flight
     backwardStarted.clear();
     baselineBytes = -1;
+    cpuAtReset = processCpuSeconds();
   }
 };
 
-// One micro-batch's passage through the stage, shared by the identity ops recorded at the stage's input
-// and output: the output op starts its backward (takes the compute token, Note [Stage compute token]), the
-// input op ends it (releases the token, frees the in-flight slot). When the graph goes away without its
-// backward having ended (a failed step: the context released, the output dropped), the destructor does what
-// the input op would have: a failed step never leaves the token held or the slot taken.
+// One micro-batch's passage through the stage, shared by what brackets its backward (Note [Stage backward
+// bracket]): the output op starts the backward (takes the compute token, Note [Stage compute token]), the
+// end releases the token and frees the in-flight slot. When the graph goes away without its backward having
+// ended (a failed step: the context released, the output dropped), the destructor does what the end would
+// have: a failed step never leaves the token held or the slot taken.
 class PipelineStage::Flight {
  public:
   Flight(std::shared_ptr<Meter> meter, int64_t microBatch) : meter_(std::move(meter)), microBatch_(microBatch) {}
@@ -208,6 +236,19 @@ class PipelineStage::Flight {
     }
     meter_->backwardStarting(microBatch_);
   }
+  // The backward ends when `count` more nodes have run (the stage's first ops, when its input needs no
+  // gradient: Note [Stage backward bracket]).
+  void endAfter(int64_t count) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    pendingEnds_ = count;
+  }
+  void oneEnded() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (--pendingEnds_ > 0) return;
+    }
+    end(/*backwardRan=*/true);
+  }
   void end(bool backwardRan) {
     bool release = false;
     bool counted = false;
@@ -228,9 +269,45 @@ class PipelineStage::Flight {
   const int64_t microBatch_;
   std::mutex mutex_;
   bool counted_ = false;     // GUARDED_BY(mutex_): the forward finished (the slot is taken)
+  int64_t pendingEnds_ = 0;  // GUARDED_BY(mutex_): see endAfter
   bool holdsToken_ = false;  // GUARDED_BY(mutex_)
   bool ended_ = false;       // GUARDED_BY(mutex_)
 };
+
+// Note [Stage backward bracket]
+// A stage's backward of one micro-batch runs from the gradient's arrival at its output to the last of its
+// nodes. The output end is an identity op recorded after the module. The other end is an identity op on the
+// input when the input requires grad anyway (every stage but the first: the gradient goes on to the
+// previous stage). Stage 0's input is data: making it require grad would only time the backward at the
+// price of an input gradient nobody uses (its first conv's backward-data, measured 5-10% of stage 0's
+// backward for ResNet-18 with a 1-channel stem), so there the end is the last of the stage's FIRST ops
+// (the nodes whose only graph inputs are parameters) to finish: every other node of the stage leads to
+// one of them, so they run last. Their post-hooks count down the Flight.
+void PipelineStage::endAtFirstOps(const Tensor& y, const std::shared_ptr<Flight>& flight) {
+  std::vector<std::shared_ptr<autograd::Node>> first;
+  std::vector<std::shared_ptr<autograd::Node>> stack{autograd::gradientEdge(y).fn};
+  std::unordered_set<autograd::Node*> seen;
+  auto isLeaf = [](const std::shared_ptr<autograd::Node>& node) {
+    return dynamic_cast<autograd::AccumulateGrad*>(node.get()) != nullptr;
+  };
+  while (!stack.empty()) {
+    std::shared_ptr<autograd::Node> node = std::move(stack.back());
+    stack.pop_back();
+    if (!node || isLeaf(node) || !seen.insert(node.get()).second) continue;
+    bool onlyParameters = true;
+    for (const autograd::Edge& edge : node->nextEdges()) {
+      if (!edge.valid() || isLeaf(edge.fn)) continue;
+      onlyParameters = false;
+      stack.push_back(edge.fn);
+    }
+    if (onlyParameters) first.push_back(std::move(node));
+  }
+  flight->endAfter(static_cast<int64_t>(first.size()));
+  // The hooks hold the Flight: the graph going away without a backward ends it (its destructor).
+  for (const auto& node : first) {
+    node->addPostHook([flight](const std::vector<Tensor>&, const std::vector<Tensor>&) { flight->oneEnded(); });
+  }
+}
 
 namespace {
 
@@ -245,8 +322,6 @@ PipelineStage::PipelineStage(std::string worker, StageSpec spec)
   spec_.validate();  // it came from the wire
   module_ = buildStage(spec_);
   module_->train(true);
-  anchor_ = Tensor::zeros({1});
-  anchor_.setRequiresGrad(true);
   meter_ = std::make_shared<Meter>();
   meter_->stats.worker = worker_;
 }
@@ -345,16 +420,21 @@ Tensor PipelineStage::runForward(const Tensor& input, int64_t microBatch) {
   }
   meter_->forwardStarting();
   const auto start = Clock::now();
-  // Identity ops at the stage's input and output time its backward (Note [Stage compute token]): the output
-  // one runs first in the backward (and takes the token), the input one last. Both share the Flight, which
-  // also ends when the graph goes without a backward.
+  // The backward is bracketed (Note [Stage backward bracket]): an identity op at the output starts it (and
+  // takes the compute token), the end of the stage's last backward node ends it. The Flight, shared by
+  // them, also ends when the graph goes without a backward.
   auto flight = std::make_shared<Flight>(meter_, microBatch);
-  Tensor x = autograd::recordOp("PipelineStageInput", {input, anchor_}, input.detach(),
-                                [flight](const std::vector<Tensor>& grads, const autograd::Node& self) {
-                                  flight->end(/*backwardRan=*/true);
-                                  return std::vector<Tensor>{self.needsInputGrad(0) ? grads[0] : Tensor(), Tensor()};
-                                });
+  const bool inputNeedsGrad = autograd::anyRequiresGrad({input});
+  Tensor x = input;
+  if (inputNeedsGrad) {
+    x = autograd::recordOp("PipelineStageInput", {input}, input.detach(),
+                           [flight](const std::vector<Tensor>& grads, const autograd::Node&) {
+                             flight->end(/*backwardRan=*/true);
+                             return std::vector<Tensor>{grads[0]};
+                           });
+  }
   Tensor y = module_->forward(x);
+  if (!inputNeedsGrad) endAtFirstOps(y, flight);
   Tensor out = autograd::recordOp("PipelineStageOutput", {y}, y.detach(),
                                   [flight](const std::vector<Tensor>& grads, const autograd::Node&) {
                                     flight->backwardStarts();
@@ -384,11 +464,7 @@ void PipelineStage::train(bool enabled) {
 }
 
 StageStats PipelineStage::stats() const {
-  StageStats out;
-  {
-    std::lock_guard<std::mutex> lock(meter_->mutex);
-    out = meter_->stats;
-  }
+  StageStats out = meter_->snapshot();
   out.peakRssMiB = processPeakRssMiB();
   return out;
 }
@@ -396,12 +472,7 @@ StageStats PipelineStage::stats() const {
 void PipelineStage::resetStats() { meter_->reset(); }
 
 StageStats PipelineStage::takeStats() {
-  StageStats out;
-  {
-    std::lock_guard<std::mutex> lock(meter_->mutex);
-    out = meter_->stats;
-  }
-  meter_->reset();
+  StageStats out = meter_->take();
   out.peakRssMiB = processPeakRssMiB();
   return out;
 }
@@ -787,6 +858,12 @@ Tensor RpcPipeline::predict(const Tensor& inputs) {
     logits.push_back(std::move(r).value());
   }
   if (auto error = setTraining(true)) noteError(failure, *error);
+  // What the stages measured (their CPU time above all) belongs to training steps, not to this.
+  std::vector<rpc::Future<void>> resets;
+  for (const auto& stage : stages_) resets.push_back(stage.moduleRRef().rpcAsync(&PipelineStage::resetStats));
+  for (auto& r : rpc::whenAll(std::move(resets), &agent_->executor()).get()) {
+    if (!r.ok()) noteError(failure, r.error());
+  }
   if (failure) throw rpc::RpcError(*failure);
   return logits.size() == 1 ? logits.front() : cat(logits, 0);
 }

@@ -82,6 +82,10 @@ struct StageStats {
   // Process-wide, so stages sharing a process share it. -1 when nothing was sampled.
   int64_t peakActivationBytes = -1;
   double peakRssMiB = 0;  // of the stage's process (ru_maxrss)
+  // CPU seconds (user + system) the stage's whole process used since the last reset: its compute plus all
+  // else it ran (messages, serialisation, the optimizer step, other stages of the process). cpuSeconds minus
+  // the compute seconds is what the RPC machinery cost in CPU, a figure the machine's load hardly moves.
+  double cpuSeconds = 0;
 
   template <class V>
   void visitFields(V& v) {
@@ -94,6 +98,7 @@ struct StageStats {
     v("maxInFlight", maxInFlight);
     v("peakActivationBytes", peakActivationBytes);
     v("peakRssMiB", peakRssMiB);
+    v("cpuSeconds", cpuSeconds);
   }
 };
 
@@ -145,16 +150,14 @@ class PipelineStage : public std::enable_shared_from_this<PipelineStage> {
   rpc::Future<Tensor> enqueue(rpc::Executor& executor, Tensor input, int64_t microBatch);
   void runQueued();
   Tensor runForward(const Tensor& input, int64_t microBatch);
+  // Ends `flight` when the backward has run the first ops of the graph of `y` (Note [Stage backward bracket]).
+  static void endAtFirstOps(const Tensor& y, const std::shared_ptr<Flight>& flight);
   void recordSource(int64_t microBatch, const std::string& from);
 
   const std::string worker_;
   const StageSpec spec_;
   const std::string what_;  // "pipeline stage on worker1 (resnet18 ... units 0-4)": for messages
   std::shared_ptr<Module> module_;
-  // A leaf that makes the stage's input require grad even on stage 0 (whose input is data), so the
-  // input-side identity op runs at the very end of the stage's backward (its timestamp). It never gets a
-  // gradient.
-  Tensor anchor_;
   std::shared_ptr<Meter> meter_;
 
   std::mutex queueMutex_;
