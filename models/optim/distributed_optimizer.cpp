@@ -2,10 +2,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <deque>
 #include <functional>
 #include <future>
-#include <cmath>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -14,6 +14,8 @@
 #include <unordered_map>
 #include <utility>
 
+#include "autograd/grad_mode.h"
+#include "autograd/ops.h"
 #include "rpc/autograd_hook.h"
 #include "rpc/detail/handler.h"
 #include "rref/context.h"
@@ -307,19 +309,35 @@ struct LocalOptimizer::State {
 
 namespace {
 
-// One step of a built optimizer on context `contextId`'s gradients of this worker: reads them, waits for
-// the parameters' locks (Note [Optimizer step locks]: without holding a thread), updates, releases, and
-// completes `promise` with the number of parameters that had a gradient.
-void runStep(const std::shared_ptr<LocalOptimizer::State>& state, rpc::Agent& agent, uint64_t contextId,
-             const std::shared_ptr<rpc::Promise<int64_t>>& promise) {
-  const std::string what = "optimizer step on " + state->worker + " for context " + std::to_string(contextId);
+// "context 7" or "contexts 7, 8, 9": for messages.
+std::string contextsText(const std::vector<uint64_t>& contextIds) {
+  std::string out = contextIds.size() == 1 ? "context " : "contexts ";
+  for (size_t i = 0; i < contextIds.size(); ++i) out += (i == 0 ? "" : ", ") + std::to_string(contextIds[i]);
+  return out;
+}
+
+// One step of a built optimizer on the gradients of this worker summed over `contextIds` (one context: its
+// gradients as they are): reads them all first (an unknown context fails the step before anything is
+// updated), waits for the parameters' locks (Note [Optimizer step locks]: without holding a thread),
+// updates, releases, and completes `promise` with the number of parameters that had a gradient.
+void runStep(const std::shared_ptr<LocalOptimizer::State>& state, rpc::Agent& agent,
+             const std::vector<uint64_t>& contextIds, const std::shared_ptr<rpc::Promise<int64_t>>& promise) {
+  const std::string what = "optimizer step on " + state->worker + " for " + contextsText(contextIds);
   const std::vector<Tensor>& params = state->optimizer->parameters();
   std::vector<Tensor> grads(params.size());
   int64_t withGradient = 0;
   try {
-    const autograd::distributed::Gradients gradients = autograd::distributed::gradientsOf(agent, contextId);
+    std::vector<autograd::distributed::Gradients> perContext;
+    perContext.reserve(contextIds.size());
+    for (uint64_t id : contextIds) perContext.push_back(autograd::distributed::gradientsOf(agent, id));
+    // The sum is a new tensor: the contexts' own gradients stay as they were (others may still read them).
+    autograd::NoGradGuard noGrad;
     for (size_t i = 0; i < params.size(); ++i) {
-      grads[i] = gradients.get(params[i]);
+      for (const auto& gradients : perContext) {
+        Tensor g = gradients.get(params[i]);
+        if (!g.defined()) continue;
+        grads[i] = grads[i].defined() ? add(grads[i], g) : g;
+      }
       if (grads[i].defined()) ++withGradient;
     }
   } catch (...) {
@@ -337,6 +355,17 @@ void runStep(const std::shared_ptr<LocalOptimizer::State>& state, rpc::Agent& ag
                        if (failure) return promise->setError(std::move(*failure));
                        promise->setValue(withGradient);
                      });
+}
+
+// Checks a list of context ids (ValueError naming the problem): not empty, no id twice.
+void checkContextIds(const std::vector<uint64_t>& contextIds, const std::string& where) {
+  DG_CHECK(!contextIds.empty(), where, ": got no context ids (expected at least one)");
+  for (size_t i = 0; i < contextIds.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      DG_CHECK(contextIds[i] != contextIds[j], where, ": context ", contextIds[i],
+               " is listed twice (its gradients would count twice)");
+    }
+  }
 }
 
 }  // namespace
@@ -408,12 +437,23 @@ rpc::Future<int64_t> LocalOptimizer::readyHere(rpc::Agent& agent) const {
 rpc::Future<int64_t> LocalOptimizer::ready(const rpc::CallContext& ctx) const { return readyHere(*ctx.agent); }
 
 rpc::Future<int64_t> LocalOptimizer::stepHere(rpc::Agent& agent, uint64_t contextId) {
+  return stepContextsHere(agent, {contextId});
+}
+
+rpc::Future<int64_t> LocalOptimizer::stepContextsHere(rpc::Agent& agent, std::vector<uint64_t> contextIds) {
   auto promise = std::make_shared<rpc::Promise<int64_t>>(agent.executor());
   rpc::Future<int64_t> future = promise->getFuture();
+  try {
+    // The ids may come from the wire: checked here too.
+    checkContextIds(contextIds, "optimizer step on " + state_->worker);
+  } catch (...) {
+    promise->setError(partError(std::current_exception(), state_->worker, "optimizer step on " + state_->worker));
+    return future;
+  }
   // `agent` outlives a deferred run: the build finishes on its executor.
-  state_->whenFinished([state = state_, promise, &agent, contextId] {
+  state_->whenFinished([state = state_, promise, &agent, contextIds = std::move(contextIds)] {
     if (auto error = state->buildError()) return promise->setError(*error);
-    runStep(state, agent, contextId, promise);
+    runStep(state, agent, contextIds, promise);
   });
   return future;
 }
@@ -422,12 +462,17 @@ rpc::Future<int64_t> LocalOptimizer::step(const rpc::CallContext& ctx, uint64_t 
   return stepHere(*ctx.agent, contextId);
 }
 
+rpc::Future<int64_t> LocalOptimizer::stepContexts(const rpc::CallContext& ctx, std::vector<uint64_t> contextIds) {
+  return stepContextsHere(*ctx.agent, std::move(contextIds));
+}
+
 size_t LocalOptimizer::liveCount(rpc::Agent& agent) { return detail::StepLocks::of(agent)->liveOptimizers.load(); }
 
 const rpc::Class<LocalOptimizer>& localOptimizerClass() {
   static const rpc::Class<LocalOptimizer> cls = rpc::Class<LocalOptimizer>("dg.optim.LocalOptimizer")
                                                     .method("ready", &LocalOptimizer::ready)
-                                                    .method("step", &LocalOptimizer::step);
+                                                    .method("step", &LocalOptimizer::step)
+                                                    .method("stepContexts", &LocalOptimizer::stepContexts);
   return cls;
 }
 
@@ -515,6 +560,12 @@ void DistributedOptimizer::install(rpc::Registry& registry) {
 }
 
 rpc::Future<void> DistributedOptimizer::stepAsync(uint64_t contextId) {
+  return stepAsync(std::vector<uint64_t>{contextId});
+}
+
+rpc::Future<void> DistributedOptimizer::stepAsync(const std::vector<uint64_t>& contextIds) {
+  checkContextIds(contextIds, "DistributedOptimizer::step");
+  const bool single = contextIds.size() == 1;
   std::vector<rpc::Future<int64_t>> parts;
   std::vector<std::string> owners;
   parts.reserve(remote_.size() + 1);
@@ -523,7 +574,9 @@ rpc::Future<void> DistributedOptimizer::stepAsync(uint64_t contextId) {
     // step itself and find no gradients, instead of reporting the unknown context.
     rpc::AutogradContextScope noContext(0);
     for (const auto& part : remote_) {
-      parts.push_back(part.optimizer.rpcAsync(&LocalOptimizer::step, contextId));
+      // One context keeps the original call (owners of an older build serve it).
+      parts.push_back(single ? part.optimizer.rpcAsync(&LocalOptimizer::step, contextIds.front())
+                             : part.optimizer.rpcAsync(&LocalOptimizer::stepContexts, contextIds));
       owners.push_back(part.owner);
     }
   }
@@ -536,22 +589,23 @@ rpc::Future<void> DistributedOptimizer::stepAsync(uint64_t contextId) {
     // Yielding once lets the loop thread send first. (A pragmatic measure: any thread that posts a call and
     // then computes has the same problem; see the report on the agent.)
     if (!remote_.empty()) std::this_thread::yield();
-    parts.push_back(local_->stepHere(*agent_, contextId));
+    parts.push_back(local_->stepContextsHere(*agent_, contextIds));
     owners.push_back(agent_->name());
   }
   return rpc::whenAll(std::move(parts), &agent_->executor())
-      .then(rpc::kInlineSafe, [owners = std::move(owners), contextId](std::vector<rpc::Result<int64_t>> results) {
-        std::vector<std::pair<std::string, rpc::Error>> failures;
-        for (size_t i = 0; i < results.size(); ++i) {
-          if (!results[i].ok()) failures.emplace_back(owners[i], results[i].error());
-        }
-        if (!failures.empty()) {
-          throwFailures("DistributedOptimizer::step(context " + std::to_string(contextId) + ")", std::move(failures));
-        }
-      });
+      .then(rpc::kInlineSafe,
+            [owners = std::move(owners), what = contextsText(contextIds)](std::vector<rpc::Result<int64_t>> results) {
+              std::vector<std::pair<std::string, rpc::Error>> failures;
+              for (size_t i = 0; i < results.size(); ++i) {
+                if (!results[i].ok()) failures.emplace_back(owners[i], results[i].error());
+              }
+              if (!failures.empty()) throwFailures("DistributedOptimizer::step(" + what + ")", std::move(failures));
+            });
 }
 
 void DistributedOptimizer::step(uint64_t contextId) { stepAsync(contextId).get(); }
+
+void DistributedOptimizer::step(const std::vector<uint64_t>& contextIds) { stepAsync(contextIds).get(); }
 
 std::vector<std::string> DistributedOptimizer::owners() const {
   std::vector<std::string> out;

@@ -154,6 +154,13 @@ class LocalOptimizer {
   rpc::Future<int64_t> step(const rpc::CallContext& ctx, uint64_t contextId);
   // The same, outside a call (the DistributedOptimizer's own part).
   rpc::Future<int64_t> stepHere(rpc::Agent& agent, uint64_t contextId);
+  // One step on the SUM of the gradients of several contexts of this worker (a pipeline's micro-batches,
+  // each in its own context): each parameter's gradient is the sum of its gradients in the contexts that
+  // hold one (a parameter without a gradient in any of them is left alone). Completes with the number of
+  // parameters updated. Errors name this worker: no context ids, a context id listed twice, a context this
+  // worker does not know (nothing is updated then).
+  rpc::Future<int64_t> stepContexts(const rpc::CallContext& ctx, std::vector<uint64_t> contextIds);
+  rpc::Future<int64_t> stepContextsHere(rpc::Agent& agent, std::vector<uint64_t> contextIds);
   rpc::Future<int64_t> readyHere(rpc::Agent& agent) const;
 
   // LocalOptimizers alive on `agent`'s worker (a gauge for tests and leak checks).
@@ -194,10 +201,16 @@ class DistributedOptimizer {
   // part on the calling thread). Throws RpcError naming the failing owner(s).
   void step(uint64_t contextId);
   void step(const autograd::distributed::DistContext& context) { step(context.id()); }
+  // One step of every owner on the sum of the gradients of several contexts (e.g. one context per
+  // micro-batch of a pipeline: the result equals one step on the whole batch's gradients). One call per
+  // remote owner, whatever the number of contexts. Throws ValueError for an empty list or a repeated id,
+  // RpcError naming the owner(s) that do not know one of the contexts (those owners update nothing).
+  void step(const std::vector<uint64_t>& contextIds);
   // The same without blocking: this worker's part runs on the calling thread before it returns (when its
   // parameters' locks are free; else later on the executor), the remote owners' parts on their workers;
   // the future completes when all finished.
   rpc::Future<void> stepAsync(uint64_t contextId);
+  rpc::Future<void> stepAsync(const std::vector<uint64_t>& contextIds);
 
   const OptimizerSpec& spec() const { return spec_; }
   // The workers holding a part of this optimizer: the remote owners in first-appearance order, then this

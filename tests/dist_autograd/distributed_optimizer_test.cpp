@@ -508,6 +508,95 @@ TEST_P(DistributedOptimizerTest, UnknownContextFailsNamingEveryOwner) {
   }
 }
 
+// Contexts made on this thread that do not stay active on it (a pipeline's per-micro-batch contexts):
+// each is activated only while its calls are made.
+std::vector<std::unique_ptr<DistContext>> makeContexts(rpc::Agent& agent, size_t n) {
+  rpc::AutogradContextScope restore(rpc::activeAutogradContext());
+  std::vector<std::unique_ptr<DistContext>> out;
+  for (size_t i = 0; i < n; ++i) out.push_back(std::make_unique<DistContext>(agent));
+  return out;
+}
+
+std::vector<uint64_t> idsOf(const std::vector<std::unique_ptr<DistContext>>& contexts) {
+  std::vector<uint64_t> out;
+  for (const auto& c : contexts) out.push_back(c->id());
+  return out;
+}
+
+TEST_P(DistributedOptimizerTest, StepOverSeveralContextsEqualsTheStepOnTheSummedGradients) {
+  start();
+  SplitModel m{std::make_shared<Stage>(4, 8, 11, true), stage(1, 8, 6, 12, true), stage(2, 6, 3, 13, false), {}, {}};
+  m.bParams = m.b.remoteParameters();
+  m.cParams = m.c.remoteParameters();
+  const std::vector<Tensor> initial = copies(m.refParams());
+  // Adam with weight decay: a step on the sum is not the sum of steps, so a per-context step would show.
+  const OptimizerSpec spec = OptimizerSpec::adam({.learningRate = 0.01, .weightDecay = 1e-3});
+  DistributedOptimizer opt(agent(0), spec, m.remoteParams(), m.a->parameters());
+  std::unique_ptr<Optimizer> reference = spec.make(m.refParams());
+  constexpr int kMicroBatches = 3;
+  for (int step = 0; step < 4; ++step) {
+    // One batch in three micro-batches, each in its own context, all alive at once.
+    auto contexts = makeContexts(agent(0), kMicroBatches);
+    for (int k = 0; k < kMicroBatches; ++k) {
+      auto active = contexts[k]->activate();
+      contexts[k]->backward(m.distributedLoss(10 * step + k));
+    }
+    const rpc::PeerMetrics to1 = agent(0).metrics(name(1));
+    const rpc::PeerMetrics to2 = agent(0).metrics(name(2));
+    opt.step(idsOf(contexts));
+    // One call per remote owner, whatever the number of contexts.
+    EXPECT_EQ(agent(0).metrics(name(1)).callsSent - to1.callsSent, 1u);
+    EXPECT_EQ(agent(0).metrics(name(2)).callsSent - to2.callsSent, 1u);
+    contexts.clear();
+
+    reference->zeroGrad();
+    Tensor total = m.referenceLoss(10 * step);
+    for (int k = 1; k < kMicroBatches; ++k) total = total + m.referenceLoss(10 * step + k);
+    distgrad::backward(total);
+    reference->step();
+  }
+  m.expectMatchesReference(1e-9, "step over " + std::to_string(kMicroBatches) + " contexts");
+  const std::vector<Tensor> trained = m.refParams();
+  for (size_t i = 0; i < trained.size(); ++i) EXPECT_GT(maxAbsDiff(trained[i], initial[i]), 1e-3) << i;
+}
+
+TEST_P(DistributedOptimizerTest, StepOverContextsWithAnUnknownOneUpdatesNothingAndNamesIt) {
+  start();
+  auto b = stage(1, 3, 2, 73, false);
+  auto c = stage(2, 2, 1, 74, false);
+  std::vector<RRef<Tensor>> params = b.remoteParameters();
+  for (auto& p : c.remoteParameters()) params.push_back(p);
+  DistributedOptimizer opt(agent(0), OptimizerSpec::sgd({.learningRate = 0.1}), params);
+  const std::vector<Tensor> before = fetch(params);
+  auto contexts = makeContexts(agent(0), 2);
+  for (auto& ctx : contexts) {
+    auto active = ctx->activate();
+    ctx->backward(sum(c.forward(b.forward(data({2, 3}, 75)))));
+  }
+  std::vector<uint64_t> ids = idsOf(contexts);
+  ids.push_back(987654);  // known nowhere
+  try {
+    opt.step(ids);
+    ADD_FAILURE() << "expected an RpcError";
+  } catch (const rpc::RpcError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("987654"), std::string::npos) << what;
+    EXPECT_NE(what.find(name(1)), std::string::npos) << what;
+    EXPECT_NE(what.find(name(2)), std::string::npos) << what;
+  }
+  // No owner applied part of the step: the known contexts' gradients were read first, the unknown one failed
+  // before any update.
+  const std::vector<Tensor> after = fetch(params);
+  for (size_t i = 0; i < after.size(); ++i) EXPECT_EQ(maxAbsDiff(after[i], before[i]), 0.0) << i;
+  // Caller's mistakes are ValueErrors before anything is sent.
+  EXPECT_THROW(opt.step(std::vector<uint64_t>{}), ValueError);
+  EXPECT_THROW(opt.step(std::vector<uint64_t>{ids[0], ids[1], ids[0]}), ValueError);
+  // The known contexts still step fine afterwards.
+  opt.step(idsOf(contexts));
+  const std::vector<Tensor> stepped = fetch(params);
+  for (size_t i = 0; i < stepped.size(); ++i) EXPECT_GT(maxAbsDiff(stepped[i], before[i]), 0.0) << i;
+}
+
 TEST_P(DistributedOptimizerTest, OwnerRefusingParametersFailsConstructionNamingIt) {
   start();
   auto expectRefused = [&](const std::vector<RRef<Tensor>>& params, const std::string& owner,

@@ -1,0 +1,233 @@
+// RpcPipeline: a model split into stages that live on other workers, trained with micro-batches under a
+// GPipe or 1F1B schedule (ARCHITECTURE §8, issue 6). The driver (any worker: it holds the data and computes
+// the loss) never touches an activation: for each micro-batch it sends the input to stage 0 and chains
+// `remote()` calls stage to stage, each passing on the RRef of the previous stage's output, so every stage
+// fetches its input straight from the stage before it (promise pipelining at the owner: the calls are all
+// issued at once, without waiting). Only the last stage's logits come back to the driver.
+//
+//   rpc::Registry reg;
+//   rref::RRefContext::install(reg);
+//   autograd::distributed::install(reg);
+//   optim::DistributedOptimizer::install(reg);
+//   pipeline::installPipeline(reg);                 // every worker, before Agent::start
+//   auto agent = rpc::Agent::start(options, reg);
+//   ... on the driver:
+//   std::vector<RemoteStage> stages;
+//   for (int s = 0; s < 2; ++s) stages.push_back({"worker" + std::to_string(s + 1), specs[s]});
+//   RpcPipeline pipe(*agent, stages, {.microBatches = 4, .schedule = Schedule::k1F1B, .optimizer = spec});
+//   StepResult r = pipe.step(images, labels);       // r.stats: compute / bubble / overhead of the step
+//
+// One step: one distributed autograd context PER MICRO-BATCH (so each micro-batch's backward can start as
+// soon as its logits are in, independently of the others), the loss of micro-batch m scaled by its share of
+// the batch, the backwards ordered by the schedule (GPipe: all forwards, then all backwards; 1F1B: each
+// micro-batch's backward starts as soon as its logits are in, and stage s holds at most S - s micro-batches
+// in flight, a bound the stage enforces itself so its next forward starts right after a backward, without a
+// round trip to the driver: Note [Stage in-flight limit] in the .cpp), then ONE
+// DistributedOptimizer step over all the micro-batch contexts (each owner sums its parameters' gradients
+// over them: the step of the whole batch), then the contexts end.
+//
+// PipelineStage is the object each stage worker holds (a RemoteModule<PipelineStage>): the stage's module
+// (buildStage), its forwards serialised (BatchNorm statistics; a forward waiting for its turn holds no
+// thread) and its measurements: forward and backward compute seconds per micro-batch (the backward timed by
+// identity ops recorded at the stage's input and output), micro-batches in flight, peak activation bytes.
+//
+// Errors of any stage (a bad shape, a dead worker, a timeout) make step() throw an RpcError naming the
+// worker, after every call of the step has settled (nothing is left running, every context is released).
+//
+// Thread-safety: an RpcPipeline is driven by one thread at a time (step/predict block: never call them on
+// an agent's executor thread). PipelineStage's methods are called by the agent on executor threads and are
+// safe concurrently (forwards queue, stats are locked).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "autograd/distributed/dist_autograd.h"
+#include "models/nn/module.h"
+#include "models/optim/distributed_optimizer.h"
+#include "models/pipeline/partition.h"
+#include "models/pipeline/pipeline.h"
+#include "models/pipeline/schedule.h"
+#include "rpc/agent.h"
+#include "rpc/class.h"
+#include "rpc/future.h"
+#include "rpc/registry.h"
+#include "rref/remote_module.h"
+#include "rref/rref.h"
+#include "tensor/tensor.h"
+
+namespace distgrad::models::pipeline {
+
+// What one stage measured since its last reset (one training step, when the driver takes them per step).
+// Micro-batch indices are the step's: forwardSeconds[m] is micro-batch m's forward (0 when it did not run
+// here). A value (travels to the driver).
+struct StageStats {
+  std::string worker;                   // where the stage runs
+  std::vector<double> forwardSeconds;   // [microBatch]: the module's forward (training mode only)
+  std::vector<double> backwardSeconds;  // [microBatch]: from the gradient's arrival at the stage's output
+                                        // to its departure from the stage's input
+  std::vector<std::string> inputFrom;   // [microBatch]: the worker the stage's input came from (the driver
+                                        // for stage 0, the previous stage's owner otherwise)
+  int64_t forwards = 0;
+  int64_t backwards = 0;
+  int64_t maxInFlight = 0;  // most micro-batches forwarded and not yet backwarded at once
+  // Peak of this process's tensor bytes (tensor::cpuBytesInUse) above the level before the step's first
+  // forward, sampled at every forward's end and every backward's start: the activations the stage keeps.
+  // Process-wide, so stages sharing a process share it. -1 when nothing was sampled.
+  int64_t peakActivationBytes = -1;
+  double peakRssMiB = 0;  // of the stage's process (ru_maxrss)
+  // CPU seconds (user + system) the stage's whole process used since the last reset: its compute plus all
+  // else it ran (messages, serialisation, the optimizer step, other stages of the process). cpuSeconds minus
+  // the compute seconds is what the RPC machinery cost in CPU, a figure the machine's load hardly moves.
+  double cpuSeconds = 0;
+
+  template <class V>
+  void visitFields(V& v) {
+    v("worker", worker);
+    v("forwardSeconds", forwardSeconds);
+    v("backwardSeconds", backwardSeconds);
+    v("inputFrom", inputFrom);
+    v("forwards", forwards);
+    v("backwards", backwards);
+    v("maxInFlight", maxInFlight);
+    v("peakActivationBytes", peakActivationBytes);
+    v("peakRssMiB", peakRssMiB);
+    v("cpuSeconds", cpuSeconds);
+  }
+};
+
+// One pipeline stage on its worker. Created by the driver through RemoteModule<PipelineStage>::create with a
+// StageSpec (installPipeline binds the constructor); the methods below are what the driver calls.
+class PipelineStage : public std::enable_shared_from_this<PipelineStage> {
+ public:
+  PipelineStage(std::string worker, StageSpec spec);
+  ~PipelineStage();
+  PipelineStage(const PipelineStage&) = delete;
+  PipelineStage& operator=(const PipelineStage&) = delete;
+
+  // Stage 0: the module on `input` (sent by the driver). Queued behind this stage's running forward.
+  rpc::Future<Tensor> forwardFirst(const rpc::CallContext& ctx, Tensor input, int64_t microBatch);
+  // Later stages: the module on the value of `previous` (the previous stage's output): its local value when
+  // this worker owns it, else fetched from its owner by this call inside distributed autograd context
+  // `contextId` (0: none), so the gradient flows back there directly. Completes with this stage's output,
+  // which the caller keeps here as an RRef (remote()) for the next stage or the driver to fetch.
+  // Why the context travels as an argument: a method called through an RRef runs in a task of its own
+  // (rref::RRefContext::serveCall posts it through whenResolved), where the call's context is NOT active,
+  // unlike a function's handler (a bug of the rref layer, reported; tests/pipeline/rpc_pipeline_test.cpp,
+  // DISABLED_RRefMethodRunsInsideTheCallersContext). The fetch activates the context itself.
+  rpc::Future<Tensor> forward(const rpc::CallContext& ctx, rref::RRef<Tensor> previous, int64_t microBatch,
+                              uint64_t contextId);
+  // At most `limit` micro-batches in flight here (forwarded, backward not done; 0: no limit): a training
+  // forward waits (holding no thread) until a backward frees a slot (Note [Stage in-flight limit]).
+  void setMaxInFlight(int64_t limit);
+  // Training (autograd, measurements) or evaluation (no autograd, BatchNorm running statistics). Throws
+  // ValueError while a forward runs or waits (switch between steps).
+  void train(bool enabled);
+  StageStats stats() const;
+  void resetStats();
+  // stats() then resetStats(), atomically: what the driver calls once per step.
+  StageStats takeStats();
+  // The module's parameters (RemoteModule::remoteParameters hands out RRefs to them).
+  std::vector<Tensor> parameters() const;
+  const StageSpec& spec() const { return spec_; }
+  const std::shared_ptr<Module>& module() const { return module_; }
+
+ private:
+  struct Meter;  // the measurements and the stage's compute state, shared with the backward closures
+  class Flight;  // one micro-batch's graph here, from its forward to the end of its backward
+  struct Job {
+    Tensor input;
+    int64_t microBatch = 0;
+    std::shared_ptr<rpc::Promise<Tensor>> promise;
+  };
+  // Queues a forward; runs it (and any queued behind it) on this thread when none runs.
+  rpc::Future<Tensor> enqueue(rpc::Executor& executor, Tensor input, int64_t microBatch);
+  void runQueued();
+  Tensor runForward(const Tensor& input, int64_t microBatch);
+  // Ends `flight` when the backward has run the first ops of the graph of `y` (Note [Stage backward bracket]).
+  static void endAtFirstOps(const Tensor& y, const std::shared_ptr<Flight>& flight);
+  void recordSource(int64_t microBatch, const std::string& from);
+
+  const std::string worker_;
+  const StageSpec spec_;
+  const std::string what_;  // "pipeline stage on worker1 (resnet18 ... units 0-4)": for messages
+  std::shared_ptr<Module> module_;
+  std::shared_ptr<Meter> meter_;
+
+  std::mutex queueMutex_;
+  rpc::Executor* executor_ = nullptr;  // GUARDED_BY(queueMutex_): the agent's, where a runner resumes
+  bool running_ = false;               // GUARDED_BY(queueMutex_): a forward runs (on the thread that runs the queue)
+  std::deque<Job> queue_;              // GUARDED_BY(queueMutex_)
+  std::atomic<bool> training_{true};
+};
+
+// The rpc::Class of PipelineStage ("forward" is the RemoteModule method).
+const rpc::Class<PipelineStage>& pipelineStageClass();
+
+// Binds PipelineStage (class, constructor from StageSpec, remoteParameters) on a worker that may hold
+// stages. Call before Agent::start, beside rref::RRefContext::install, autograd::distributed::install and
+// optim::DistributedOptimizer::install (which every stage worker needs too).
+void installPipeline(rpc::Registry& registry);
+
+}  // namespace distgrad::models::pipeline
+
+DG_REMOTE_MODULE(distgrad::models::pipeline::PipelineStage, distgrad::models::pipeline::pipelineStageClass());
+
+namespace distgrad::models::pipeline {
+
+// Where one stage runs ("workerN" or "workerN/cpu") and what it is.
+struct RemoteStage {
+  std::string placement;
+  StageSpec spec;
+};
+
+class RpcPipeline : public Pipeline {
+ public:
+  // Creates every stage on its worker (returns once all are built and the DistributedOptimizer over their
+  // parameters exists). Throws ValueError (no stages, a bad spec or placement, stages that do not chain:
+  // stage s + 1 must start where stage s ends) or RpcError naming the worker that failed to build its stage.
+  RpcPipeline(rpc::Agent& agent, std::vector<RemoteStage> stages, PipelineOptions options,
+              autograd::distributed::BackwardMode mode = autograd::distributed::BackwardMode::kExact);
+  ~RpcPipeline() override;
+  RpcPipeline(const RpcPipeline&) = delete;
+  RpcPipeline& operator=(const RpcPipeline&) = delete;
+
+  StepResult step(const Tensor& inputs, const Tensor& labels) override;
+  Tensor predict(const Tensor& inputs) override;
+  int64_t numStages() const override { return static_cast<int64_t>(stages_.size()); }
+  std::string describe() const override;
+
+  // The stages' own measurements of the last step (what StepResult::stats was built from).
+  const std::vector<StageStats>& lastStageStats() const { return lastStageStats_; }
+  // The stages' stats now (e.g. their processes' peak RSS); resets nothing.
+  std::vector<StageStats> stageStats();
+  // The worker of each stage.
+  std::vector<std::string> workers() const;
+  // Copies of every stage's parameters, in model order (stage 0's first, each in Module::parameters()
+  // order): for checkpoints at the driver and for tests. Blocks (one fetch per parameter, concurrently).
+  std::vector<Tensor> fetchParameters() const;
+  // Whether step() fetches the stages' measurements (one small call per stage per step, concurrent with the
+  // optimizer step). Off: StepResult::stats has only wallSeconds (and steps).
+  void setCollectStats(bool enabled) { collectStats_ = enabled; }
+  const PipelineOptions& options() const { return options_; }
+
+ private:
+  struct MicroBatch;
+  rpc::Agent* agent_;
+  PipelineOptions options_;
+  autograd::distributed::BackwardMode mode_;
+  std::vector<RemoteStage> specs_;
+  std::vector<rref::RemoteModule<PipelineStage>> stages_;
+  std::vector<rref::RRef<Tensor>> parameters_;  // every stage's, in model order
+  std::unique_ptr<optim::DistributedOptimizer> optimizer_;
+  std::vector<StageStats> lastStageStats_;
+  bool collectStats_ = true;
+};
+
+}  // namespace distgrad::models::pipeline

@@ -1,0 +1,525 @@
+// RpcPipeline over inproc and tcp: a driver (worker0) and two stage workers (worker1, worker2) in this
+// process. An MLP pipeline with GPipe and 1F1B and 1..4 micro-batches (uneven ones included) ends where
+// plain full-batch training of the same ModelSpec ends; the activations travel stage to stage, never through
+// the driver (its byte counters and the stages' own record of where their inputs came from); GPipe holds all
+// micro-batches in flight at every stage, 1F1B at most the number of stages; a small ResNet trains; a stage
+// error (a wrong input shape) comes back from step() naming the stage's worker, and the pipeline works
+// again afterwards; predict() equals the local model; every context, RRef and optimizer is released. Then,
+// across processes: a killed stage worker fails step() with an error naming it, within the heartbeat bound.
+#include "models/pipeline/rpc_pipeline.h"
+
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "autograd/distributed/dist_autograd.h"
+#include "autograd/engine.h"
+#include "autograd/grad_mode.h"
+#include "autograd/ops.h"
+#include "models/optim/distributed_optimizer.h"
+#include "models/pipeline/model_spec.h"
+#include "models/pipeline/partition.h"
+#include "models/pipeline/schedule.h"
+#include "rref/context.h"
+#include "tensor/random.h"
+#include "tests/rpc/agent_test_util.h"
+
+namespace distgrad::models::pipeline {
+namespace {
+
+using namespace std::chrono_literals;
+using autograd::distributed::liveContexts;
+using optim::DistributedOptimizer;
+using optim::LocalOptimizer;
+using optim::OptimizerSpec;
+using rpc::testing::eventually;
+
+// Reports the distributed autograd context active where it runs: as a method called through an RRef, and
+// (kActiveContext) as a function's handler.
+class ContextProbe {
+ public:
+  uint64_t activeContext() { return rpc::activeAutogradContext(); }
+};
+const rpc::Class<ContextProbe>& probeClass() {
+  static const rpc::Class<ContextProbe> cls =
+      rpc::Class<ContextProbe>("pipeline_test.ContextProbe").method("activeContext", &ContextProbe::activeContext);
+  return cls;
+}
+inline const rpc::Function<uint64_t()> kActiveContext{"pipeline_test.active_context"};
+
+}  // namespace
+}  // namespace distgrad::models::pipeline
+
+DG_RREF_CLASS(distgrad::models::pipeline::ContextProbe, distgrad::models::pipeline::probeClass());
+
+namespace distgrad::models::pipeline {
+namespace {
+
+void bindPipelineWorker(rpc::Registry& reg) {
+  rref::RRefContext::install(reg);
+  autograd::distributed::install(reg);
+  DistributedOptimizer::install(reg);
+  installPipeline(reg);
+  reg.bindClass(probeClass()).ctor<>();
+  reg.bind(kActiveContext, [] { return rpc::activeAutogradContext(); });
+}
+
+// An MLP on 1x6x6 "images": 36 -> 48 -> 40 -> 5, cut into [Linear+ReLU, Linear+ReLU] and [Linear].
+ModelSpec mlpSpec() {
+  ModelSpec spec;
+  spec.name = "mlp";
+  spec.inChannels = 1;
+  spec.imageSize = 6;
+  spec.hidden = {48, 40};
+  spec.numClasses = 5;
+  spec.seed = 17;
+  return spec;
+}
+
+std::vector<RemoteStage> twoStages(const ModelSpec& model, int64_t cut) {
+  const int64_t units = numUnits(model);
+  return {RemoteStage{"worker1", StageSpec{model, 0, cut}}, RemoteStage{"worker2/cpu", StageSpec{model, cut, units}}};
+}
+
+Tensor images(int64_t n, const ModelSpec& spec, uint64_t seed) {
+  tensor::Generator gen(seed);
+  return tensor::uniform({n, spec.inChannels, spec.imageSize, spec.imageSize}, -1.0, 1.0, gen);
+}
+
+Tensor classes(int64_t n, int64_t numClasses, uint64_t seed) {
+  tensor::Generator gen(seed);
+  std::vector<int64_t> values;
+  for (int64_t i = 0; i < n; ++i) values.push_back(static_cast<int64_t>(gen.below(static_cast<uint64_t>(numClasses))));
+  return Tensor::fromVector(values, {n});
+}
+
+double maxAbsDiff(const Tensor& a, const Tensor& b) {
+  EXPECT_EQ(a.shape(), b.shape());
+  const auto x = a.toVector<float>();
+  const auto y = b.toVector<float>();
+  double out = 0;
+  for (size_t i = 0; i < std::min(x.size(), y.size()); ++i) out = std::max(out, std::abs(double(x[i]) - double(y[i])));
+  return out;
+}
+
+class RpcPipelineTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    bindPipelineWorker(registry_);
+    rpc::testing::ClusterSpec spec;
+    spec.transport = GetParam();
+    spec.size = 3;
+    spec.executorThreads = 3;
+    rpc::testing::startCluster(cluster_, spec, world_, registry_);
+    for (size_t i = 0; i < cluster_.errors.size(); ++i) ASSERT_FALSE(cluster_.errors[i]) << "rank " << i;
+  }
+
+  void TearDown() override {
+    // Every context, RRef and LocalOptimizer released on every worker once the pipelines are gone.
+    for (auto& a : cluster_.agents) {
+      EXPECT_TRUE(eventually([&] { return liveContexts(*a) == 0; })) << a->name() << ": " << liveContexts(*a);
+      EXPECT_TRUE(eventually([&] { return LocalOptimizer::liveCount(*a) == 0; })) << a->name();
+    }
+    EXPECT_TRUE(rrefsSettled()) << rrefTables();
+  }
+
+  rpc::Agent& agent(int rank) { return *cluster_.agents.at(rank); }
+
+  bool rrefsSettled() {
+    return eventually([&] {
+      for (auto& a : cluster_.agents) {
+        auto c = rref::RRefContext::of(*a);
+        if (c->ownedCount() != 0 || c->userCount() != 0 || c->pendingChildCount() != 0 ||
+            c->pendingControlCount() != 0) {
+          return false;
+        }
+      }
+      return true;
+    });
+  }
+  std::string rrefTables() {
+    std::string out;
+    for (auto& a : cluster_.agents) {
+      auto c = rref::RRefContext::of(*a);
+      out += a->name() + ": owned " + std::to_string(c->ownedCount()) + " users " + std::to_string(c->userCount()) +
+             " children " + std::to_string(c->pendingChildCount()) + " control " +
+             std::to_string(c->pendingControlCount()) + "; ";
+    }
+    return out;
+  }
+
+  rpc::testing::World world_;
+  rpc::Registry registry_;
+  rpc::testing::Cluster cluster_;
+};
+
+// ---------------------------------------------------------------- equivalence with local training
+
+TEST_P(RpcPipelineTest, MlpMatchesLocalFullBatchTrainingForEverySchedule) {
+  const ModelSpec model = mlpSpec();
+  const OptimizerSpec optimizer = OptimizerSpec::sgd({.learningRate = 0.1, .momentum = 0.9, .weightDecay = 1e-3});
+  constexpr int64_t kBatch = 10;  // 3 micro-batches: 4, 3, 3; 4: 3, 3, 2, 2
+  constexpr int kSteps = 2;
+
+  // The reference: the whole model in this process, full batches.
+  auto reference = buildModel(model);
+  const std::vector<Tensor> initial = [&] {
+    std::vector<Tensor> out;
+    for (const Tensor& p : reference->parameters()) out.push_back(p.cloneData());
+    return out;
+  }();
+  auto referenceOptimizer = optimizer.make(reference->parameters());
+  std::vector<double> referenceLosses;
+  for (int step = 0; step < kSteps; ++step) {
+    referenceOptimizer->zeroGrad();
+    Tensor loss = crossEntropy(reference->forward(images(kBatch, model, 100 + step)), classes(kBatch, 5, 200 + step));
+    referenceLosses.push_back(loss.item());
+    distgrad::backward(loss);
+    referenceOptimizer->step();
+  }
+
+  for (Schedule schedule : {Schedule::kGPipe, Schedule::k1F1B}) {
+    for (int64_t microBatches : {1, 2, 3, 4}) {
+      SCOPED_TRACE(std::string(scheduleName(schedule)) + ", " + std::to_string(microBatches) + " micro-batches");
+      RpcPipeline pipe(agent(0), twoStages(model, 2),
+                       {.microBatches = microBatches, .schedule = schedule, .optimizer = optimizer});
+      EXPECT_EQ(pipe.numStages(), 2);
+      EXPECT_EQ(pipe.workers(), (std::vector<std::string>{"worker1", "worker2"}));
+      const std::vector<Tensor> start = pipe.fetchParameters();
+      ASSERT_EQ(start.size(), initial.size());
+      for (size_t i = 0; i < start.size(); ++i) ASSERT_EQ(maxAbsDiff(start[i], initial[i]), 0.0) << "parameter " << i;
+      for (int step = 0; step < kSteps; ++step) {
+        StepResult r = pipe.step(images(kBatch, model, 100 + step), classes(kBatch, 5, 200 + step));
+        EXPECT_NEAR(r.loss, referenceLosses[step], 1e-5) << "step " << step;
+        EXPECT_EQ(r.samples, kBatch);
+        EXPECT_EQ(r.microBatches, microBatches);
+        EXPECT_GE(r.correct, 0);
+        EXPECT_LE(r.correct, kBatch);
+        // The stats of a step: both stages measured every micro-batch.
+        ASSERT_EQ(r.stats.busySeconds.size(), 2u);
+        EXPECT_EQ(r.stats.steps, 1);
+        EXPECT_GT(r.stats.wallSeconds, 0.0);
+        EXPECT_GT(r.stats.idealSeconds, 0.0);
+        EXPECT_LE(r.stats.idealSeconds, r.stats.wallSeconds * 1.05);
+        for (const StageStats& st : pipe.lastStageStats()) {
+          EXPECT_EQ(st.forwards, microBatches) << st.worker;
+          EXPECT_EQ(st.backwards, microBatches) << st.worker;
+          for (int64_t m = 0; m < microBatches; ++m) {
+            EXPECT_GT(st.forwardSeconds[m], 0.0) << st.worker << " micro-batch " << m;
+            EXPECT_GT(st.backwardSeconds[m], 0.0) << st.worker << " micro-batch " << m;
+          }
+        }
+      }
+      const std::vector<Tensor> trained = pipe.fetchParameters();
+      for (size_t i = 0; i < trained.size(); ++i) {
+        EXPECT_LE(maxAbsDiff(trained[i], reference->parameters()[i]), 1e-5) << "parameter " << i;
+        EXPECT_GT(maxAbsDiff(trained[i], initial[i]), 1e-3) << "parameter " << i << " did not move";
+      }
+    }
+  }
+}
+
+TEST_P(RpcPipelineTest, ActivationsGoStageToStageNeverThroughTheDriver) {
+  ModelSpec model = mlpSpec();
+  model.hidden = {64, 2048};  // wide activations between the stages, small inputs and logits
+  constexpr int64_t kBatch = 16;
+  constexpr int64_t kMicroBatches = 4;
+  RpcPipeline pipe(agent(0), twoStages(model, 2),
+                   {.microBatches = kMicroBatches, .schedule = Schedule::k1F1B, .optimizer = OptimizerSpec::sgd({})});
+  (void)pipe.step(images(kBatch, model, 1), classes(kBatch, 5, 2));  // warm: connections, forks settled
+  const rpc::PeerMetrics to1 = agent(0).metrics("worker1");
+  const rpc::PeerMetrics to2 = agent(0).metrics("worker2");
+  (void)pipe.step(images(kBatch, model, 3), classes(kBatch, 5, 4));
+  const rpc::PeerMetrics after1 = agent(0).metrics("worker1");
+  const rpc::PeerMetrics after2 = agent(0).metrics("worker2");
+
+  // What stage 0 hands to stage 1 in one step, forward (and as much again backward).
+  const uint64_t activationBytes = kBatch * 2048 * sizeof(float);
+  const uint64_t inputBytes = kBatch * 36 * sizeof(float);
+  const uint64_t logitBytes = kBatch * 5 * sizeof(float);
+  const uint64_t received1 = after1.bytesReceived - to1.bytesReceived;
+  const uint64_t sent1 = after1.bytesSent - to1.bytesSent;
+  const uint64_t received2 = after2.bytesReceived - to2.bytesReceived;
+  const uint64_t sent2 = after2.bytesSent - to2.bytesSent;
+  SCOPED_TRACE("driver <-> worker1: sent " + std::to_string(sent1) + ", received " + std::to_string(received1) +
+               "; driver <-> worker2: sent " + std::to_string(sent2) + ", received " + std::to_string(received2) +
+               "; activations per step " + std::to_string(activationBytes));
+  // To stage 0: the inputs plus control (calls, RRef forks, autograd plans, the optimizer step, stats); from
+  // it: control only. With stage 1: the logits and their gradients plus control. None of it carries the
+  // activations (each direction's total stays well below them).
+  EXPECT_GE(sent1, inputBytes);
+  EXPECT_LT(sent1, inputBytes + activationBytes / 4);
+  EXPECT_LT(received1, activationBytes / 4);
+  EXPECT_GE(received2, logitBytes);
+  EXPECT_LT(received2, activationBytes / 4);
+  EXPECT_LT(sent2, activationBytes / 4);
+  // The stages' own record: stage 0's inputs came from the driver, stage 1's from stage 0's worker.
+  ASSERT_EQ(pipe.lastStageStats().size(), 2u);
+  EXPECT_EQ(pipe.lastStageStats()[0].inputFrom, std::vector<std::string>(kMicroBatches, "worker0"));
+  EXPECT_EQ(pipe.lastStageStats()[1].inputFrom, std::vector<std::string>(kMicroBatches, "worker1"));
+}
+
+TEST_P(RpcPipelineTest, GPipeHoldsEveryMicroBatchAnd1F1BAtMostStagesMinusStageIndex) {
+  ModelSpec model = mlpSpec();
+  constexpr int64_t kMicroBatches = 6;
+  for (Schedule schedule : {Schedule::kGPipe, Schedule::k1F1B}) {
+    SCOPED_TRACE(scheduleName(schedule));
+    RpcPipeline pipe(agent(0), twoStages(model, 1),
+                     {.microBatches = kMicroBatches, .schedule = schedule, .optimizer = OptimizerSpec::sgd({})});
+    for (int step = 0; step < 3; ++step) {
+      StepResult r = pipe.step(images(12, model, 10 + step), classes(12, 5, 20 + step));
+      ASSERT_EQ(r.stats.maxInFlight.size(), 2u);
+      for (size_t s = 0; s < 2; ++s) {
+        if (schedule == Schedule::kGPipe) {
+          EXPECT_EQ(r.stats.maxInFlight[s], kMicroBatches) << "stage " << s;
+        } else {
+          // 1F1B's own bound, S - s (at most the number of stages anywhere), reached.
+          EXPECT_EQ(r.stats.maxInFlight[s], static_cast<int64_t>(2 - s)) << "stage " << s;
+        }
+        EXPECT_GE(r.stats.peakActivationBytes[s], 0) << "stage " << s;
+      }
+    }
+  }
+}
+
+TEST_P(RpcPipelineTest, SmallResNetTrains) {
+  ModelSpec model;
+  model.name = "resnet18";
+  model.baseWidth = 4;
+  model.imageSize = 8;
+  model.numClasses = 4;
+  model.seed = 3;
+  const int64_t units = numUnits(model);
+  RpcPipeline pipe(
+      agent(0),
+      {RemoteStage{"worker1", StageSpec{model, 0, units / 2}},
+       RemoteStage{"worker2", StageSpec{model, units / 2, units}}},
+      {.microBatches = 3, .schedule = Schedule::k1F1B, .optimizer = OptimizerSpec::adam({.learningRate = 0.01})});
+  const Tensor x = images(12, model, 5);
+  const Tensor y = classes(12, 4, 6);
+  std::vector<double> losses;
+  for (int step = 0; step < 8; ++step) losses.push_back(pipe.step(x, y).loss);
+  EXPECT_LT(losses.back(), 0.7 * losses.front()) << "first loss " << losses.front() << ", last " << losses.back();
+  // predict runs the stages in eval mode (BatchNorm running statistics) and restores training.
+  const Tensor logits = pipe.predict(x);
+  EXPECT_EQ(logits.shape(), (Shape{12, 4}));
+  (void)pipe.step(x, y);
+}
+
+TEST_P(RpcPipelineTest, PredictEqualsTheLocalModel) {
+  const ModelSpec model = mlpSpec();
+  RpcPipeline pipe(
+      agent(0), twoStages(model, 2),
+      {.microBatches = 2, .schedule = Schedule::kGPipe, .optimizer = OptimizerSpec::sgd({.learningRate = 0.2})});
+  (void)pipe.step(images(8, model, 30), classes(8, 5, 31));
+  // The local model with the pipeline's trained parameters.
+  auto local = buildModel(model);
+  const std::vector<Tensor> trained = pipe.fetchParameters();
+  std::vector<Tensor> params = local->parameters();
+  ASSERT_EQ(trained.size(), params.size());
+  for (size_t i = 0; i < params.size(); ++i) params[i].copyFrom(trained[i]);
+  const Tensor x = images(7, model, 32);  // 7 rows: uneven chunks over the two stages
+  autograd::NoGradGuard noGrad;
+  EXPECT_LE(maxAbsDiff(pipe.predict(x), local->forward(x)), 1e-5);
+}
+
+TEST_P(RpcPipelineTest, StageErrorNamesTheWorkerAndThePipelineRecovers) {
+  const ModelSpec model = mlpSpec();
+  for (Schedule schedule : {Schedule::kGPipe, Schedule::k1F1B}) {
+    SCOPED_TRACE(scheduleName(schedule));
+    RpcPipeline pipe(agent(0), twoStages(model, 2),
+                     {.microBatches = 4, .schedule = schedule, .optimizer = OptimizerSpec::sgd({})});
+    // 7 features per image instead of 36: stage 0 (worker1) refuses them.
+    tensor::Generator gen(1);
+    const Tensor wrong = tensor::uniform({8, 7}, -1.0, 1.0, gen);
+    const auto begin = std::chrono::steady_clock::now();
+    try {
+      (void)pipe.step(wrong, classes(8, 5, 2));
+      ADD_FAILURE() << "expected an RpcError";
+    } catch (const rpc::RpcError& e) {
+      EXPECT_EQ(e.error().worker, "worker1") << e.what();
+      EXPECT_NE(std::string(e.what()).find("pipeline stage on worker1"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("forward of micro-batch"), std::string::npos) << e.what();
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - begin, 5s);
+    // Every context of the failed step is released; the next step works.
+    for (int rank = 0; rank < 3; ++rank) {
+      EXPECT_TRUE(eventually([&] { return liveContexts(agent(rank)) == 0; })) << rank;
+    }
+    StepResult r = pipe.step(images(8, model, 3), classes(8, 5, 4));
+    EXPECT_TRUE(std::isfinite(r.loss));
+    // Labels that do not fit the logits fail at the driver, naming it.
+    try {
+      (void)pipe.step(images(4, model, 3), Tensor::fromVector(std::vector<int64_t>{7, 7, 7, 7}, {4}));
+      ADD_FAILURE() << "expected an RpcError";
+    } catch (const rpc::RpcError& e) {
+      EXPECT_EQ(e.error().worker, "worker0") << e.what();
+    }
+  }
+}
+
+TEST_P(RpcPipelineTest, AFailed1F1BStepLeavesNoMicroBatchInFlight) {
+  const ModelSpec model = mlpSpec();
+  RpcPipeline pipe(agent(0), twoStages(model, 2),
+                   {.microBatches = 4, .schedule = Schedule::k1F1B, .optimizer = OptimizerSpec::sgd({})});
+  // Micro-batch 2's labels (rows 4 and 5) are out of range: its loss fails at the driver after micro-batches
+  // 0 and 1 went through and 3 was forwarded, so the stages hold graphs that never get a backward.
+  Tensor bad = Tensor::fromVector(std::vector<int64_t>{0, 1, 2, 3, 7, 9, 4, 0}, {8});
+  const auto begin = std::chrono::steady_clock::now();
+  try {
+    (void)pipe.step(images(8, model, 40), bad);
+    ADD_FAILURE() << "expected an RpcError";
+  } catch (const rpc::RpcError& e) {
+    EXPECT_EQ(e.error().worker, "worker0") << e.what();
+    EXPECT_NE(std::string(e.what()).find("micro-batch 2"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - begin, 5s) << "the failed step waited for something that never came";
+  // Those graphs went with the step's contexts: their in-flight slots are free again (a held slot would
+  // stall these steps' forwards behind stage 0's limit until the calls time out).
+  for (int step = 0; step < 2; ++step) {
+    const auto start = std::chrono::steady_clock::now();
+    StepResult r = pipe.step(images(8, model, 41 + step), classes(8, 5, 51 + step));
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 5s) << "step " << step << " stalled";
+    EXPECT_TRUE(std::isfinite(r.loss));
+    EXPECT_EQ(r.stats.maxInFlight, (std::vector<int64_t>{2, 1}));
+  }
+}
+
+TEST_P(RpcPipelineTest, BadConfigurationsAreValueErrors) {
+  const ModelSpec model = mlpSpec();
+  EXPECT_THROW(RpcPipeline(agent(0), {}, {}), ValueError);
+  // Stages that do not chain.
+  EXPECT_THROW(
+      RpcPipeline(agent(0),
+                  {RemoteStage{"worker1", StageSpec{model, 0, 1}}, RemoteStage{"worker2", StageSpec{model, 2, 3}}}, {}),
+      ValueError);
+  EXPECT_THROW(RpcPipeline(agent(0), {RemoteStage{"worker1/cuda:0", StageSpec{model, 0, 3}}}, {}), ValueError);
+  EXPECT_THROW(RpcPipeline(agent(0), twoStages(model, 2),
+                           PipelineOptions{.microBatches = 0, .schedule = Schedule::kGPipe, .optimizer = {}}),
+               ValueError);
+}
+
+// BUG (rref/, reported): a method called through an RRef (RRef::rpcAsync / remote) does not run inside the
+// caller's distributed autograd context, while a function's handler does (rpc/autograd_hook.h: "running a
+// call's handler: makes the call's context active on the executor thread for the handler's synchronous
+// part"). rref::RRefContext::serveCall runs methods through whenResolved, which always posts them to the
+// executor, where the context is not active; calls the method makes (e.g. fetching an RRef argument) then
+// leave the context and no gradient flows back through them. PipelineStage::forward works around it by
+// taking the context id as an argument. Run with --gtest_also_run_disabled_tests to see it fail.
+TEST_P(RpcPipelineTest, DISABLED_RRefMethodRunsInsideTheCallersContext) {
+  auto probe = rref::RRefContext::of(agent(0))->remote<ContextProbe>("worker1");
+  autograd::distributed::DistContext ctx(agent(0));
+  EXPECT_EQ(agent(0).rpcSync("worker1", kActiveContext), ctx.id()) << "a function's handler";
+  EXPECT_EQ(probe.rpcSync(&ContextProbe::activeContext), ctx.id()) << "a method through an RRef (rpcAsync)";
+  EXPECT_EQ(probe.remote(&ContextProbe::activeContext).toHere(), ctx.id()) << "a method through an RRef (remote)";
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, RpcPipelineTest, ::testing::Values("inproc", "tcp"),
+                         [](const auto& info) { return info.param; });
+
+// ---------------------------------------------------------------- a stage worker dies (processes)
+
+// worker2 (the last stage) runs in a forked child; the driver (worker0) and stage 0 (worker1) here.
+class StageWorkerDeathTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    int portPipe[2];
+    ASSERT_EQ(pipe(portPipe), 0);
+    child_ = fork();  // before this test starts any thread
+    if (child_ == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      int storePort = 0;
+      if (read(portPipe[0], &storePort, sizeof(storePort)) != sizeof(storePort)) _exit(2);
+      try {
+        rpc::Registry reg;
+        bindPipelineWorker(reg);
+        auto agent = rpc::Agent::start(rpc::testing::processOptions(2, 3, storePort, kSecret), reg);
+        while (true) pause();
+      } catch (...) {
+        _exit(3);
+      }
+    }
+    ASSERT_GT(child_, 0);
+    store_ = rpc::StoreServer::start("127.0.0.1:0");
+    const int port = store_->port();
+    ASSERT_EQ(write(portPipe[1], &port, sizeof(port)), static_cast<ssize_t>(sizeof(port)));
+    close(portPipe[0]);
+    close(portPipe[1]);
+    bindPipelineWorker(registry_);
+    std::exception_ptr errors[2];
+    std::thread second([&] {
+      try {
+        agent1_ = rpc::Agent::start(rpc::testing::processOptions(1, 3, port, kSecret), registry_);
+      } catch (...) {
+        errors[1] = std::current_exception();
+      }
+    });
+    try {
+      agent0_ = rpc::Agent::start(rpc::testing::processOptions(0, 3, port, kSecret), registry_);
+    } catch (...) {
+      errors[0] = std::current_exception();
+    }
+    second.join();
+    ASSERT_FALSE(errors[0]) << "worker0 failed to start";
+    ASSERT_FALSE(errors[1]) << "worker1 failed to start";
+  }
+  void TearDown() override {
+    if (child_ > 0) {
+      kill(child_, SIGKILL);
+      int status = 0;
+      waitpid(child_, &status, 0);
+    }
+    if (agent0_) agent0_->shutdown(false);
+    if (agent1_) agent1_->shutdown(false);
+    agent0_.reset();
+    agent1_.reset();
+    store_.reset();
+  }
+
+  static constexpr const char* kSecret = "pipeline-death";
+  pid_t child_ = -1;
+  std::unique_ptr<rpc::StoreServer> store_;
+  rpc::Registry registry_;
+  std::unique_ptr<rpc::Agent> agent0_;
+  std::unique_ptr<rpc::Agent> agent1_;
+};
+
+TEST_F(StageWorkerDeathTest, KilledStageWorkerFailsTheStepNamingItWithinTheHeartbeatBound) {
+  const ModelSpec model = mlpSpec();
+  for (Schedule schedule : {Schedule::kGPipe, Schedule::k1F1B}) {
+    SCOPED_TRACE(scheduleName(schedule));
+    auto pipe = std::make_unique<RpcPipeline>(
+        *agent0_, twoStages(model, 2),
+        PipelineOptions{.microBatches = 4, .schedule = schedule, .optimizer = OptimizerSpec::sgd({})});
+    (void)pipe->step(images(8, model, 1), classes(8, 5, 2));
+    if (schedule == Schedule::kGPipe) continue;  // the worker dies once, under the second schedule's step
+    ASSERT_EQ(kill(child_, SIGKILL), 0);
+    const auto begin = rpc::testing::SteadyTime::now();
+    try {
+      (void)pipe->step(images(8, model, 3), classes(8, 5, 4));
+      ADD_FAILURE() << "expected an RpcError";
+    } catch (const rpc::RpcError& e) {
+      EXPECT_NE(std::string(e.what()).find("worker2"), std::string::npos) << e.what();
+    }
+    // The connection closes at once; the heartbeat bound (1 s) plus slack covers a slow notice.
+    EXPECT_LT(rpc::testing::SteadyTime::now() - begin, 5s);
+    pipe.reset();
+    EXPECT_TRUE(eventually([&] { return liveContexts(*agent0_) == 0 && liveContexts(*agent1_) == 0; }))
+        << liveContexts(*agent0_) << " " << liveContexts(*agent1_);
+  }
+}
+
+}  // namespace
+}  // namespace distgrad::models::pipeline
