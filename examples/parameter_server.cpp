@@ -5,10 +5,12 @@
 //   build/tools/distgrad-run --nproc 5 -- build/examples/parameter_server --mode asgd   # server + 4 trainers
 //   build/examples/parameter_server --mode local --batch-size 64                       # the 1-process reference
 //
-// Rank 0 is the server: it owns the model (LeNet-5 or an MLP) and its optimizer, tests the model after every
-// epoch and prints the summary and the final JSON line. Ranks 1..N are trainers; trainer i trains on shard i
-// of each epoch's shuffled order (DistributedSampler: positions i, i + N, i + 2N, ...). Trainer 1 shows a
-// progress bar; the others are quiet.
+// Rank 0 is the server: it owns the model (any model of the zoo, built from a models/pipeline/model_spec.h
+// ModelSpec like the other examples', so bench/modes.cpp compares every mode on the same network: --model
+// lenet5 (the default here), mlp, resnet18 or resnet50, --width for the ResNets) and its optimizer, tests the model
+// after every epoch and prints the summary and the final JSON line. Ranks 1..N are trainers; trainer i trains on shard
+// i of each epoch's shuffled order (DistributedSampler: positions i, i + N, i + 2N, ...). Trainer 1 shows a progress
+// bar; the others are quiet.
 //
 // Design. Each trainer keeps a replica of the model, runs forward and backward locally, and sends its
 // gradients in ONE call, kPush, whose reply is the server's new parameters, which it copies into its replica:
@@ -28,7 +30,22 @@
 //     (held for one step and a parameter copy, well under a millisecond), and replies with the latest
 //     parameters and their version. Staleness = steps other trainers applied between the version a trainer
 //     computed its gradients on and the step that applies them.
-// A reply carries a copy of the parameters taken under the step: it is encoded after the handler returns,
+// Buffers. BatchNorm's running mean and variance (and num_batches_tracked) change only in a training forward,
+// which runs on the trainers, never on the server; left alone, the server's buffers would keep their initial
+// values and its eval-mode test accuracy would be wrong. So kPush also carries the trainer's buffers (after its
+// forward), the server updates its own from them, and every reply carries parameters AND buffers, which the
+// trainer copies into its replica (so each step starts from the server's buffers).
+//   ssgd: the aggregator merges the round's buffers like the gradients (weighted by batch size, in trainer
+//     order; integer buffers take the maximum): since every trainer started the step from the server's
+//     buffers, the merged running mean is exactly the single worker's with the union batch, the running
+//     variance averages the trainers' batch variances (close, not exact), num_batches_tracked advances by one.
+//   asgd: the server takes the pushing trainer's floating buffers (integer ones: the larger of the server's and
+//     the trainer's, so a counter never goes back). Why not average or add deltas: running statistics are an
+//     exponential average over ~1/momentum = 10 batches, far longer than the staleness of a push, so the newest
+//     trainer's estimate (the server's buffers of a recent version plus its latest batch) is as good as any, is
+//     a state a replica really had, and costs nothing to keep; the batches of other trainers it overwrites only
+//     make the average forget slightly sooner.
+// A reply carries a copy of the parameters (and buffers) taken under the step: it is encoded after the handler returns,
 // when another step may already be updating the parameters in place. Each epoch ends at a barrier (kEpochEnd):
 // trainers report images, loss, compute and RPC time and peak RSS, the server's main thread tests the model
 // (quiescent: every trainer is waiting) and answers with the accuracy.
@@ -47,8 +64,8 @@
 // in asgd, the step itself); the rest is the wire: encoding, transport, decoding, copying the parameters in.
 //
 // The server's last line: {"example":"parameter_server","mode":"ps_ssgd"|"ps_asgd"|"local","workers":N+1,
-// "trainers":N,"model",...,"batch_size" (per trainer),"global_batch","steps" (optimizer steps),"test_accuracy",
-// "images_per_s" (all trainers),"peak_rss_mib" (server),"peak_rss_mib_max" (every process),
+// "trainers":N,"model","width",...,"batch_size" (per trainer),"global_batch","steps" (optimizer steps),
+// "test_accuracy","images_per_s" (all trainers),"peak_rss_mib" (server),"peak_rss_mib_max" (every process),
 // "rpc_overhead_share","server_wait_share","staleness_mean","staleness_max"}.
 #include <algorithm>
 #include <atomic>
@@ -71,8 +88,7 @@
 #include "models/optim/adam.h"
 #include "models/optim/gradient_aggregator.h"
 #include "models/optim/sgd.h"
-#include "models/zoo/lenet.h"
-#include "models/zoo/mlp.h"
+#include "models/pipeline/model_spec.h"
 #include "rpc/agent.h"
 #include "tensor/cpu/dnnl_context.h"
 
@@ -85,6 +101,7 @@ namespace {
 struct Options {
   std::string mode = "ssgd";  // ssgd | asgd | local
   std::string model = "lenet5";
+  int64_t width = 16;  // ResNets' base width
   std::string optimizer = "adam";
   int64_t epochs = 3;
   int64_t batchSize = 32;  // per trainer
@@ -100,7 +117,8 @@ Options parseArgs(int argc, char** argv) {
   Options o;
   examples::Flags flags("parameter_server", "a parameter server (rank 0) and trainers (ranks 1..N) on Fashion-MNIST");
   flags.add("--mode", o.mode, "ssgd (synchronous), asgd (asynchronous) or local (one process, no RPC)")
-      .add("--model", o.model, "lenet5 or mlp")
+      .add("--model", o.model, "lenet5 | mlp | resnet18 | resnet50")
+      .add("--width", o.width, "ResNet base width (torchvision's is 64)")
       .add("--optimizer", o.optimizer, "adam or sgd (momentum --momentum) on the server")
       .add("--epochs", o.epochs, "passes over the training set")
       .add("--batch-size", o.batchSize, "images per step per trainer")
@@ -112,18 +130,26 @@ Options parseArgs(int argc, char** argv) {
       .add("--data-dir", o.dataDir, "Fashion-MNIST directory (default: the Debian package's)");
   flags.parse(argc, argv);
   flags.require(o.mode == "ssgd" || o.mode == "asgd" || o.mode == "local", "--mode must be ssgd, asgd or local");
-  flags.require(o.model == "lenet5" || o.model == "mlp", "--model must be lenet5 or mlp");
+  flags.require(o.model == "lenet5" || o.model == "mlp" || o.model == "resnet18" || o.model == "resnet50",
+                "--model must be lenet5, mlp, resnet18 or resnet50");
   flags.require(o.optimizer == "adam" || o.optimizer == "sgd", "--optimizer must be adam or sgd");
-  flags.require(o.epochs >= 1 && o.batchSize >= 1 && o.lr > 0 && o.momentum >= 0 && o.threads >= 1 && o.limit >= 0,
-                "--epochs, --batch-size, --threads must be >= 1, --lr > 0, --momentum and --limit >= 0");
+  flags.require(o.epochs >= 1 && o.batchSize >= 1 && o.width >= 1 && o.lr > 0 && o.momentum >= 0 && o.threads >= 1 &&
+                    o.limit >= 0,
+                "--epochs, --batch-size, --width, --threads must be >= 1, --lr > 0, --momentum and --limit >= 0");
   return o;
 }
 
-std::shared_ptr<models::Module> makeModel(const Options& o) {
-  tensor::Generator gen(o.seed);
-  if (o.model == "mlp") return std::make_shared<models::MLP>(std::vector<int64_t>{784, 256, 10}, gen);
-  return std::make_shared<models::LeNet5>(gen);
+models::pipeline::ModelSpec modelSpec(const Options& o) {
+  models::pipeline::ModelSpec spec;
+  spec.name = o.model;
+  spec.baseWidth = o.width;
+  spec.seed = o.seed;
+  return spec;
 }
+
+// The same initial weights in every process (built from --seed): the trainers' replicas start equal to the
+// server's model even before the first reply overwrites them.
+std::shared_ptr<models::Module> makeModel(const Options& o) { return models::pipeline::buildModel(modelSpec(o)); }
 
 std::unique_ptr<models::optim::Optimizer> makeOptimizer(const Options& o, std::vector<Tensor> params) {
   if (o.optimizer == "sgd") {
@@ -134,13 +160,15 @@ std::unique_ptr<models::optim::Optimizer> makeOptimizer(const Options& o, std::v
 }
 
 // ---- what trainers call on the server ----
-struct Params {  // one version of the server's parameters
+struct Params {  // one version of the server's parameters and buffers
   int64_t version = 0;
   std::vector<Tensor> tensors;
+  std::vector<Tensor> buffers;  // model->buffers() order (BatchNorm statistics; empty for lenet5 and mlp)
   template <class V>
   void visitFields(V& v) {
     v("version", version);
     v("tensors", tensors);
+    v("buffers", buffers);
   }
 };
 // One epoch of one trainer (or, summed by the server, of all of them). The server adds `seconds`, its wall
@@ -171,9 +199,9 @@ struct EpochReport {
 };
 const std::string kServer = "worker0";
 const rpc::Function<Params(int64_t, int64_t)> kJoin{"ps.join"};  // (trainer, steps per epoch) -> version 0
-const rpc::Function<Params(int64_t, int64_t, int64_t, std::vector<Tensor>)> kPush{"ps.push"};  // (trainer, version,
-                                                                                               //  batch, grads)
-const rpc::Function<double(int64_t, EpochReport)> kEpochEnd{"ps.epoch_end"};                   // -> test accuracy
+// (trainer, version, batch, gradients, buffers) -> the new parameters and buffers
+const rpc::Function<Params(int64_t, int64_t, int64_t, std::vector<Tensor>, std::vector<Tensor>)> kPush{"ps.push"};
+const rpc::Function<double(int64_t, EpochReport)> kEpochEnd{"ps.epoch_end"};  // -> test accuracy
 const rpc::CallOptions kNoDeadline = [] {
   rpc::CallOptions options;
   options.timeout = std::chrono::milliseconds(-1);
@@ -255,15 +283,30 @@ struct Server {
       : trainers(numTrainers),
         model(makeModel(o)),
         params(model->parameters()),
+        buffers(model->buffers()),
         optimizer(makeOptimizer(o, params)),
-        aggregator(numTrainers, [this](std::vector<Tensor> avg, int64_t round) { return step(avg, round); }),
+        aggregator(numTrainers, models::optim::GradientAggregator<Params>::ApplyWithBuffers(
+                                    [this](std::vector<Tensor> avg, std::vector<Tensor> merged, int64_t round) {
+                                      return step(avg, merged, round, /*synchronous=*/true);
+                                    })),
         joins(numTrainers),
         epochEnds(numTrainers) {}
 
-  // One optimizer step from `grads` computed on parameters of `version`; the new parameters, copied.
-  // Callers serialise it (the aggregator runs one round at a time; asgd holds stepMutex).
-  Params step(const std::vector<Tensor>& grads, int64_t version) {
+  // One optimizer step from `grads` computed on parameters of `version`, and the buffers taken from
+  // `newBuffers` (ssgd: the round's merged buffers; asgd: the pushing trainer's, integer ones never going
+  // back); the new parameters and buffers, copied. Callers serialise it (the aggregator runs one round at a
+  // time; asgd holds stepMutex).
+  Params step(const std::vector<Tensor>& grads, const std::vector<Tensor>& newBuffers, int64_t version,
+              bool synchronous) {
     if (auto problem = models::optim::gradientMismatch(params, grads)) DG_CHECK(false, "bad gradients: ", *problem);
+    if (auto problem = models::optim::bufferMismatch(buffers, newBuffers)) DG_CHECK(false, "bad buffers: ", *problem);
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      if (synchronous || tensor::isFloatingPoint(buffers[i].dtype())) {
+        buffers[i].copyFrom(newBuffers[i]);
+      } else {
+        buffers[i].copyFrom(models::optim::averageBuffers({{buffers[i]}, {newBuffers[i]}}, {1.0, 1.0})[0]);  // max
+      }
+    }
     const int64_t behind = currentVersion - version;
     DG_CHECK(behind >= 0, "gradients of version ", version, ", but the parameters are at version ", currentVersion);
     stalenessSum += behind, stalenessMax = std::max(stalenessMax, behind);
@@ -272,8 +315,9 @@ struct Server {
     return snapshot();
   }
   Params snapshot() const {
-    Params p{currentVersion, {}};
+    Params p{currentVersion, {}, {}};
     for (const Tensor& t : params) p.tensors.push_back(t.cloneData());
+    for (const Tensor& t : buffers) p.buffers.push_back(t.cloneData());
     return p;
   }
   int64_t steps() const { return currentVersion; }
@@ -284,6 +328,7 @@ struct Server {
   const int64_t trainers;
   std::shared_ptr<models::Module> model;
   std::vector<Tensor> params;
+  std::vector<Tensor> buffers;  // the model's; written only by step()
   std::unique_ptr<models::optim::Optimizer> optimizer;
   std::mutex stepMutex;        // asgd: one step at a time
   int64_t currentVersion = 0;  // steps taken (guarded by the aggregator's rounds or stepMutex)
@@ -324,19 +369,22 @@ void bindServer(rpc::Registry& reg, Server& s, bool synchronous) {
   });
   if (synchronous) {
     reg.bind(kPush, [&s](const rpc::CallContext& ctx, int64_t trainer, int64_t version, int64_t batch,
-                         std::vector<Tensor> grads) {
+                         std::vector<Tensor> grads, std::vector<Tensor> buffers) {
       const auto arrived = Clock::now();
-      return s.aggregator.submit(ctx.agent->executor(), trainer, version, std::move(grads), static_cast<double>(batch))
+      return s.aggregator
+          .submit(ctx.agent->executor(), trainer, version, std::move(grads), static_cast<double>(batch),
+                  std::move(buffers))
           .then(rpc::kInlineSafe, [&s, arrived](rpc::Result<Params> reply) {
             s.addServerTime(arrived);
             return reply;
           });
     });
   } else {
-    reg.bind(kPush, [&s](int64_t trainer, int64_t version, int64_t batch, std::vector<Tensor> grads) {
+    reg.bind(kPush, [&s](int64_t trainer, int64_t version, int64_t batch, std::vector<Tensor> grads,
+                         std::vector<Tensor> buffers) {
       const auto arrived = Clock::now();
       std::lock_guard<std::mutex> lock(s.stepMutex);
-      Params latest = s.step(grads, version);
+      Params latest = s.step(grads, buffers, version, /*synchronous=*/false);
       s.addServerTime(arrived);
       return latest;
     });
@@ -364,6 +412,7 @@ examples::JsonLine summary(const Options& o, const std::string& mode, int64_t wo
                            int64_t optimizerSteps, const EpochReport& all, double accuracy) {
   examples::JsonLine json("parameter_server");
   json.add("mode", mode).add("workers", workers).add("trainers", trainers).add("model", o.model);
+  json.add("width", o.width);
   json.add("optimizer", o.optimizer).add("epochs", o.epochs).add("batch_size", o.batchSize);
   json.add("global_batch", o.batchSize * trainers).add("lr", o.lr).add("train_images", all.images / o.epochs);
   json.add("steps", optimizerSteps).add("test_accuracy", accuracy);
@@ -381,7 +430,7 @@ int runServer(const Options& o, rpc::Agent& agent, Server& s) {
     test = data::TensorDataset(narrow(test.inputs(), 0, 0, o.limit), narrow(test.labels(), 0, 0, o.limit));
   }
   std::printf("parameter_server: %s, %lld trainers, %s (%lld parameters), %s lr %g, batch %lld per trainer\n",
-              o.mode.c_str(), static_cast<long long>(s.trainers), o.model.c_str(),
+              o.mode.c_str(), static_cast<long long>(s.trainers), modelSpec(o).describe().c_str(),
               static_cast<long long>(s.model->numParameters()), o.optimizer.c_str(), o.lr,
               static_cast<long long>(o.batchSize));
   std::vector<int64_t> stepsPerEpoch = s.joins.waitAll();
@@ -461,14 +510,21 @@ void runTrainer(const Options& o, rpc::Agent& agent) {
   data::DataLoader loader(data.train, {.batchSize = o.batchSize}, sampler);
   auto model = makeModel(o);  // a replica: its values come from the server
   std::vector<Tensor> params = model->parameters();
+  std::vector<Tensor> buffers = model->buffers();  // handles: load() writes into them in place
+  auto load = [&](const Params& from) {
+    DG_CHECK(from.tensors.size() == params.size() && from.buffers.size() == buffers.size(), "the server sent ",
+             from.tensors.size(), " parameters and ", from.buffers.size(), " buffers for ", params.size(), " and ",
+             buffers.size());
+    for (size_t i = 0; i < params.size(); ++i) params[i].copyFrom(from.tensors[i]);
+    for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copyFrom(from.buffers[i]);
+  };
   Params current = agent.rpcSyncWith(kNoDeadline, kServer, kJoin, index, loader.numBatches());
   auto push = [&](int64_t batch, std::vector<Tensor> grads) {
-    current = agent.rpcSyncWith(kNoDeadline, kServer, kPush, index, current.version, batch, std::move(grads));
-    DG_CHECK(current.tensors.size() == params.size(), "the server sent ", current.tensors.size(), " tensors for ",
-             params.size(), " parameters");
-    for (size_t i = 0; i < params.size(); ++i) params[i].copyFrom(current.tensors[i]);
+    // The buffers are encoded before rpcSyncWith returns, so they go as the model's own handles.
+    current = agent.rpcSyncWith(kNoDeadline, kServer, kPush, index, current.version, batch, std::move(grads), buffers);
+    load(current);
   };
-  for (size_t i = 0; i < params.size(); ++i) params[i].copyFrom(current.tensors[i]);
+  load(current);
   for (int64_t epoch = 1; epoch <= o.epochs; ++epoch) {
     EpochReport report = trainEpoch(*model, loader, epochLabel(epoch, o), index == 0, push);
     agent.rpcSyncWith(kNoDeadline, kServer, kEpochEnd, index, report);  // the server prints the figures
@@ -482,7 +538,7 @@ int runLocal(const Options& o) {
   data::DataLoader loader(data.train, {.batchSize = o.batchSize}, sampler);
   auto model = makeModel(o);
   auto optimizer = makeOptimizer(o, model->parameters());
-  std::printf("parameter_server: local, %s (%lld parameters), %s lr %g, batch %lld\n", o.model.c_str(),
+  std::printf("parameter_server: local, %s (%lld parameters), %s lr %g, batch %lld\n", modelSpec(o).describe().c_str(),
               static_cast<long long>(model->numParameters()), o.optimizer.c_str(), o.lr,
               static_cast<long long>(o.batchSize));
   EpochReport all;

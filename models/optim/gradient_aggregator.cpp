@@ -1,5 +1,6 @@
 #include "models/optim/gradient_aggregator.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "tensor/error.h"
@@ -68,6 +69,60 @@ std::vector<Tensor> weightedAverage(const std::vector<std::vector<Tensor>>& grad
         for (int64_t j = 0; j < n; ++j) acc[j] += scale * src[j];
       }
     });
+  }
+  return out;
+}
+
+std::optional<std::string> bufferMismatch(const std::vector<Tensor>& reference, const std::vector<Tensor>& candidate) {
+  if (!reference.empty() && reference.size() != candidate.size()) {
+    return std::to_string(candidate.size()) + " buffers, expected " + std::to_string(reference.size());
+  }
+  for (size_t i = 0; i < candidate.size(); ++i) {
+    const Tensor& b = candidate[i];
+    const std::string which = "buffer " + std::to_string(i);
+    if (!b.defined()) return which + " is undefined";
+    if (!b.device().isCpu()) return which + " is on " + b.device().str() + ", expected the CPU";
+    if (reference.empty()) continue;
+    if (b.shape() != reference[i].shape()) {
+      return which + " has shape " + tensor::shapeStr(b.shape()) + ", expected " +
+             tensor::shapeStr(reference[i].shape());
+    }
+    if (b.dtype() != reference[i].dtype()) {
+      return which + " is " + tensor::dtypeName(b.dtype()) + ", expected " + tensor::dtypeName(reference[i].dtype());
+    }
+  }
+  return std::nullopt;
+}
+
+std::vector<Tensor> averageBuffers(const std::vector<std::vector<Tensor>>& buffers,
+                                   const std::vector<double>& weights) {
+  DG_CHECK(!buffers.empty(), "averageBuffers: no buffers");
+  DG_CHECK(buffers.size() == weights.size(), "averageBuffers: ", buffers.size(), " buffer sets but ", weights.size(),
+           " weights");
+  for (size_t k = 0; k < buffers.size(); ++k) {
+    if (auto problem = bufferMismatch(buffers[0], buffers[k]))
+      DG_CHECK(false, "averageBuffers: set ", k, ": ", *problem);
+  }
+  std::vector<Tensor> out;
+  for (size_t i = 0; i < buffers[0].size(); ++i) {
+    std::vector<std::vector<Tensor>> column;
+    for (const auto& set : buffers) column.push_back({set[i]});
+    if (tensor::isFloatingPoint(buffers[0][i].dtype())) {
+      out.push_back(weightedAverage(column, weights)[0]);
+      continue;
+    }
+    // An integer buffer is a counter (num_batches_tracked): every worker advanced it from the same value by
+    // the same number of batches, so the maximum is that value; an average would round.
+    DG_CHECK(std::all_of(weights.begin(), weights.end(), [](double w) { return std::isfinite(w) && w > 0; }),
+             "averageBuffers: weights must be finite and > 0");
+    Tensor merged = buffers[0][i].cloneData();
+    int64_t* acc = merged.data<int64_t>();
+    for (size_t k = 1; k < buffers.size(); ++k) {
+      const Tensor b = buffers[k][i].isContiguous() ? buffers[k][i] : buffers[k][i].cloneData();
+      const int64_t* src = b.data<int64_t>();
+      for (int64_t j = 0; j < merged.numel(); ++j) acc[j] = std::max(acc[j], src[j]);
+    }
+    out.push_back(std::move(merged));
   }
   return out;
 }

@@ -18,6 +18,16 @@
 // average and the round number, and the R it returns completes every contributor's future (each gets a
 // copy: make R cheap to copy, e.g. tensor handles); then the aggregator moves to round k + 1.
 //
+// Buffers. A model's buffers (BatchNorm's running mean and variance, num_batches_tracked) change in each
+// worker's training forward, never in the server's, so a server that only steps on gradients would keep them
+// at their initial values. A submission may carry the worker's buffers (`buffers`, after its forward); with
+// the ApplyWithBuffers constructor, `apply` also receives the round's buffers merged by averageBuffers:
+// floating buffers averaged with the same weights in contributor order (for running means, exactly the
+// running mean one worker with the union of the batches would have, as each worker started the round from
+// the server's buffers; running variances average the workers' per-batch variances, which leaves out the
+// spread between the workers' batch means: close, not exact), integer buffers (counters such as
+// num_batches_tracked) take the maximum.
+//
 // The weighted sum runs in contributor order, not arrival order, so the result is bit-for-bit the same
 // whichever worker is fastest. An undefined gradient counts as zeros (a parameter a worker's batch did not
 // reach); a parameter with no gradient from anybody stays undefined in the average.
@@ -26,10 +36,11 @@
 // as it was: a contributor outside [0, contributors), a round other than the current one, a second
 // submission of one contributor in a round, a submission while the round is being applied, gradients whose
 // count, shapes or dtypes differ from the round's other submissions, non-float or non-CPU gradients, a
-// weight that is not finite and > 0. abort(error) fails the open round's futures and every later submission
-// with `error`: call it when a contributor died (its round could never complete, and the others must not
-// wait forever). If `apply` throws, the round's futures fail with its error and the aggregator aborts (the
-// parameters are in an unknown state).
+// weight that is not finite and > 0, buffers whose count, shapes or dtypes differ from the round's first
+// submission's (or that are undefined or not on the CPU). abort(error) fails the open round's futures and
+// every later submission with `error`: call it when a contributor died (its round could never complete, and
+// the others must not wait forever). If `apply` throws, the round's futures fail with its error and the aggregator
+// aborts (the parameters are in an unknown state).
 //
 // Thread-safety: submit() and abort() may be called from any threads at once. `apply` runs on the thread of
 // the round's last submit() (an RPC executor thread in a server), outside the aggregator's lock, and never
@@ -63,12 +74,26 @@ std::vector<Tensor> weightedAverage(const std::vector<std::vector<Tensor>>& grad
 // checks the dtypes and devices.
 std::optional<std::string> gradientMismatch(const std::vector<Tensor>& reference, const std::vector<Tensor>& candidate);
 
+// Why `candidate` buffers cannot be merged with `reference` (same count, each defined, on the CPU, with the
+// reference's shape and dtype), or nullopt when they can. An empty `reference` only checks that each
+// candidate is defined and on the CPU.
+std::optional<std::string> bufferMismatch(const std::vector<Tensor>& reference, const std::vector<Tensor>& candidate);
+
+// Merges the workers' buffers, per buffer: floating ones weighted by `weights` and summed in the order of
+// `buffers` (like weightedAverage), integer ones the element-wise maximum. New tensors; throws ValueError on
+// a mismatch (bufferMismatch) and on weights that are not finite and > 0.
+std::vector<Tensor> averageBuffers(const std::vector<std::vector<Tensor>>& buffers, const std::vector<double>& weights);
+
 template <typename R>
 class GradientAggregator {
  public:
   using Apply = std::function<R(std::vector<Tensor> averaged, int64_t round)>;
+  // `buffers` = averageBuffers of the round's submitted buffers (empty when the submissions carried none).
+  using ApplyWithBuffers = std::function<R(std::vector<Tensor> averaged, std::vector<Tensor> buffers, int64_t round)>;
 
   GradientAggregator(int64_t contributors, Apply apply, int64_t firstRound = 0)
+      : GradientAggregator(contributors, wrap(std::move(apply)), firstRound) {}
+  GradientAggregator(int64_t contributors, ApplyWithBuffers apply, int64_t firstRound = 0)
       : contributors_(contributors),
         apply_(std::move(apply)),
         round_(firstRound),
@@ -80,10 +105,10 @@ class GradientAggregator {
   GradientAggregator& operator=(const GradientAggregator&) = delete;
 
   rpc::Future<R> submit(rpc::Executor& executor, int64_t contributor, int64_t round, std::vector<Tensor> grads,
-                        double weight = 1.0) {
+                        double weight = 1.0, std::vector<Tensor> buffers = {}) {
     rpc::Promise<R> promise(executor);
     rpc::Future<R> future = promise.getFuture();
-    std::vector<std::vector<Tensor>> roundGrads;
+    std::vector<std::vector<Tensor>> roundGrads, roundBuffers;
     std::vector<double> roundWeights;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -106,26 +131,32 @@ class GradientAggregator {
         problem = "weight must be finite and > 0, got " + std::to_string(weight);
       } else {
         problem = gradientMismatch(reference_, grads);
+        if (!problem && arrived_ > 0 && buffers.size() != referenceBuffers_.size()) {
+          problem = std::to_string(buffers.size()) + " buffers, expected " + std::to_string(referenceBuffers_.size());
+        }
+        if (!problem) problem = bufferMismatch(referenceBuffers_, buffers);
       }
       if (problem) {
         promise.setError(rpc::Error::failed(who + *problem));
         return future;
       }
+      if (arrived_ == 0) referenceBuffers_ = buffers;
       if (reference_.empty()) reference_.resize(grads.size());
       for (size_t i = 0; i < grads.size(); ++i) {
         if (!reference_[i].defined()) reference_[i] = grads[i];
       }
-      slots_[static_cast<size_t>(contributor)] = Slot{std::move(grads), weight, std::move(promise)};
+      slots_[static_cast<size_t>(contributor)] = Slot{std::move(grads), std::move(buffers), weight, std::move(promise)};
       if (++arrived_ < contributors_) return future;
       // The round is full: this thread applies it, outside the lock (Note in the header: apply may take
       // milliseconds; abort() and rejected submissions must not wait for it).
       applying_ = true;
       for (auto& slot : slots_) {
         roundGrads.push_back(std::move(slot->grads));
+        roundBuffers.push_back(std::move(slot->buffers));
         roundWeights.push_back(slot->weight);
       }
     }
-    finishRound(std::move(roundGrads), roundWeights);
+    finishRound(std::move(roundGrads), std::move(roundBuffers), roundWeights);
     return future;
   }
 
@@ -161,19 +192,32 @@ class GradientAggregator {
  private:
   struct Slot {
     std::vector<Tensor> grads;
+    std::vector<Tensor> buffers;
     double weight;
     rpc::Promise<R> promise;
   };
 
-  void finishRound(std::vector<std::vector<Tensor>> grads, const std::vector<double>& weights) {
+  static ApplyWithBuffers wrap(Apply apply) {
+    if (!apply) return nullptr;
+    return [apply = std::move(apply)](std::vector<Tensor> averaged, std::vector<Tensor>, int64_t round) {
+      return apply(std::move(averaged), round);
+    };
+  }
+
+  void finishRound(std::vector<std::vector<Tensor>> grads, std::vector<std::vector<Tensor>> buffers,
+                   const std::vector<double>& weights) {
     std::optional<R> result;
     std::optional<rpc::Error> failure;
     try {
-      result.emplace(apply_(weightedAverage(grads, weights), round_));  // round_ is stable while applying_
+      std::vector<Tensor> mergedBuffers;
+      if (!buffers.front().empty()) mergedBuffers = averageBuffers(buffers, weights);
+      // round_ is stable while applying_
+      result.emplace(apply_(weightedAverage(grads, weights), std::move(mergedBuffers), round_));
     } catch (...) {
       failure = rpc::errorFromException(std::current_exception());
     }
-    grads.clear();  // release the gradients before the trainers get their answers
+    grads.clear();  // release the gradients and buffers before the trainers get their answers
+    buffers.clear();
     std::vector<rpc::Promise<R>> waiting;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -201,17 +245,19 @@ class GradientAggregator {
     }
     arrived_ = 0;
     reference_.clear();
+    referenceBuffers_.clear();
     return out;
   }
 
   const int64_t contributors_;
-  const Apply apply_;
+  const ApplyWithBuffers apply_;
   mutable std::mutex mutex_;
   int64_t round_;                           // GUARDED_BY(mutex_); stable while applying_
   int64_t arrived_ = 0;                     // GUARDED_BY(mutex_)
   bool applying_ = false;                   // GUARDED_BY(mutex_)
   std::vector<std::optional<Slot>> slots_;  // GUARDED_BY(mutex_): one per contributor
   std::vector<Tensor> reference_;           // GUARDED_BY(mutex_): per parameter, the round's first defined gradient
+  std::vector<Tensor> referenceBuffers_;    // GUARDED_BY(mutex_): the round's first submission's buffers
   std::optional<rpc::Error> aborted_;       // GUARDED_BY(mutex_)
 };
 

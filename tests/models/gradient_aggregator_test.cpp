@@ -13,6 +13,9 @@
 #include <thread>
 #include <vector>
 
+#include "autograd/engine.h"
+#include "autograd/ops.h"
+#include "models/nn/batch_norm.h"
 #include "models/optim/sgd.h"
 #include "rpc/executor.h"
 #include "tensor/random.h"
@@ -303,6 +306,120 @@ TEST(GradientAggregatorTest, OneStepOfTwoHalfBatchesEqualsOneStepOfTheWholeBatch
   std::vector<float> after = f0.get()[0].toVector<float>();
   f1.get();
   for (float v : after) EXPECT_FLOAT_EQ(v, 1.0f - 0.5f * 4.5f);  // whole-batch mean gradient 4.5
+}
+
+// Buffers: floating ones averaged with the gradients' weights in contributor order, integer ones (counters)
+// the maximum; whatever the arrival order.
+TEST(GradientAggregatorTest, MergesBuffersWeightedInContributorOrderAndCountersByMax) {
+  rpc::Executor executor(2);
+  std::vector<Tensor> seen;
+  GradientAggregator<int64_t> agg(2, GradientAggregator<int64_t>::ApplyWithBuffers(
+                                         [&](std::vector<Tensor>, std::vector<Tensor> buffers, int64_t round) {
+                                           seen = std::move(buffers);
+                                           return round;
+                                         }));
+  auto f1 = agg.submit(executor, 1, 0, {filled({2}, 1.0)}, 3,
+                       {filled({2}, 5.0), Tensor::full({}, 7, DType::kInt64), filled({1}, 2.0, DType::kFloat64)});
+  auto f0 = agg.submit(executor, 0, 0, {filled({2}, 1.0)}, 1,
+                       {filled({2}, 1.0), Tensor::full({}, 9, DType::kInt64), filled({1}, 6.0, DType::kFloat64)});
+  ASSERT_TRUE(f0.result().ok()) << f0.result().error().message;
+  ASSERT_TRUE(f1.result().ok());
+  ASSERT_EQ(seen.size(), 3u);
+  EXPECT_EQ(seen[0].dtype(), DType::kFloat32);
+  for (float v : seen[0].toVector<float>()) EXPECT_FLOAT_EQ(v, 0.25f * 1 + 0.75f * 5);
+  EXPECT_EQ(seen[1].dtype(), DType::kInt64);
+  EXPECT_EQ(seen[1].toVector<int64_t>(), std::vector<int64_t>{9});
+  EXPECT_EQ(seen[2].dtype(), DType::kFloat64);
+  EXPECT_DOUBLE_EQ(seen[2].toVector<double>()[0], 0.25 * 6 + 0.75 * 2);
+  // Without buffers, apply sees none.
+  auto g0 = agg.submit(executor, 0, 1, {filled({2}, 1.0)});
+  auto g1 = agg.submit(executor, 1, 1, {filled({2}, 1.0)});
+  ASSERT_TRUE(g1.result().ok());
+  EXPECT_TRUE(seen.empty());
+}
+
+TEST(GradientAggregatorTest, RejectsBuffersThatDoNotMatchTheRoundsAndKeepsTheRoundOpen) {
+  rpc::Executor executor(2);
+  GradientAggregator<int64_t> agg(2, [](std::vector<Tensor>, int64_t round) { return round; });
+  auto f0 = agg.submit(executor, 0, 0, {filled({2}, 1.0)}, 1, {filled({3}, 0.0), Tensor::full({}, 1, DType::kInt64)});
+  auto count = agg.submit(executor, 1, 0, {filled({2}, 1.0)}, 1, {filled({3}, 0.0)});
+  auto shape =
+      agg.submit(executor, 1, 0, {filled({2}, 1.0)}, 1, {filled({4}, 0.0), Tensor::full({}, 1, DType::kInt64)});
+  auto dtype = agg.submit(executor, 1, 0, {filled({2}, 1.0)}, 1, {filled({3}, 0.0), Tensor::full({}, 1.0)});
+  auto undefined = agg.submit(executor, 1, 0, {filled({2}, 1.0)}, 1, {filled({3}, 0.0), Tensor()});
+  for (auto* bad : {&count, &shape, &dtype, &undefined}) {
+    auto result = bad->result();
+    ASSERT_FALSE(result.ok());
+    EXPECT_NE(result.error().message.find("buffer"), std::string::npos) << result.error().message;
+  }
+  EXPECT_EQ(agg.arrived(), 1);
+  auto f1 = agg.submit(executor, 1, 0, {filled({2}, 1.0)}, 1, {filled({3}, 0.0), Tensor::full({}, 1, DType::kInt64)});
+  EXPECT_TRUE(f1.result().ok());
+  EXPECT_TRUE(f0.result().ok());
+  EXPECT_THROW(averageBuffers({{filled({1}, 1.0)}, {filled({1}, 1.0, DType::kFloat64)}}, {1, 1}), ValueError);
+}
+
+// What the parameter server (examples/parameter_server.cpp) does with a BatchNorm model: two trainers, each a
+// replica of the server's model, run a training forward on half a batch and submit gradients and buffers; the
+// server steps and adopts the merged buffers; the trainers load the reply. Afterwards the server's buffers
+// equal every trainer's, its running mean and counter equal those of one model that saw the whole batch, and
+// its running variance is the trainers' average.
+TEST(GradientAggregatorTest, ServerBuffersEqualTheTrainersAfterAStep) {
+  rpc::Executor executor(2);
+  struct Snapshot {
+    std::vector<Tensor> params, buffers;
+  };
+  BatchNorm2d server(3), whole(3);
+  std::vector<std::unique_ptr<BatchNorm2d>> trainers;
+  for (int i = 0; i < 2; ++i) trainers.push_back(std::make_unique<BatchNorm2d>(3));
+  SGD sgd(server.parameters(), {.learningRate = 0.1});
+  GradientAggregator<Snapshot> agg(2, GradientAggregator<Snapshot>::ApplyWithBuffers(
+                                          [&](std::vector<Tensor> avg, std::vector<Tensor> buffers, int64_t) {
+                                            sgd.step(avg);
+                                            std::vector<Tensor> mine = server.buffers();
+                                            EXPECT_EQ(buffers.size(), mine.size());
+                                            for (size_t i = 0; i < mine.size(); ++i) mine[i].copyFrom(buffers[i]);
+                                            Snapshot out;
+                                            for (const Tensor& t : server.parameters())
+                                              out.params.push_back(t.cloneData());
+                                            for (const Tensor& t : server.buffers())
+                                              out.buffers.push_back(t.cloneData());
+                                            return out;
+                                          }));
+  tensor::Generator gen(3);
+  const Tensor batch = tensor::normal({8, 3}, 0.5, 2.0, gen);
+  const Tensor halves[2] = {narrow(batch, 0, 0, 4), narrow(batch, 0, 4, 4)};
+  std::vector<rpc::Future<Snapshot>> replies;
+  for (int i = 1; i >= 0; --i) {  // the second trainer first: the order must not matter
+    BatchNorm2d& t = *trainers[static_cast<size_t>(i)];
+    t.zeroGrad();
+    distgrad::backward(sum(mul(t.forward(halves[i]), halves[i])));
+    std::vector<Tensor> grads;
+    for (const Tensor& p : t.parameters()) grads.push_back(p.grad());
+    replies.push_back(agg.submit(executor, i, 0, grads, 4, t.buffers()));
+  }
+  for (size_t r = 0; r < replies.size(); ++r) {
+    BatchNorm2d& t = *trainers[1 - r];
+    const Snapshot reply = replies[r].get();
+    for (size_t i = 0; i < reply.params.size(); ++i) t.parameters()[i].copyFrom(reply.params[i]);
+    for (size_t i = 0; i < reply.buffers.size(); ++i) t.buffers()[i].copyFrom(reply.buffers[i]);
+  }
+  whole.forward(batch);
+  for (const auto& t : trainers) {
+    for (size_t i = 0; i < server.buffers().size(); ++i) {
+      const Tensor mine = server.buffers()[i], theirs = t->buffers()[i];
+      ASSERT_EQ(mine.dtype(), theirs.dtype());
+      ASSERT_EQ(mine.numel(), theirs.numel());
+      EXPECT_EQ(std::memcmp(mine.rawData(), theirs.rawData(), static_cast<size_t>(mine.nbytes())), 0)
+          << "buffer " << i << " differs between the server and a trainer";
+    }
+  }
+  EXPECT_EQ(server.numBatchesTracked(), 1);
+  const std::vector<float> mean = server.runningMean().toVector<float>(), want = whole.runningMean().toVector<float>();
+  for (size_t c = 0; c < mean.size(); ++c) EXPECT_NEAR(mean[c], want[c], 1e-6);
+  const std::vector<float> v0 = BatchNorm2d(3).runningVar().toVector<float>();
+  const std::vector<float> var = server.runningVar().toVector<float>();
+  for (size_t c = 0; c < var.size(); ++c) EXPECT_NE(var[c], v0[c]) << "the running variance never moved";
 }
 
 }  // namespace
