@@ -341,17 +341,13 @@ rpc::Future<Tensor> PipelineStage::forwardFirst(const rpc::CallContext& ctx, Ten
   return enqueue(ctx.agent->executor(), std::move(input), microBatch);
 }
 
-rpc::Future<Tensor> PipelineStage::forward(const rpc::CallContext& ctx, rref::RRef<Tensor> previous, int64_t microBatch,
-                                           uint64_t contextId) {
+rpc::Future<Tensor> PipelineStage::forward(const rpc::CallContext& ctx, rref::RRef<Tensor> previous, int64_t microBatch) {
   DG_CHECK(previous.valid(), what_, ": forward got an empty RRef");
   recordSource(microBatch, previous.isOwner() ? worker_ : previous.owner());
   // The fetch joins the micro-batch's context, so the previous stage records where the gradient goes and
   // the received input hangs from a RecvBackward here. On the owner this is the local value itself, no
   // message.
-  rpc::Future<Tensor> value = [&] {
-    rpc::AutogradContextScope active(contextId != 0 ? contextId : rpc::activeAutogradContext());
-    return previous.toHereAsync();
-  }();
+  rpc::Future<Tensor> value = previous.toHereAsync();
   rpc::Executor* executor = &ctx.agent->executor();
   return std::move(value).then(
       [self = shared_from_this(), executor, microBatch](rpc::Result<Tensor>&& fetched) -> rpc::Future<Tensor> {
@@ -675,7 +671,7 @@ StepResult RpcPipeline::step(const Tensor& inputs, const Tensor& labels) {
     rref::RRef<Tensor> out = stages_[0].moduleRRef().remote(&PipelineStage::forwardFirst, mb.inputs, mb.index);
     for (int64_t s = 1; s < numStages; ++s) {
       out =
-          stages_[static_cast<size_t>(s)].moduleRRef().remote(&PipelineStage::forward, out, mb.index, mb.context->id());
+          stages_[static_cast<size_t>(s)].moduleRRef().remote(&PipelineStage::forward, out, mb.index);
     }
     ++outstanding;
     (void)out.toHereAsync().then(rpc::kInlineSafe, [events, m = mb.index](rpc::Result<Tensor>&& logits) {
@@ -844,7 +840,7 @@ Tensor RpcPipeline::predict(const Tensor& inputs) {
     Tensor x = bounds.size() == 2 ? inputs : narrow(inputs, 0, bounds[m], bounds[m + 1] - bounds[m]);
     rref::RRef<Tensor> out = stages_[0].moduleRRef().remote(&PipelineStage::forwardFirst, x, static_cast<int64_t>(m));
     for (size_t s = 1; s < stages_.size(); ++s) {
-      out = stages_[s].moduleRRef().remote(&PipelineStage::forward, out, static_cast<int64_t>(m), uint64_t{0});
+      out = stages_[s].moduleRRef().remote(&PipelineStage::forward, out, static_cast<int64_t>(m));
     }
     chunks.push_back(out.toHereAsync());
   }

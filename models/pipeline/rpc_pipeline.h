@@ -114,15 +114,10 @@ class PipelineStage : public std::enable_shared_from_this<PipelineStage> {
   // Stage 0: the module on `input` (sent by the driver). Queued behind this stage's running forward.
   rpc::Future<Tensor> forwardFirst(const rpc::CallContext& ctx, Tensor input, int64_t microBatch);
   // Later stages: the module on the value of `previous` (the previous stage's output): its local value when
-  // this worker owns it, else fetched from its owner by this call inside distributed autograd context
-  // `contextId` (0: none), so the gradient flows back there directly. Completes with this stage's output,
-  // which the caller keeps here as an RRef (remote()) for the next stage or the driver to fetch.
-  // Why the context travels as an argument: a method called through an RRef runs in a task of its own
-  // (rref::RRefContext::serveCall posts it through whenResolved), where the call's context is NOT active,
-  // unlike a function's handler (a bug of the rref layer, reported; tests/pipeline/rpc_pipeline_test.cpp,
-  // DISABLED_RRefMethodRunsInsideTheCallersContext). The fetch activates the context itself.
-  rpc::Future<Tensor> forward(const rpc::CallContext& ctx, rref::RRef<Tensor> previous, int64_t microBatch,
-                              uint64_t contextId);
+  // this worker owns it, else fetched from its owner by this call, inside the call's distributed autograd
+  // context, so the gradient flows back there directly. Completes with this stage's output, which the
+  // caller keeps here as an RRef (remote()) for the next stage or the driver to fetch.
+  rpc::Future<Tensor> forward(const rpc::CallContext& ctx, rref::RRef<Tensor> previous, int64_t microBatch);
   // At most `limit` micro-batches in flight here (forwarded, backward not done; 0: no limit): a training
   // forward waits (holding no thread) until a backward frees a slot (Note [Stage in-flight limit]).
   void setMaxInFlight(int64_t limit);

@@ -46,34 +46,11 @@ using optim::LocalOptimizer;
 using optim::OptimizerSpec;
 using rpc::testing::eventually;
 
-// Reports the distributed autograd context active where it runs: as a method called through an RRef, and
-// (kActiveContext) as a function's handler.
-class ContextProbe {
- public:
-  uint64_t activeContext() { return rpc::activeAutogradContext(); }
-};
-const rpc::Class<ContextProbe>& probeClass() {
-  static const rpc::Class<ContextProbe> cls =
-      rpc::Class<ContextProbe>("pipeline_test.ContextProbe").method("activeContext", &ContextProbe::activeContext);
-  return cls;
-}
-inline const rpc::Function<uint64_t()> kActiveContext{"pipeline_test.active_context"};
-
-}  // namespace
-}  // namespace distgrad::models::pipeline
-
-DG_RREF_CLASS(distgrad::models::pipeline::ContextProbe, distgrad::models::pipeline::probeClass());
-
-namespace distgrad::models::pipeline {
-namespace {
-
 void bindPipelineWorker(rpc::Registry& reg) {
   rref::RRefContext::install(reg);
   autograd::distributed::install(reg);
   DistributedOptimizer::install(reg);
   installPipeline(reg);
-  reg.bindClass(probeClass()).ctor<>();
-  reg.bind(kActiveContext, [] { return rpc::activeAutogradContext(); });
 }
 
 // An MLP on 1x6x6 "images": 36 -> 48 -> 40 -> 5, cut into [Linear+ReLU, Linear+ReLU] and [Linear].
@@ -409,21 +386,6 @@ TEST_P(RpcPipelineTest, BadConfigurationsAreValueErrors) {
   EXPECT_THROW(RpcPipeline(agent(0), twoStages(model, 2),
                            PipelineOptions{.microBatches = 0, .schedule = Schedule::kGPipe, .optimizer = {}}),
                ValueError);
-}
-
-// BUG (rref/, reported): a method called through an RRef (RRef::rpcAsync / remote) does not run inside the
-// caller's distributed autograd context, while a function's handler does (rpc/autograd_hook.h: "running a
-// call's handler: makes the call's context active on the executor thread for the handler's synchronous
-// part"). rref::RRefContext::serveCall runs methods through whenResolved, which always posts them to the
-// executor, where the context is not active; calls the method makes (e.g. fetching an RRef argument) then
-// leave the context and no gradient flows back through them. PipelineStage::forward works around it by
-// taking the context id as an argument. Run with --gtest_also_run_disabled_tests to see it fail.
-TEST_P(RpcPipelineTest, DISABLED_RRefMethodRunsInsideTheCallersContext) {
-  auto probe = rref::RRefContext::of(agent(0))->remote<ContextProbe>("worker1");
-  autograd::distributed::DistContext ctx(agent(0));
-  EXPECT_EQ(agent(0).rpcSync("worker1", kActiveContext), ctx.id()) << "a function's handler";
-  EXPECT_EQ(probe.rpcSync(&ContextProbe::activeContext), ctx.id()) << "a method through an RRef (rpcAsync)";
-  EXPECT_EQ(probe.remote(&ContextProbe::activeContext).toHere(), ctx.id()) << "a method through an RRef (remote)";
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, RpcPipelineTest, ::testing::Values("inproc", "tcp"),
