@@ -150,8 +150,8 @@ std::vector<Mode> modes(const Settings& s) {
   const std::string run = "tools/distgrad-run --nproc ";
   // Trainers of a parameter server each take half the batch: the same samples per optimizer step.
   std::ostringstream psCommon;
-  psCommon << " --epochs " << s.epochs << " --limit " << s.limit << " --batch-size " << s.batchSize / 2
-           << " --model " << s.model << " --width " << s.width << " --seed " << s.seed << " --threads 1";
+  psCommon << " --epochs " << s.epochs << " --limit " << s.limit << " --batch-size " << s.batchSize / 2 << " --model "
+           << s.model << " --width " << s.width << " --seed " << s.seed << " --threads 1";
   return {
       {"single", "the whole model in one process (the baseline)", 1, "examples/single_worker" + c},
       {"local_mp", "2 stages in one process, run one after the other (model parallel)", 1,
@@ -219,14 +219,17 @@ std::string fixed(std::optional<double> v, int digits, double scale = 1.0) {
   return buf;
 }
 
+double loadAverage() {
+  double load[1] = {0};
+  return getloadavg(load, 1) == 1 ? load[0] : 0.0;
+}
+
 std::string machine() {
   utsname u{};
   uname(&u);
-  double load[1] = {0};
-  getloadavg(load, 1);
   std::ostringstream out;
   out << u.machine << ", " << sysconf(_SC_NPROCESSORS_ONLN) << " cores, Linux " << u.release << ", load "
-      << fixed(load[0], 2);
+      << fixed(loadAverage(), 2);
   return out.str();
 }
 
@@ -244,7 +247,7 @@ void writeTable(const Settings& s, const std::vector<Row>& rows, const std::stri
       << "Settings: " << s.model << " (width " << s.width << "), " << s.epochs << " epoch(s) over the first " << s.limit
       << " training images, batch " << s.batchSize << ", " << s.microBatches
       << " micro-batches in the pipelines; test accuracy on the first " << s.limit << " test images.\n\n"
-      << "| mode | processes | images/s | × single | peak RSS per process (MiB, max) | test accuracy | RPC overhead "
+      << "| mode | processes | images/s | × single | peak RSS per process (MiB, max) | test accuracy | overhead "
          "share | what runs |\n"
       << "|---|---|---|---|---|---|---|---|\n";
   for (const Row& r : rows) {
@@ -258,15 +261,20 @@ void writeTable(const Settings& s, const std::vector<Row>& rows, const std::stri
     if (!rss) rss = number(r.result, "peak_rss_mib");
     auto overhead = number(r.result, "rpc_overhead_share");
     if (!overhead) overhead = number(r.result, "overhead_share");
-    const bool rpc = r.mode.processes > 1;
     out << fixed(rate, 0) << " | " << (rate && single ? fixed(*rate / *single, 2) : "—") << " | " << fixed(rss, 0)
         << " | " << fixed(number(r.result, "test_accuracy"), 1, 100.0) << "% | "
-        << (rpc ? fixed(overhead, 1, 100.0) + "%" : "—") << " | " << r.mode.description << " |\n";
+        << (overhead ? fixed(overhead, 1, 100.0) + "%" : "—") << " | " << r.mode.description << " |\n";
   }
-  out << "\nRPC overhead share: the fraction of the step's wall time that is neither compute nor the schedule's own\n"
+  out << "\nOverhead share: the fraction of the step's wall time that is neither compute nor the schedule's own\n"
       << "bubbles (pipelines: measured stage compute times replayed through the schedule with free communication\n"
-      << "give the ideal step; overhead = (measured - ideal) / measured). Parameter server: the trainers' step time\n"
-      << "not spent computing. The local pipeline's own hand-over cost is in the examples' JSON as overhead_share.\n";
+      << "give the ideal step; overhead = (measured - ideal) / measured): RPC for the multi-process modes, thread\n"
+      << "hand-overs and core sharing for the local ones. Parameter server: the trainers' step time not spent\n"
+      << "computing.\n";
+  if (loadAverage() > static_cast<double>(sysconf(_SC_NPROCESSORS_ONLN)) - 0.5) {
+    out << "\nThe load average was above the core count: the processes shared the cores with other jobs, so the\n"
+        << "multi-stage modes could not get a core each and their speed-ups over `single` are not shown here; the\n"
+        << "ratios between modes of the same kind (RPC pipeline vs local pipeline) are the comparable figures.\n";
+  }
 }
 
 }  // namespace
@@ -316,9 +324,11 @@ int main(int argc, char** argv) {
       failed = true;
       line.add("error", row.error);
     }
+    // The example's own fields, renamed where they would repeat the row's ("mode" is the row's name here).
     for (const auto& [key, value] : row.result) {
-      if (const double* d = std::get_if<double>(&value)) line.add(key, *d);
-      if (const std::string* str = std::get_if<std::string>(&value); str && key != "example") line.add(key, *str);
+      const std::string name = key == "mode" || key == "example" ? "example_" + key : key;
+      if (const double* d = std::get_if<double>(&value)) line.add(name, *d);
+      if (const std::string* str = std::get_if<std::string>(&value)) line.add(name, *str);
     }
     std::cout << line.str() << std::endl;
     rows.push_back(std::move(row));

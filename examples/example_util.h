@@ -178,8 +178,11 @@ inline double secondsSince(std::chrono::steady_clock::time_point start) {
 class Progress {
  public:
   Progress(std::string label, int64_t total)
-      : label_(std::move(label)), total_(total), tty_(isatty(STDOUT_FILENO) != 0),
-        start_(std::chrono::steady_clock::now()), lastPrint_(start_) {}
+      : label_(std::move(label)),
+        total_(total),
+        tty_(isatty(STDOUT_FILENO) != 0),
+        start_(std::chrono::steady_clock::now()),
+        lastPrint_(start_) {}
 
   // `done` of `total` steps finished, `images` seen so far in this epoch, a running loss.
   void update(int64_t done, int64_t images, double loss) {
@@ -229,8 +232,8 @@ class RunningLoss {
 
 // Fraction of `set` that `forward` (inputs -> logits) classifies correctly, in batches, without autograd.
 // The caller puts its model in eval mode around it.
-inline double testAccuracy(const std::function<Tensor(const Tensor&)>& forward,
-                           const models::data::TensorDataset& set, int64_t batchSize = 1000) {
+inline double testAccuracy(const std::function<Tensor(const Tensor&)>& forward, const models::data::TensorDataset& set,
+                           int64_t batchSize = 1000) {
   autograd::NoGradGuard noGrad;
   models::data::DataLoader loader(set, {.batchSize = batchSize});
   int64_t correct = 0;

@@ -336,7 +336,7 @@ int runAgent(rpc::Agent& agent, const Options& opt, const std::shared_ptr<models
   double rssMax = examples::peakRssMiB();
   for (int64_t k = 1; k <= observers; ++k) {
     rssMax = std::max(rssMax, agent.rpcSync("worker" + std::to_string(k), rl::kPeakRss));
-    }
+  }
   // The agent's compute (policy batches and updates) and the environments' (the slowest observer of each
   // episode) against the wall time; the rest went to messages and waiting for them.
   const double compute = server->computeSeconds() + updateSeconds + envSeconds;

@@ -19,8 +19,8 @@
 // forward and loss; the local parts of the backward, delimited by gradient hooks on the tensors where the
 // backward leaves and re-enters this worker; its part of the optimizer step), and the server times its
 // compute for one step of the same shapes on its real modules before each epoch (embedding and decoder
-// forward + backward, and the part of its Adam update that outlasts the trainer's own). The share is the rest of the trainer's step
-// wall time: serialisation, transport, queueing and waiting, divided by the step time.
+// forward + backward, and the part of its Adam update that outlasts the trainer's own). The share is the rest of the
+// trainer's step wall time: serialisation, transport, queueing and waiting, divided by the step time.
 //
 // Run it on two local workers:
 //   build/tools/distgrad-run --nproc 2 -- build/examples/rnn_model_parallel [--epochs N] [--batch-size N]

@@ -35,6 +35,7 @@
 
 #include "autograd/distributed/dist_autograd.h"
 #include "examples/example_util.h"
+#include "examples/pipeline_flags.h"
 #include "models/data/data_loader.h"
 #include "models/optim/distributed_optimizer.h"
 #include "models/pipeline/model_spec.h"
@@ -51,56 +52,6 @@ namespace {
 
 // The driver tells each stage worker the job is over (they serve the pipeline until then).
 inline const rpc::Function<void()> kFinished{"rpc_pipeline.finished"};
-
-struct Options {
-  int64_t stageWorkers = 2;
-  int64_t microBatches = 4;
-  std::string schedule = "gpipe";
-  std::string balance = "time";
-  std::string model = "resnet18";
-  int64_t width = 16;
-  int64_t epochs = 1;
-  int64_t batchSize = 64;
-  std::string optimizer = "adam";
-  double lr = 0;  // 0: the optimizer's default below
-  uint64_t seed = 0;
-  int64_t limit = 0;
-  int threads = 1;
-  std::string dataDir;
-};
-
-Options parseArgs(int argc, char** argv) {
-  Options o;
-  examples::Flags flags("rpc_pipeline", "pipeline-parallel training over RPC: stages on worker processes");
-  flags.add("--stage-workers", o.stageWorkers, "pipeline stages, one per worker process (--nproc = this + 1)")
-      .add("--micro-batches", o.microBatches, "micro-batches per batch")
-      .add("--schedule", o.schedule, "gpipe | 1f1b")
-      .add("--balance", o.balance, "balance stages by measured time or by parameter count: time | params")
-      .add("--model", o.model, "resnet18 | resnet50 | mlp | lenet5")
-      .add("--width", o.width, "ResNet base width (torchvision's is 64)")
-      .add("--epochs", o.epochs, "passes over the training set")
-      .add("--batch-size", o.batchSize, "images per step")
-      .add("--optimizer", o.optimizer, "sgd (momentum 0.9) | adam")
-      .add("--lr", o.lr, "learning rate (0: 0.05 for sgd, 0.001 for adam)")
-      .add("--seed", o.seed, "initialisation and shuffling seed")
-      .add("--limit", o.limit, "use only the first N training and test images (0 = all)")
-      .add("--threads", o.threads, "oneDNN threads per process")
-      .add("--data-dir", o.dataDir, "Fashion-MNIST directory (default: the Debian package's)");
-  flags.parse(argc, argv);
-  flags.require(o.stageWorkers >= 1 && o.microBatches >= 1 && o.epochs >= 1 && o.batchSize >= 1 && o.width >= 1 &&
-                    o.threads >= 1 && o.limit >= 0 && o.lr >= 0,
-                "--stage-workers, --micro-batches, --epochs, --batch-size, --width, --threads must be >= 1, "
-                "--limit and --lr >= 0");
-  flags.require(o.schedule == "gpipe" || o.schedule == "1f1b", "--schedule must be gpipe or 1f1b");
-  flags.require(o.balance == "time" || o.balance == "params", "--balance must be time or params");
-  flags.require(o.optimizer == "sgd" || o.optimizer == "adam", "--optimizer must be sgd or adam");
-  return o;
-}
-
-models::optim::OptimizerSpec optimizerSpec(const Options& o) {
-  if (o.optimizer == "adam") return models::optim::OptimizerSpec::adam({.learningRate = o.lr > 0 ? o.lr : 1e-3});
-  return models::optim::OptimizerSpec::sgd({.learningRate = o.lr > 0 ? o.lr : 0.05, .momentum = 0.9});
-}
 
 std::string percent(double share) {
   char buffer[16];
@@ -154,12 +105,9 @@ void printOverheadSummary(const pipeline::StepStats& total, const CpuTotals& cpu
       1e3 * total.wallSeconds / std::max<int64_t>(total.steps, 1));
 }
 
-int runDriver(rpc::Agent& agent, const Options& opt) {
+int runDriver(rpc::Agent& agent, const examples::PipelineFlags& opt) {
   const examples::Data data = examples::loadFashionMnist(opt.dataDir, opt.limit);
-  pipeline::ModelSpec spec;
-  spec.name = opt.model;
-  spec.baseWidth = opt.width;
-  spec.seed = opt.seed;
+  const pipeline::ModelSpec spec = opt.modelSpec();
   // The partition is computed here, on the driver's own copy of the model (the stage workers build theirs
   // from the same seed): by time on a micro-batch of real images, or by parameter count.
   const pipeline::Partition partition = [&] {
@@ -167,7 +115,7 @@ int runDriver(rpc::Agent& agent, const Options& opt) {
     const auto units = pipeline::modelUnits(spec, model);
     const int64_t microSize = std::max<int64_t>(1, opt.batchSize / opt.microBatches);
     const Tensor sample = narrow(data.train.inputs(), 0, 0, std::min(microSize, data.train.size()));
-    return pipeline::balance(units, opt.stageWorkers, pipeline::parseBalanceBy(opt.balance), sample);
+    return pipeline::balance(units, opt.stages, pipeline::parseBalanceBy(opt.balance), sample);
   }();
   std::vector<pipeline::RemoteStage> stages;
   const std::vector<pipeline::StageSpec> specs = pipeline::stageSpecs(spec, partition);
@@ -177,7 +125,7 @@ int runDriver(rpc::Agent& agent, const Options& opt) {
   pipeline::PipelineOptions options;
   options.microBatches = opt.microBatches;
   options.schedule = pipeline::parseSchedule(opt.schedule);
-  options.optimizer = optimizerSpec(opt);
+  options.optimizer = opt.optimizerSpec();
   pipeline::RpcPipeline pipe(agent, stages, options);
   std::printf("rpc_pipeline: %s, %s, %s, batch %lld, %lld train / %lld test images, %d thread(s) per process\n",
               spec.describe().c_str(), pipe.describe().c_str(), options.optimizer.describe().c_str(),
@@ -266,14 +214,17 @@ int runDriver(rpc::Agent& agent, const Options& opt) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const Options opt = parseArgs(argc, argv);
+  examples::PipelineFlags opt;
+  examples::Flags flags("rpc_pipeline", "pipeline-parallel training over RPC: stages on worker processes");
+  examples::parsePipelineFlags(flags, opt, argc, argv, "--stage-workers",
+                               "pipeline stages, one per worker process (--nproc = this + 1)", /*pipelined=*/true);
   try {
     tensor::setNumThreads(opt.threads);
     const rpc::Options rpcOptions = rpc::Options::fromEnv();
-    if (rpcOptions.worldSize != opt.stageWorkers + 1) {
-      std::cerr << "rpc_pipeline: " << opt.stageWorkers << " stage workers need " << opt.stageWorkers + 1
+    if (rpcOptions.worldSize != opt.stages + 1) {
+      std::cerr << "rpc_pipeline: " << opt.stages << " stage workers need " << opt.stages + 1
                 << " processes (a driver and the stages), got " << rpcOptions.worldSize
-                << ": run it as distgrad-run --nproc " << opt.stageWorkers + 1 << " -- rpc_pipeline ...\n";
+                << ": run it as distgrad-run --nproc " << opt.stages + 1 << " -- rpc_pipeline ...\n";
       return 2;
     }
     // Every worker serves the same functions: the RRef protocol, distributed autograd, the optimizer's

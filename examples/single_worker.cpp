@@ -22,6 +22,7 @@
 #include "autograd/engine.h"
 #include "autograd/ops.h"
 #include "examples/example_util.h"
+#include "examples/pipeline_flags.h"
 #include "models/data/data_loader.h"
 #include "models/optim/distributed_optimizer.h"
 #include "models/pipeline/model_spec.h"
@@ -32,59 +33,16 @@ using namespace distgrad;
 namespace data = distgrad::models::data;
 namespace pipeline = distgrad::models::pipeline;
 
-namespace {
-
-struct Options {
-  std::string model = "resnet18";
-  int64_t width = 16;
-  int64_t epochs = 1;
-  int64_t batchSize = 64;
-  std::string optimizer = "adam";
-  double lr = 0;  // 0: the optimizer's default below
-  uint64_t seed = 0;
-  int64_t limit = 0;
-  int threads = 1;
-  std::string dataDir;
-};
-
-Options parseArgs(int argc, char** argv) {
-  Options o;
-  examples::Flags flags("single_worker", "trains a zoo model on Fashion-MNIST in one process (the baseline)");
-  flags.add("--model", o.model, "resnet18 | resnet50 | mlp | lenet5")
-      .add("--width", o.width, "ResNet base width (torchvision's is 64)")
-      .add("--epochs", o.epochs, "passes over the training set")
-      .add("--batch-size", o.batchSize, "images per step")
-      .add("--optimizer", o.optimizer, "sgd (momentum 0.9) | adam")
-      .add("--lr", o.lr, "learning rate (0: 0.05 for sgd, 0.001 for adam)")
-      .add("--seed", o.seed, "initialisation and shuffling seed")
-      .add("--limit", o.limit, "use only the first N training and test images (0 = all)")
-      .add("--threads", o.threads, "oneDNN threads")
-      .add("--data-dir", o.dataDir, "Fashion-MNIST directory (default: the Debian package's)");
-  flags.parse(argc, argv);
-  flags.require(o.epochs >= 1 && o.batchSize >= 1 && o.width >= 1 && o.threads >= 1 && o.limit >= 0 && o.lr >= 0,
-                "--epochs, --batch-size, --width, --threads must be >= 1, --limit and --lr >= 0");
-  flags.require(o.optimizer == "sgd" || o.optimizer == "adam", "--optimizer must be sgd or adam");
-  return o;
-}
-
-models::optim::OptimizerSpec optimizerSpec(const Options& o) {
-  if (o.optimizer == "adam") return models::optim::OptimizerSpec::adam({.learningRate = o.lr > 0 ? o.lr : 1e-3});
-  return models::optim::OptimizerSpec::sgd({.learningRate = o.lr > 0 ? o.lr : 0.05, .momentum = 0.9});
-}
-
-}  // namespace
-
 int main(int argc, char** argv) {
-  const Options opt = parseArgs(argc, argv);
+  examples::PipelineFlags opt;
+  examples::Flags flags("single_worker", "trains a zoo model on Fashion-MNIST in one process (the baseline)");
+  examples::parsePipelineFlags(flags, opt, argc, argv, /*stagesFlag=*/"", "", /*pipelined=*/false);
   try {
     tensor::setNumThreads(opt.threads);
     const examples::Data data = examples::loadFashionMnist(opt.dataDir, opt.limit);
-    pipeline::ModelSpec spec;
-    spec.name = opt.model;
-    spec.baseWidth = opt.width;
-    spec.seed = opt.seed;
+    const pipeline::ModelSpec spec = opt.modelSpec();
     auto model = pipeline::buildModel(spec);
-    const models::optim::OptimizerSpec optSpec = optimizerSpec(opt);
+    const models::optim::OptimizerSpec optSpec = opt.optimizerSpec();
     auto optimizer = optSpec.make(model->parameters());
     std::printf("single_worker: %s (%.2fM parameters), %s, batch %lld, %lld train / %lld test images, %d thread(s)\n",
                 spec.describe().c_str(), static_cast<double>(model->numParameters()) / 1e6, optSpec.describe().c_str(),

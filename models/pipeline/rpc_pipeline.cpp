@@ -341,7 +341,8 @@ rpc::Future<Tensor> PipelineStage::forwardFirst(const rpc::CallContext& ctx, Ten
   return enqueue(ctx.agent->executor(), std::move(input), microBatch);
 }
 
-rpc::Future<Tensor> PipelineStage::forward(const rpc::CallContext& ctx, rref::RRef<Tensor> previous, int64_t microBatch) {
+rpc::Future<Tensor> PipelineStage::forward(const rpc::CallContext& ctx, rref::RRef<Tensor> previous,
+                                           int64_t microBatch) {
   DG_CHECK(previous.valid(), what_, ": forward got an empty RRef");
   recordSource(microBatch, previous.isOwner() ? worker_ : previous.owner());
   // The fetch joins the micro-batch's context, so the previous stage records where the gradient goes and
@@ -670,8 +671,7 @@ StepResult RpcPipeline::step(const Tensor& inputs, const Tensor& labels) {
     // owner resolves when that forward finishes (promise pipelining); activations never come here.
     rref::RRef<Tensor> out = stages_[0].moduleRRef().remote(&PipelineStage::forwardFirst, mb.inputs, mb.index);
     for (int64_t s = 1; s < numStages; ++s) {
-      out =
-          stages_[static_cast<size_t>(s)].moduleRRef().remote(&PipelineStage::forward, out, mb.index);
+      out = stages_[static_cast<size_t>(s)].moduleRRef().remote(&PipelineStage::forward, out, mb.index);
     }
     ++outstanding;
     (void)out.toHereAsync().then(rpc::kInlineSafe, [events, m = mb.index](rpc::Result<Tensor>&& logits) {

@@ -41,10 +41,10 @@ struct Params {
   }
 };
 
-const rpc::Function<Tensor(Tensor)> kStage{"stage"};              // tanh(x @ W_callee)
-const rpc::Function<Tensor(Tensor)> kBounce{"bounce"};            // stage on the caller, called back
-const rpc::Function<Tensor(Tensor)> kTwoOutputsOneUsed{"unused"}; // returns x * W but also sends x away
-const rpc::Function<uint64_t()> kActiveContext{"active_context"};   // the context the handler runs in
+const rpc::Function<Tensor(Tensor)> kStage{"stage"};               // tanh(x @ W_callee)
+const rpc::Function<Tensor(Tensor)> kBounce{"bounce"};             // stage on the caller, called back
+const rpc::Function<Tensor(Tensor)> kTwoOutputsOneUsed{"unused"};  // returns x * W but also sends x away
+const rpc::Function<uint64_t()> kActiveContext{"active_context"};  // the context the handler runs in
 
 class DistAutogradSmoke : public ::testing::TestWithParam<std::string> {
  protected:
@@ -57,7 +57,8 @@ class DistAutogradSmoke : public ::testing::TestWithParam<std::string> {
     rref::RRefContext::install(registry_);
     registry_.bindClass(probeClass()).ctor<>();
     registry_.bind(kActiveContext, [] { return rpc::activeAutogradContext(); });
-    registry_.bind(kStage, [this](const rpc::CallContext& ctx, Tensor x) { return tanh(matmul(x, params_.of(ctx.callee))); });
+    registry_.bind(kStage,
+                   [this](const rpc::CallContext& ctx, Tensor x) { return tanh(matmul(x, params_.of(ctx.callee))); });
     registry_.bind(kBounce, [this](const rpc::CallContext& ctx, Tensor x) {
       Tensor h = tanh(matmul(x, params_.of(ctx.callee)));
       return world_.agent(ctx.callee).rpcSync(ctx.caller, kStage, h);
@@ -131,9 +132,7 @@ TEST_P(DistAutogradSmoke, StageOnAnotherWorkerMatchesLocal) {
   }
 }
 
-TEST_P(DistAutogradSmoke, CycleAndSelfCall) {
-  ASSERT_NO_FATAL_FAILURE(cycleAndSelfCall());
-}
+TEST_P(DistAutogradSmoke, CycleAndSelfCall) { ASSERT_NO_FATAL_FAILURE(cycleAndSelfCall()); }
 
 // The same with every closure unknown: EXACT falls back to discovery (Note [Exact discovery]).
 TEST_P(DistAutogradSmoke, CycleAndSelfCallThroughDiscovery) {
@@ -157,9 +156,7 @@ void DistAutogradSmoke::cycleAndSelfCall() {
   expectClose(gradientsOf(agent(1), ctx.id()).get(w1), expected[2]);
 }
 
-TEST_P(DistAutogradSmoke, UnusedSendExactCompletesFastTimesOut) {
-  ASSERT_NO_FATAL_FAILURE(unusedSend(1));
-}
+TEST_P(DistAutogradSmoke, UnusedSendExactCompletesFastTimesOut) { ASSERT_NO_FATAL_FAILURE(unusedSend(1)); }
 
 TEST_P(DistAutogradSmoke, UnusedSendThroughDiscovery) {
   for (auto& a : cluster_.agents) DistAutogradState::of(*a)->setClosureLimitForTesting(0);
