@@ -28,7 +28,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <future>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -49,9 +48,6 @@ namespace data = distgrad::models::data;
 namespace pipeline = distgrad::models::pipeline;
 
 namespace {
-
-// The driver tells each stage worker the job is over (they serve the pipeline until then).
-inline const rpc::Function<void()> kFinished{"rpc_pipeline.finished"};
 
 std::string percent(double share) {
   char buffer[16];
@@ -234,20 +230,13 @@ int main(int argc, char** argv) {
     autograd::distributed::install(reg);
     models::optim::DistributedOptimizer::install(reg);
     pipeline::installPipeline(reg);
-    std::promise<void> finished;
-    reg.bind(kFinished, [&finished] { finished.set_value(); });
     auto agent = rpc::Agent::start(rpcOptions, reg);
 
     int status = 0;
-    if (agent->rank() == 0) {
-      status = runDriver(*agent, opt);
-      const std::vector<std::string> workers = agent->workerNames();
-      for (size_t rank = 1; rank < workers.size(); ++rank) agent->rpcSync(workers[rank], kFinished);
-    } else {
-      // A stage worker serves until the driver is done (if the driver dies, the launcher stops this process).
-      finished.get_future().wait();
-    }
-    agent->shutdown();  // graceful: a barrier of every process
+    if (agent->rank() == 0) status = runDriver(*agent, opt);
+    // Graceful: a barrier of every process. A stage worker serves the pipeline here until the driver is done
+    // (the first barrier waits while the driver is alive; it fails at once if the driver dies).
+    agent->shutdown();
     return status;
   } catch (const std::exception& e) {
     std::cerr << "rpc_pipeline: error: " << e.what() << "\n";

@@ -40,6 +40,7 @@
 #include "tensor/error.h"
 #include "tensor/random.h"
 #include "tests/rpc/agent_test_util.h"
+#include "tests/rref/rref_test_util.h"
 
 namespace distgrad::autograd::distributed::e2e {
 
@@ -464,28 +465,8 @@ class DistAutogradFixture : public ::testing::TestWithParam<std::string> {
   }
 
   // Every RRef table of every worker empty (the RRef protocol settled, nothing leaked): bounded wait.
-  bool rrefsSettled() {
-    return eventually([&] {
-      for (auto& a : cluster_.agents) {
-        auto c = rref::RRefContext::of(*a);
-        if (c->ownedCount() != 0 || c->userCount() != 0 || c->pendingChildCount() != 0 ||
-            c->pendingControlCount() != 0) {
-          return false;
-        }
-      }
-      return true;
-    });
-  }
-  std::string rrefTables() {
-    std::string out;
-    for (auto& a : cluster_.agents) {
-      auto c = rref::RRefContext::of(*a);
-      out += a->name() + ": owned " + std::to_string(c->ownedCount()) + " users " + std::to_string(c->userCount()) +
-             " children " + std::to_string(c->pendingChildCount()) + " control " +
-             std::to_string(c->pendingControlCount()) + "; ";
-    }
-    return out;
-  }
+  bool rrefsSettled() { return rref::testing::rrefsSettled(cluster_.agents); }
+  std::string rrefTables() { return rref::testing::rrefTables(cluster_.agents); }
 
   // The distributed gradients of context `ctx` (created on `root`) equal the expected ones; every worker
   // in `expected` holds exactly the listed leaves (nothing extra), and no leaf's .grad was touched.

@@ -35,6 +35,7 @@
 #include "rref/context.h"
 #include "tensor/random.h"
 #include "tests/rpc/agent_test_util.h"
+#include "tests/rref/rref_test_util.h"
 
 namespace distgrad::models::pipeline {
 namespace {
@@ -114,28 +115,8 @@ class RpcPipelineTest : public ::testing::TestWithParam<std::string> {
 
   rpc::Agent& agent(int rank) { return *cluster_.agents.at(rank); }
 
-  bool rrefsSettled() {
-    return eventually([&] {
-      for (auto& a : cluster_.agents) {
-        auto c = rref::RRefContext::of(*a);
-        if (c->ownedCount() != 0 || c->userCount() != 0 || c->pendingChildCount() != 0 ||
-            c->pendingControlCount() != 0) {
-          return false;
-        }
-      }
-      return true;
-    });
-  }
-  std::string rrefTables() {
-    std::string out;
-    for (auto& a : cluster_.agents) {
-      auto c = rref::RRefContext::of(*a);
-      out += a->name() + ": owned " + std::to_string(c->ownedCount()) + " users " + std::to_string(c->userCount()) +
-             " children " + std::to_string(c->pendingChildCount()) + " control " +
-             std::to_string(c->pendingControlCount()) + "; ";
-    }
-    return out;
-  }
+  bool rrefsSettled() { return rref::testing::rrefsSettled(cluster_.agents); }
+  std::string rrefTables() { return rref::testing::rrefTables(cluster_.agents); }
 
   rpc::testing::World world_;
   rpc::Registry registry_;

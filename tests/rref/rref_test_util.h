@@ -19,6 +19,30 @@ namespace distgrad::rref::testing {
 using namespace std::chrono_literals;
 using rpc::testing::eventually;
 
+// Every RRef table of every agent empty (the protocol settled, nothing leaked): bounded wait.
+inline bool rrefsSettled(const std::vector<std::unique_ptr<rpc::Agent>>& agents) {
+  return eventually([&] {
+    for (const auto& a : agents) {
+      auto c = RRefContext::of(*a);
+      if (c->ownedCount() != 0 || c->userCount() != 0 || c->pendingChildCount() != 0 || c->pendingControlCount() != 0) {
+        return false;
+      }
+    }
+    return true;
+  });
+}
+// The sizes of those tables, for failure messages.
+inline std::string rrefTables(const std::vector<std::unique_ptr<rpc::Agent>>& agents) {
+  std::string out;
+  for (const auto& a : agents) {
+    auto c = RRefContext::of(*a);
+    out += a->name() + ": owned " + std::to_string(c->ownedCount()) + " users " + std::to_string(c->userCount()) +
+           " children " + std::to_string(c->pendingChildCount()) + " control " +
+           std::to_string(c->pendingControlCount()) + "; ";
+  }
+  return out;
+}
+
 // A registered class: constructed remotely, methods called through RRefs.
 class Counter {
  public:
@@ -34,9 +58,9 @@ class Counter {
 };
 
 inline const rpc::Class<Counter> kCounter = rpc::Class<Counter>("Counter")
-                                                 .method("add", &Counter::add)
-                                                 .method("get", &Counter::get)
-                                                 .method("scaled", &Counter::scaled);
+                                                .method("add", &Counter::add)
+                                                .method("get", &Counter::get)
+                                                .method("scaled", &Counter::scaled);
 
 }  // namespace distgrad::rref::testing
 
@@ -46,9 +70,9 @@ namespace distgrad::rref::testing {
 
 inline const rpc::Function<int64_t(int64_t, int64_t)> kAddInt{"add_int"};
 inline const rpc::Function<int64_t(int64_t)> kThrowing{"throwing"};
-inline const rpc::Function<int64_t(int64_t)> kGated{"gated"};  // waits on World::gate (no thread held)
-inline const rpc::Function<int64_t(RRef<int64_t>)> kReadRef{"read_ref"};      // toHere of an argument RRef
-inline const rpc::Function<RRef<int64_t>(RRef<int64_t>)> kPassBack{"pass_back"};  // returns its argument
+inline const rpc::Function<int64_t(int64_t)> kGated{"gated"};             // waits on World::gate (no thread held)
+inline const rpc::Function<int64_t(RRef<int64_t>)> kReadRef{"read_ref"};  // toHere of an argument RRef
+inline const rpc::Function<RRef<int64_t>(RRef<int64_t>)> kPassBack{"pass_back"};                // returns its argument
 inline const rpc::Function<RRef<int64_t>(std::string, RRef<int64_t>)> kForward{"forward_ref"};  // to a third
 inline const rpc::Function<int64_t(std::string)> kMissing{"missing"};
 
@@ -121,28 +145,8 @@ class RRefFixture : public ::testing::TestWithParam<std::string> {
   std::shared_ptr<RRefContext> rrefs(int rank) { return RRefContext::of(agent(rank)); }
   std::string name(int rank) { return agent(rank).name(); }
   // Every table of every worker empty (the protocol settled): bounded wait.
-  bool allSettled() {
-    return eventually([&] {
-      for (auto& a : cluster_.agents) {
-        auto c = RRefContext::of(*a);
-        if (c->ownedCount() != 0 || c->userCount() != 0 || c->pendingChildCount() != 0 ||
-            c->pendingControlCount() != 0) {
-          return false;
-        }
-      }
-      return true;
-    });
-  }
-  std::string tables() {
-    std::string out;
-    for (auto& a : cluster_.agents) {
-      auto c = RRefContext::of(*a);
-      out += a->name() + ": owned " + std::to_string(c->ownedCount()) + " users " + std::to_string(c->userCount()) +
-             " children " + std::to_string(c->pendingChildCount()) + " control " +
-             std::to_string(c->pendingControlCount()) + "; ";
-    }
-    return out;
-  }
+  bool allSettled() { return rrefsSettled(cluster_.agents); }
+  std::string tables() { return rrefTables(cluster_.agents); }
 
   World world_;
   rpc::testing::World rpcWorld_;
