@@ -16,6 +16,7 @@
 
 #include "rpc/autograd_hook.h"
 #include "rpc/detail/handler.h"
+#include "rpc/trace.h"
 #include "rref/context.h"
 
 namespace distgrad::models::optim {
@@ -312,6 +313,7 @@ namespace {
 // completes `promise` with the number of parameters that had a gradient.
 void runStep(const std::shared_ptr<LocalOptimizer::State>& state, rpc::Agent& agent, uint64_t contextId,
              const std::shared_ptr<rpc::Promise<int64_t>>& promise) {
+  trace::WorkerScope traceWorker(agent.traceWorker());  // a local step runs on the caller's thread
   const std::string what = "optimizer step on " + state->worker + " for context " + std::to_string(contextId);
   const std::vector<Tensor>& params = state->optimizer->parameters();
   std::vector<Tensor> grads(params.size());
@@ -329,6 +331,7 @@ void runStep(const std::shared_ptr<LocalOptimizer::State>& state, rpc::Agent& ag
                      [state, grads = std::move(grads), withGradient, promise, what] {
                        std::optional<rpc::Error> failure;
                        try {
+                         trace::Scope span("optim.step", trace::Category::kOptimizer, withGradient);  // docs/tracing.md
                          state->optimizer->step(grads);
                        } catch (...) {
                          failure = partError(std::current_exception(), state->worker, what);
