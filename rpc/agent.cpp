@@ -56,9 +56,6 @@ constexpr std::chrono::milliseconds kDefaultHandshakeTimeout{10'000};
 // Clock-offset samples kept per peer (the handshake's, then one per heartbeat received): the estimate is
 // the sample with the smallest round trip among them (Note [Clock offsets]).
 constexpr size_t kClockWindow = 16;
-// A tracing agent writes its buffered events early (on an executor thread) once this many trace chunks
-// are allocated, so that a long run's trace does not grow without bound in memory (~150 KB per chunk).
-constexpr uint64_t kTraceFlushChunks = 64;
 
 const char* stageName(int64_t stage) {
   switch (stage) {
@@ -1264,8 +1261,10 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
   // serialize and send of the reply, with the call's flow (started by the caller) stepping at execute.
   const char* traceName = arrival.ns != 0 ? trace::intern(message.fields().functionName) : nullptr;
   const int callerRank = link ? link->peerRank : options_.rank;
+  // Decoded now; the call is queued for the executor right after (one clock read for both).
+  const int64_t queuedNs = traceName != nullptr ? trace::nowNs() : 0;
   if (traceName != nullptr) {
-    trace::recordSpan("rpc.server.deserialize", trace::Category::kRpcServer, arrival.ns, trace::nowNs(),
+    trace::recordSpan("rpc.server.deserialize", trace::Category::kRpcServer, arrival.ns, queuedNs,
                       {static_cast<int64_t>(arrival.bytes), callerRank, static_cast<int64_t>(id)}, 0,
                       trace::FlowPhase::kNone, traceName);
   }
@@ -1302,8 +1301,9 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
   // A response to a call of an autograd context belongs to it too (its grad tensors flow back).
   const uint64_t autogradContext = message.fields().autograd ? message.fields().autograd->contextId : 0;
   auto reply = [this, peerName, id, autogradContext, fn = message.fields().functionName, traceName,
-                callerRank](Result<EncodeValueFn>&& result) {
-    const int64_t serializeBeginNs = traceName != nullptr ? trace::nowNs() : 0;
+                callerRank](Result<EncodeValueFn>&& result, int64_t startedNs = 0) {
+    // `startedNs`: the caller just read the clock (a handler that returned); saves a read.
+    const int64_t serializeBeginNs = traceName == nullptr ? 0 : startedNs != 0 ? startedNs : trace::nowNs();
     EnvelopeFields fields;
     fields.messageId = id;
     fields.functionName = fn;
@@ -1352,7 +1352,6 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
     reply(Result<EncodeValueFn>(std::move(*refusal)));
     return;
   }
-  const int64_t queuedNs = traceName != nullptr ? trace::nowNs() : 0;
   auto task = [this, peerName, token, reply, message = std::move(message), traceName, callerRank, queuedNs]() mutable {
     const int64_t startNs = traceName != nullptr ? trace::nowNs() : 0;
     if (traceName != nullptr) {
@@ -1399,7 +1398,7 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
       // inside this task, so encode and send the reply here instead of posting a continuation for it.
       // This is not a continuation running inline (the task consumes its own ready result), and it
       // saves one executor round trip (and often a worker wake-up) per call.
-      reply(result.result());
+      reply(result.result(), invokedNs);
       return;
     }
     // Still running: the reply (which encodes the value) is a normal continuation on the executor, never
@@ -1538,11 +1537,6 @@ void Agent::heartbeat() {
     beat.sentNs = clockNs();
     auto frame = encodeMessageWith(fields, beat);
     if (frame.ok()) sendOn(link, std::move(frame).value());
-  }
-  // A long traced run writes its events as it goes rather than holding them all until shutdown; on the
-  // executor, so that the file write never delays this thread's deadlines.
-  if (trace::enabled() && trace::bufferedChunks() >= kTraceFlushChunks) {
-    (void)executor_->post([] { trace::flush(); });
   }
   std::lock_guard<std::mutex> lock(mutex_);
   if (!closed_) heartbeatTimer_ = timers_->scheduleAfter(options_.heartbeatInterval, [this] { heartbeat(); });

@@ -3,13 +3,21 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <pthread.h>
+
+#include <algorithm>
 #include <charconv>
+#include <condition_variable>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <set>
+#include <system_error>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -31,8 +39,15 @@ namespace {
 struct Chunk {
   std::atomic<uint32_t> count{0};
   std::atomic<Chunk*> next{nullptr};
-  Event events[kChunkEvents];
+  // Raw storage: an event is constructed in its slot when recorded, so a chunk (allocated with plain
+  // `new Chunk`, default-initialised) costs no pass over its 2048 slots.
+  alignas(Event) unsigned char storage[kChunkEvents * sizeof(Event)];
+
+  void put(uint32_t i, const Event& event) { new (storage + i * sizeof(Event)) Event(event); }
+  const Event& at(uint32_t i) const { return *std::launder(reinterpret_cast<const Event*>(storage + i * sizeof(Event))); }
 };
+
+void releaseChunk(Chunk* chunk);
 
 struct ThreadBuffer {
   // Owner thread only.
@@ -53,10 +68,43 @@ struct ThreadBuffer {
     Chunk* chunk = head != nullptr ? head : first.load(std::memory_order_acquire);
     while (chunk != nullptr) {
       Chunk* next = chunk->next.load(std::memory_order_acquire);
-      delete chunk;
+      releaseChunk(chunk);
       chunk = next;
     }
   }
+};
+
+// The lines of a flush in progress: a growable byte buffer written through raw pointers (an event line is
+// formatted in place, without a string append per field: the writer's cost per event is what a long traced
+// run pays for its file).
+class OutBuffer {
+ public:
+  // A pointer to at least `n` writable bytes at the end; commit() how many were used.
+  char* reserve(size_t n) {
+    if (size_ + n > capacity_) {
+      const size_t capacity = std::max(capacity_ * 2, size_ + n + 4096);
+      auto grown = std::make_unique<char[]>(capacity);
+      if (size_ != 0) std::memcpy(grown.get(), data_.get(), size_);
+      data_ = std::move(grown);
+      capacity_ = capacity;
+    }
+    return data_.get() + size_;
+  }
+  void commit(const char* end) { size_ = static_cast<size_t>(end - data_.get()); }
+  void append(std::string_view text) {
+    char* p = reserve(text.size());
+    std::memcpy(p, text.data(), text.size());
+    size_ += text.size();
+  }
+  const char* data() const { return data_.get(); }
+  size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  void clear() { size_ = 0; }
+
+ private:
+  std::unique_ptr<char[]> data_;
+  size_t size_ = 0;
+  size_t capacity_ = 0;
 };
 
 struct ClockLine {
@@ -77,7 +125,7 @@ struct Worker {
   uint64_t eventsWritten = 0;
   std::map<std::string, ClockLine> clocks;
   std::map<int64_t, uint64_t> threadsAnnounced;  // tid -> name version written
-  std::string pending;                           // lines of the flush in progress
+  OutBuffer pending;                             // lines of the flush in progress
 };
 
 // The recorder's state. Leaked on purpose: threads may record (and exit) during static destruction.
@@ -92,8 +140,18 @@ struct Recorder {
   uint64_t written = 0;                                 // GUARDED_BY(mutex)
   uint64_t dropped = 0;                                 // GUARDED_BY(mutex)
   std::atomic<uint64_t> chunks{0};
+  std::atomic<uint64_t> flushChunks{std::max<uint64_t>(1, kDefaultFlushThresholdBytes / sizeof(Chunk))};
+  // The background writer runs while some worker traces (Note [Trace writer]).
+  std::mutex writerMutex;             // serialises starting and stopping it (taken before `mutex`)
+  std::thread writer;                 // GUARDED_BY(writerMutex)
+  std::condition_variable writerWake;  // with `mutex`
+  bool writerStop = false;            // GUARDED_BY(mutex)
   // The first traced worker: where events of threads bound to no worker go.
   std::atomic<WorkerSlot> defaultWorker{kNoWorker};
+
+  // Chunks written and freed, kept for reuse (fresh memory costs page faults): at most kPooledChunks.
+  std::mutex poolMutex;              // a leaf
+  std::vector<Chunk*> pool;          // GUARDED_BY(poolMutex)
 
   std::mutex internMutex;
   std::unordered_set<std::string> interned;  // GUARDED_BY(internMutex); node-based: c_str() is stable
@@ -102,6 +160,20 @@ struct Recorder {
 Recorder& recorder() {
   static Recorder* instance = new Recorder();
   return *instance;
+}
+
+constexpr size_t kPooledChunks = 64;
+
+void releaseChunk(Chunk* chunk) {
+  Recorder& r = recorder();
+  {
+    std::lock_guard<std::mutex> lock(r.poolMutex);
+    if (r.pool.size() < kPooledChunks) {
+      r.pool.push_back(chunk);
+      return;
+    }
+  }
+  delete chunk;
 }
 
 thread_local ThreadBuffer* tBuffer = nullptr;
@@ -174,7 +246,22 @@ ThreadBuffer* attachThread() {
 }
 
 Chunk* newChunk(ThreadBuffer& buffer) {
-  auto* chunk = new Chunk();
+  Recorder& r = recorder();
+  Chunk* chunk = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(r.poolMutex);  // once per kChunkEvents events
+    if (!r.pool.empty()) {
+      chunk = r.pool.back();
+      r.pool.pop_back();
+    }
+  }
+  if (chunk == nullptr) {
+    chunk = new Chunk;  // default-initialised: the event slots stay untouched
+  } else {
+    // Not yet published: plain stores (relaxed) suffice; the release store that links it publishes them.
+    chunk->count.store(0, std::memory_order_relaxed);
+    chunk->next.store(nullptr, std::memory_order_relaxed);
+  }
   recorder().chunks.fetch_add(1, std::memory_order_relaxed);
   if (buffer.tail == nullptr) {
     buffer.first.store(chunk, std::memory_order_release);
@@ -187,87 +274,101 @@ Chunk* newChunk(ThreadBuffer& buffer) {
 
 // ---- JSON writing ----
 
-void appendEscaped(std::string& out, std::string_view text) {
-  out += '"';
+// Room an event line needs besides its name and detail (each escapes to at most 6 bytes per byte).
+constexpr size_t kEventLineFixed = 320;
+
+char* putText(char* p, std::string_view text) {
+  std::memcpy(p, text.data(), text.size());
+  return p + text.size();
+}
+
+char* putInt(char* p, int64_t value) { return std::to_chars(p, p + 24, value).ptr; }
+
+// `text` as a JSON string (quotes included); `p` has room for 2 + 6 * text.size() bytes.
+char* putEscaped(char* p, std::string_view text) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  *p++ = '"';
   for (char ch : text) {
     const auto c = static_cast<unsigned char>(ch);
+    if (c >= 0x20 && c != '"' && c != '\\') {
+      *p++ = ch;
+      continue;
+    }
+    *p++ = '\\';
     switch (c) {
       case '"':
-        out += "\\\"";
+        *p++ = '"';
         break;
       case '\\':
-        out += "\\\\";
+        *p++ = '\\';
         break;
       case '\n':
-        out += "\\n";
+        *p++ = 'n';
         break;
       case '\r':
-        out += "\\r";
+        *p++ = 'r';
         break;
       case '\t':
-        out += "\\t";
+        *p++ = 't';
         break;
       default:
-        if (c < 0x20) {
-          char escaped[8];
-          std::snprintf(escaped, sizeof(escaped), "\\u%04x", c);
-          out += escaped;
-        } else {
-          out += ch;
-        }
+        p = putText(p, "u00");
+        *p++ = kHex[c >> 4];
+        *p++ = kHex[c & 15];
     }
   }
-  out += '"';
+  *p++ = '"';
+  return p;
 }
 
-void appendInt(std::string& out, int64_t value) {
-  char digits[24];
-  auto [end, ec] = std::to_chars(digits, digits + sizeof(digits), value);
-  (void)ec;
-  out.append(digits, end);
+void appendEscaped(OutBuffer& out, std::string_view text) { out.commit(putEscaped(out.reserve(2 + 6 * text.size()), text)); }
+
+template <typename Out>
+void appendField(Out& out, std::string_view key, int64_t value) {
+  char text[64];
+  char* p = putText(text, ",\"");
+  p = putText(p, key);
+  p = putText(p, "\":");
+  p = putInt(p, value);
+  out.append(std::string_view(text, static_cast<size_t>(p - text)));
 }
 
-void appendUint(std::string& out, uint64_t value) {
-  char digits[24];
-  auto [end, ec] = std::to_chars(digits, digits + sizeof(digits), value);
-  (void)ec;
-  out.append(digits, end);
-}
-
-void appendField(std::string& out, std::string_view key, int64_t value) {
-  out += ",\"";
-  out += key;
-  out += "\":";
-  appendInt(out, value);
-}
-
-void appendEvent(std::string& out, const Event& e, int64_t tid, int64_t skewNs) {
-  out += "{\"type\":\"";
-  out += eventKindName(e.kind);
-  out += "\",\"name\":";
-  appendEscaped(out, e.name != nullptr ? e.name : "");
-  out += ",\"cat\":\"";
-  out += categoryName(e.category);
-  out += '"';
-  appendField(out, "tid", tid);
-  appendField(out, "b", e.beginNs + skewNs);
-  appendField(out, "e", e.endNs + skewNs);
+void appendEvent(OutBuffer& out, const Event& e, int64_t tid, int64_t skewNs) {
+  const std::string_view name = e.name != nullptr ? std::string_view(e.name) : std::string_view();
+  const std::string_view detail = e.detail != nullptr ? std::string_view(e.detail) : std::string_view();
+  char* p = out.reserve(kEventLineFixed + 6 * (name.size() + detail.size()));
+  p = putText(p, "{\"type\":\"");
+  p = putText(p, eventKindName(e.kind));
+  p = putText(p, "\",\"name\":");
+  p = putEscaped(p, name);
+  p = putText(p, ",\"cat\":\"");
+  p = putText(p, categoryName(e.category));
+  p = putText(p, "\",\"tid\":");
+  p = putInt(p, tid);
+  p = putText(p, ",\"b\":");
+  p = putInt(p, e.beginNs + skewNs);
+  p = putText(p, ",\"e\":");
+  p = putInt(p, e.endNs + skewNs);
   if (e.flow != 0) {
-    out += ",\"flow\":";
-    appendUint(out, e.flow);
+    p = putText(p, ",\"flow\":");
+    p = std::to_chars(p, p + 24, e.flow).ptr;
     if (e.flowPhase != FlowPhase::kNone) {
-      out += ",\"flow_phase\":\"";
-      out += flowPhaseName(e.flowPhase);
-      out += '"';
+      p = putText(p, ",\"flow_phase\":\"");
+      p = putText(p, flowPhaseName(e.flowPhase));
+      *p++ = '"';
     }
   }
-  static constexpr std::string_view kArgNames[kMaxArgs] = {"a0", "a1", "a2"};
-  for (int i = 0; i < e.argCount && i < kMaxArgs; ++i) appendField(out, kArgNames[i], e.args[i]);
-  if (e.detail != nullptr) {
-    out += ",\"detail\":";
-    appendEscaped(out, e.detail);
+  static constexpr std::string_view kArgKeys[kMaxArgs] = {",\"a0\":", ",\"a1\":", ",\"a2\":"};
+  for (int i = 0; i < e.argCount && i < kMaxArgs; ++i) {
+    p = putText(p, kArgKeys[i]);
+    p = putInt(p, e.args[i]);
   }
-  out += "}\n";
+  if (e.detail != nullptr) {
+    p = putText(p, ",\"detail\":");
+    p = putEscaped(p, detail);
+  }
+  p = putText(p, "}\n");
+  out.commit(p);
 }
 
 void writePending(Worker& worker) {
@@ -287,13 +388,13 @@ void appendClockLinesLocked(Worker& worker) {
   for (auto& [peer, clock] : worker.clocks) {
     if (!clock.dirty) continue;
     clock.dirty = false;
-    worker.pending += "{\"type\":\"clock\",\"peer\":";
+    worker.pending.append("{\"type\":\"clock\",\"peer\":");
     appendEscaped(worker.pending, peer);
     appendField(worker.pending, "peer_rank", clock.peerRank);
     appendField(worker.pending, "offset_ns", clock.offsetNs);
     appendField(worker.pending, "rtt_ns", clock.rttNs);
     appendField(worker.pending, "samples", static_cast<int64_t>(clock.samples));
-    worker.pending += "}\n";
+    worker.pending.append("}\n");
   }
 }
 
@@ -302,6 +403,11 @@ uint64_t flushLocked(Recorder& r) {
   uint64_t lines = 0;
   for (auto it = r.buffers.begin(); it != r.buffers.end();) {
     ThreadBuffer& buffer = **it;
+    // A thread's events mostly belong to one worker: the lookup (and the thread line check) is redone
+    // only when the worker changes from one event to the next.
+    WorkerSlot cachedSlot = kNoWorker;
+    Worker* cached = nullptr;
+    bool first = true;
     if (buffer.head == nullptr) buffer.head = buffer.first.load(std::memory_order_acquire);
     while (buffer.head != nullptr) {
       Chunk* chunk = buffer.head;
@@ -309,24 +415,32 @@ uint64_t flushLocked(Recorder& r) {
       Chunk* next = chunk->next.load(std::memory_order_acquire);
       const uint32_t count = chunk->count.load(std::memory_order_acquire);
       for (uint32_t i = buffer.readIndex; i < count; ++i) {
-        const Event& e = chunk->events[i];
-        auto worker = r.workers.find(e.worker);
-        if (worker == r.workers.end() || worker->second.file == nullptr || worker->second.failed) {
+        const Event& e = chunk->at(i);
+        if (first || e.worker != cachedSlot) {
+          first = false;
+          cachedSlot = e.worker;
+          auto found = r.workers.find(e.worker);
+          cached = found == r.workers.end() || found->second.file == nullptr || found->second.failed ? nullptr
+                                                                                                     : &found->second;
+          if (cached != nullptr) {
+            auto announced = cached->threadsAnnounced.find(buffer.tid);
+            if (announced == cached->threadsAnnounced.end() || announced->second != buffer.nameVersion) {
+              cached->threadsAnnounced[buffer.tid] = buffer.nameVersion;
+              cached->pending.append("{\"type\":\"thread\"");
+              appendField(cached->pending, "tid", buffer.tid);
+              cached->pending.append(",\"name\":");
+              appendEscaped(cached->pending,
+                            buffer.name.empty() ? "thread-" + std::to_string(buffer.tid) : buffer.name);
+              cached->pending.append("}\n");
+            }
+          }
+        }
+        if (cached == nullptr) {
           ++r.dropped;
           continue;
         }
-        Worker& w = worker->second;
-        auto announced = w.threadsAnnounced.find(buffer.tid);
-        if (announced == w.threadsAnnounced.end() || announced->second != buffer.nameVersion) {
-          w.threadsAnnounced[buffer.tid] = buffer.nameVersion;
-          w.pending += "{\"type\":\"thread\"";
-          appendField(w.pending, "tid", buffer.tid);
-          w.pending += ",\"name\":";
-          appendEscaped(w.pending, buffer.name.empty() ? "thread-" + std::to_string(buffer.tid) : buffer.name);
-          w.pending += "}\n";
-        }
-        appendEvent(w.pending, e, buffer.tid, w.skewNs);
-        ++w.eventsWritten;
+        appendEvent(cached->pending, e, buffer.tid, cached->skewNs);
+        ++cached->eventsWritten;
         ++r.written;
         ++lines;
       }
@@ -335,7 +449,7 @@ uint64_t flushLocked(Recorder& r) {
       // Full, written, and the owner moved on: nobody touches this chunk again.
       buffer.head = next;
       buffer.readIndex = 0;
-      delete chunk;
+      releaseChunk(chunk);
       r.chunks.fetch_sub(1, std::memory_order_relaxed);
     }
     if (buffer.exited.load(std::memory_order_acquire) && drainedLocked(buffer)) {
@@ -355,6 +469,23 @@ uint64_t flushLocked(Recorder& r) {
 }
 
 int64_t pid() { return static_cast<int64_t>(::getpid()); }
+
+// Note [Trace writer]: a traced run keeps its events in memory (recording is cheap, writing JSON is not:
+// see bench_trace) unless more than the flush threshold is buffered. This thread checks every 50 ms and
+// then writes everything buffered, off the threads that do the job's work. It runs from the first traced
+// worker's registration to the last one's unregistration (so a process that traces nothing has no extra
+// thread, and a fork after tracing ended forks no writer).
+constexpr std::chrono::milliseconds kWriterPeriod{50};
+
+void writerLoop(Recorder& r) {
+  pthread_setname_np(pthread_self(), "dg-trace-writer");
+  std::unique_lock<std::mutex> lock(r.mutex);
+  while (!r.writerStop) {
+    r.writerWake.wait_for(lock, kWriterPeriod);
+    if (r.writerStop) break;
+    if (r.chunks.load(std::memory_order_relaxed) >= r.flushChunks.load(std::memory_order_relaxed)) flushLocked(r);
+  }
+}
 
 }  // namespace
 
@@ -433,8 +564,11 @@ void record(Event event) {
     chunk = newChunk(*buffer);
     n = 0;
   }
-  chunk->events[n] = event;
+  chunk->put(n, event);
   chunk->count.store(n + 1, std::memory_order_release);
+  // The next event's slot, for writing: recording sites are microseconds apart, so the line is in cache by
+  // then instead of costing a miss on the recording thread.
+  if (n + 2 < kChunkEvents) __builtin_prefetch(chunk->storage + (n + 2) * sizeof(Event), 1, 3);
   buffer->appended.store(buffer->appended.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
 }
 
@@ -498,45 +632,77 @@ WorkerSlot registerWorker(const std::string& name, int rank, const std::string& 
     worker.path = (std::filesystem::path(directory) / (name + ".trace.jsonl")).string();
     worker.file = std::fopen(worker.path.c_str(), "w");
     DG_CHECK(worker.file != nullptr, "trace file '", worker.path, "' cannot be opened for writing");
-    std::string header = "{\"distgrad_trace\":1,\"worker\":";
-    appendEscaped(header, name);
-    appendField(header, "rank", rank);
-    appendField(header, "pid", pid());
-    header += ",\"clock\":\"steady_ns\"";
-    appendField(header, "start_ns", nowNs() + clockSkewNs);
-    header += "}\n";
-    worker.pending = std::move(header);
+    worker.pending.append("{\"distgrad_trace\":1,\"worker\":");
+    appendEscaped(worker.pending, name);
+    appendField(worker.pending, "rank", rank);
+    appendField(worker.pending, "pid", pid());
+    worker.pending.append(",\"clock\":\"steady_ns\"");
+    appendField(worker.pending, "start_ns", nowNs() + clockSkewNs);
+    worker.pending.append("}\n");
     writePending(worker);
     DG_CHECK(!worker.failed, "trace file '", worker.path, "' cannot be written");
   }
   Recorder& r = recorder();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  const WorkerSlot slot = r.nextSlot++;
-  if (worker.file != nullptr) ++r.tracing;
-  r.workers.emplace(slot, std::move(worker));
-  updateEnabledLocked(r);
+  std::lock_guard<std::mutex> writerLock(r.writerMutex);
+  WorkerSlot slot = kNoWorker;
+  bool traced = false;
+  {
+    std::lock_guard<std::mutex> lock(r.mutex);
+    slot = r.nextSlot++;
+    traced = worker.file != nullptr;
+    if (traced) ++r.tracing;
+    r.workers.emplace(slot, std::move(worker));
+    updateEnabledLocked(r);
+  }
+  if (traced && !r.writer.joinable()) {
+    try {
+      r.writer = std::thread([&r] { writerLoop(r); });
+    } catch (const std::system_error& e) {
+      // Tracing still works: everything is written by trace::flush() and at unregistration.
+      std::fprintf(stderr, "[distgrad] trace: the background writer cannot start (%s); events are written at "
+                   "shutdown\n", e.what());
+    }
+  }
   return slot;
 }
 
-void unregisterWorker(WorkerSlot slot) {
-  Recorder& r = recorder();
-  std::lock_guard<std::mutex> lock(r.mutex);
+namespace {
+// False when `slot` is not registered.
+bool unregisterLocked(Recorder& r, WorkerSlot slot) {
   auto it = r.workers.find(slot);
-  if (it == r.workers.end()) return;
+  if (it == r.workers.end()) return false;
   flushLocked(r);
   Worker& worker = it->second;
   if (worker.file != nullptr) {
-    worker.pending += "{\"type\":\"end\"";
+    worker.pending.append("{\"type\":\"end\"");
     appendField(worker.pending, "end_ns", nowNs() + worker.skewNs);
     appendField(worker.pending, "events", static_cast<int64_t>(worker.eventsWritten));
-    worker.pending += "}\n";
+    worker.pending.append("}\n");
     writePending(worker);
     std::fclose(worker.file);
     --r.tracing;
   }
   r.workers.erase(it);
   updateEnabledLocked(r);
+  return true;
 }
+}  // namespace
+
+void unregisterWorker(WorkerSlot slot) {
+  Recorder& r = recorder();
+  std::lock_guard<std::mutex> writerLock(r.writerMutex);
+  {
+    std::lock_guard<std::mutex> lock(r.mutex);
+    if (!unregisterLocked(r, slot)) return;
+    if (r.tracing > 0 || !r.writer.joinable()) return;
+    r.writerStop = true;
+  }
+  r.writerWake.notify_all();
+  r.writer.join();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.writerStop = false;
+}
+
 
 std::string workerFile(WorkerSlot slot) {
   Recorder& r = recorder();
@@ -599,5 +765,9 @@ Stats stats() {
 }
 
 uint64_t bufferedChunks() { return recorder().chunks.load(std::memory_order_relaxed); }
+
+void setFlushThreshold(uint64_t bytes) {
+  recorder().flushChunks.store(bytes / sizeof(Chunk), std::memory_order_relaxed);
+}
 
 }  // namespace distgrad::trace

@@ -8,9 +8,11 @@
 //
 // Recording is off by default. An Agent started with Options::traceDir (or DISTGRAD_TRACE=dir) registers
 // its worker with a file and turns it on; everything above is then recorded until the last such agent
-// shuts down, which writes DIR/<worker>.trace.jsonl (trace::flush() writes what is buffered so far, for
-// long runs). When off, a recording site costs one relaxed atomic load (trace::enabled()): no allocation,
-// no clock read, no string work.
+// shuts down, which writes DIR/<worker>.trace.jsonl. Events stay in memory until then (writing a file
+// costs far more than recording, so it stays out of the traced run), unless more than the flush threshold
+// (default 256 MiB) is buffered: then a background thread ("dg-trace-writer", running while some worker
+// traces) writes them out. trace::flush() writes what is buffered at once. When off, a recording site costs
+// one relaxed atomic load (trace::enabled()): no allocation, no clock read, no string work.
 //
 // Why process-wide (STYLE forbids singletons otherwise): DG_TRACE_SCOPE sits in user code and deep in
 // layers that have no agent at hand, and "one relaxed load when off" leaves no room for a lookup. Events
@@ -257,8 +259,13 @@ struct Stats {
   uint64_t bufferedChunks = 0;   // chunks allocated and not yet freed
 };
 Stats stats();
-// Chunks allocated and not yet freed (one atomic load): agents flush early when it grows large.
+// Chunks allocated and not yet freed (one atomic load).
 uint64_t bufferedChunks();
+
+// Bytes of buffered events above which the background writer writes them to the files (it checks every
+// 50 ms). Default kDefaultFlushThresholdBytes; 0 writes whatever is buffered at every check.
+inline constexpr uint64_t kDefaultFlushThresholdBytes = uint64_t{256} << 20;
+void setFlushThreshold(uint64_t bytes);
 
 // Events per buffer chunk (a chunk is one allocation of kChunkEvents * sizeof(Event) bytes).
 inline constexpr size_t kChunkEvents = 2048;

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "rpc/trace.h"
+#include "tests/rpc/async_test_util.h"
 #include "tests/rpc/trace_test_util.h"
 #include "tensor/error.h"
 #include "tools/flat_json.h"
@@ -27,6 +28,7 @@ namespace distgrad::trace {
 namespace {
 
 namespace fs = std::filesystem;
+using namespace std::chrono_literals;
 using testing::readTrace;
 using testing::TempDir;
 using testing::TraceFile;
@@ -243,6 +245,29 @@ TEST(Trace, EachEventGoesToTheWorkerItsThreadIsBoundTo) {
   for (const auto& e : fileB.events) inB.insert(*e.string("name"));
   EXPECT_EQ(inA, (std::multiset<std::string>{"for-a", "unbound"}));
   EXPECT_EQ(inB, (std::multiset<std::string>{"for-b"}));
+}
+
+// Over the flush threshold the background writer writes the buffered events without anyone calling
+// flush(); under it they stay in memory.
+TEST(Trace, TheBackgroundWriterWritesOnceTheThresholdIsPassed) {
+  TempDir dir;
+  const WorkerSlot slot = registerWorker("writer", 0, dir.path());
+  const std::string path = workerFile(slot);
+  const uint64_t written = stats().written;
+  std::thread([&] {
+    WorkerScope bound(slot);
+    for (int i = 0; i < 100; ++i) instant("small", Category::kUser, {i});
+  }).join();
+  setFlushThreshold(0);  // every check writes what is buffered
+  EXPECT_TRUE(rpc::testing::eventually([&] { return stats().written >= written + 100; }, 10s))
+      << "the writer did not write";
+  setFlushThreshold(kDefaultFlushThresholdBytes);
+  std::ifstream in(path);
+  size_t lines = 0;
+  for (std::string line; std::getline(in, line);) ++lines;
+  EXPECT_GE(lines, 1u + 1u + 100u) << "header, thread line and the events are in the file before shutdown";
+  unregisterWorker(slot);
+  EXPECT_EQ(readTrace(path).events.size(), 100u);
 }
 
 TEST(Trace, InterningGivesOneStablePointerPerText) {
