@@ -30,12 +30,17 @@ namespace {
 
 // Note [Trace buffers]
 // Each thread that records owns a ThreadBuffer: a singly linked list of chunks. Only the owner appends,
-// always to its tail chunk: it writes events[count], then stores count + 1 with release. When the tail is
+// always to its tail chunk: it writes event `count`, then stores count + 1 with release. When the tail is
 // full it links a new chunk with a release store of `next` and never touches the old one again. The writer
-// (flush, under gMutex) walks from `head`: it loads `next` (acquire) BEFORE `count` (acquire), so a chunk
-// whose next it saw set has its final count; it writes events [readIndex, count) and frees a chunk only
-// when it is full, completely written and has a successor (the owner has left it). A thread that exits
-// marks its buffer; the writer (or the exiting thread itself, when nothing is left) frees it once drained.
+// (a flush, under flushMutex) walks from `head`: it loads `next` (acquire) BEFORE `count` (acquire), so a
+// chunk whose next it saw set has its final count; it writes events [readIndex, count) and frees a chunk
+// only when it is full, completely written and has a successor (the owner has left it). A thread that
+// exits marks its buffer; the next flush (or the exiting thread itself, when nothing is left) frees it.
+//
+// Locks, in order: writerMutex (starting / stopping the writer thread), flushMutex (a whole flush, and
+// registering or unregistering a worker), mutex (the buffer list, thread names, the enabled state; only
+// ever held briefly, so a recording thread that registers its buffer or names itself never waits for a
+// flush writing a file), then the leaves clockMutex and poolMutex.
 struct Chunk {
   std::atomic<uint32_t> count{0};
   std::atomic<Chunk*> next{nullptr};
@@ -57,9 +62,10 @@ struct ThreadBuffer {
   std::atomic<uint64_t> appended{0};  // written only by the owner
   std::atomic<bool> exited{false};
   const int64_t tid;
-  // GUARDED_BY(gMutex)
+  // GUARDED_BY(flushMutex): the writer's position.
   Chunk* head = nullptr;
   uint32_t readIndex = 0;
+  // GUARDED_BY(mutex)
   std::string name;
   uint64_t nameVersion = 0;
 
@@ -115,6 +121,8 @@ struct ClockLine {
   bool dirty = false;
 };
 
+// A registered worker. The map of workers changes only under flushMutex and mutex together, so either
+// lock makes reading it safe; the fields below `path` are the flush's (flushMutex), except `clocks`.
 struct Worker {
   std::string name;
   int rank = 0;
@@ -123,26 +131,28 @@ struct Worker {
   std::FILE* file = nullptr;
   bool failed = false;  // a write failed: the rest is dropped (reported once)
   uint64_t eventsWritten = 0;
-  std::map<std::string, ClockLine> clocks;
   std::map<int64_t, uint64_t> threadsAnnounced;  // tid -> name version written
   OutBuffer pending;                             // lines of the flush in progress
+  std::map<std::string, ClockLine> clocks;       // GUARDED_BY(clockMutex)
 };
 
 // The recorder's state. Leaked on purpose: threads may record (and exit) during static destruction.
 struct Recorder {
+  std::mutex flushMutex;
   std::mutex mutex;
-  std::vector<std::unique_ptr<ThreadBuffer>> buffers;  // GUARDED_BY(mutex)
-  std::map<WorkerSlot, Worker> workers;                 // GUARDED_BY(mutex)
+  std::mutex clockMutex;
+  std::vector<std::unique_ptr<ThreadBuffer>> buffers;  // GUARDED_BY(mutex); freed only under flushMutex too
+  std::map<WorkerSlot, Worker> workers;                 // see Worker
   WorkerSlot nextSlot = 1;                              // GUARDED_BY(mutex)
   int tracing = 0;                                      // GUARDED_BY(mutex): workers with a file
   bool paused = false;                                  // GUARDED_BY(mutex)
   uint64_t retiredAppended = 0;                         // GUARDED_BY(mutex): events of freed buffers
-  uint64_t written = 0;                                 // GUARDED_BY(mutex)
-  uint64_t dropped = 0;                                 // GUARDED_BY(mutex)
+  std::atomic<uint64_t> written{0};
+  std::atomic<uint64_t> dropped{0};
   std::atomic<uint64_t> chunks{0};
   std::atomic<uint64_t> flushChunks{std::max<uint64_t>(1, kDefaultFlushThresholdBytes / sizeof(Chunk))};
   // The background writer runs while some worker traces (Note [Trace writer]).
-  std::mutex writerMutex;             // serialises starting and stopping it (taken before `mutex`)
+  std::mutex writerMutex;             // serialises starting and stopping it
   std::thread writer;                 // GUARDED_BY(writerMutex)
   std::condition_variable writerWake;  // with `mutex`
   bool writerStop = false;            // GUARDED_BY(mutex)
@@ -213,6 +223,8 @@ struct ThreadExit {
     if (buffer == nullptr) return;
     tBuffer = nullptr;
     Recorder& r = recorder();
+    // flushMutex: a flush in progress may be reading this buffer (the thread's exit waits for it).
+    std::lock_guard<std::mutex> flushLock(r.flushMutex);
     std::lock_guard<std::mutex> lock(r.mutex);
     buffer->exited.store(true, std::memory_order_release);
     if (!drainedLocked(*buffer)) return;  // the next flush writes the rest, then frees it
@@ -384,6 +396,7 @@ void writePending(Worker& worker) {
   worker.pending.clear();
 }
 
+// Caller holds flushMutex and clockMutex.
 void appendClockLinesLocked(Worker& worker) {
   for (auto& [peer, clock] : worker.clocks) {
     if (!clock.dirty) continue;
@@ -398,11 +411,24 @@ void appendClockLinesLocked(Worker& worker) {
   }
 }
 
-// Writes every buffered event to its worker's file and frees what the threads left behind.
+// Writes every buffered event to its worker's file and frees what the threads left behind. Caller holds
+// flushMutex (and not mutex: it is taken briefly, to list the buffers and to free exited ones).
 uint64_t flushLocked(Recorder& r) {
+  struct Item {
+    ThreadBuffer* buffer;
+    std::string name;
+    uint64_t nameVersion;
+  };
+  std::vector<Item> items;
+  {
+    std::lock_guard<std::mutex> lock(r.mutex);
+    items.reserve(r.buffers.size());
+    for (const auto& buffer : r.buffers) items.push_back({buffer.get(), buffer->name, buffer->nameVersion});
+  }
   uint64_t lines = 0;
-  for (auto it = r.buffers.begin(); it != r.buffers.end();) {
-    ThreadBuffer& buffer = **it;
+  uint64_t dropped = 0;
+  for (const Item& item : items) {
+    ThreadBuffer& buffer = *item.buffer;
     // A thread's events mostly belong to one worker: the lookup (and the thread line check) is redone
     // only when the worker changes from one event to the next.
     WorkerSlot cachedSlot = kNoWorker;
@@ -424,24 +450,22 @@ uint64_t flushLocked(Recorder& r) {
                                                                                                      : &found->second;
           if (cached != nullptr) {
             auto announced = cached->threadsAnnounced.find(buffer.tid);
-            if (announced == cached->threadsAnnounced.end() || announced->second != buffer.nameVersion) {
-              cached->threadsAnnounced[buffer.tid] = buffer.nameVersion;
+            if (announced == cached->threadsAnnounced.end() || announced->second != item.nameVersion) {
+              cached->threadsAnnounced[buffer.tid] = item.nameVersion;
               cached->pending.append("{\"type\":\"thread\"");
               appendField(cached->pending, "tid", buffer.tid);
               cached->pending.append(",\"name\":");
-              appendEscaped(cached->pending,
-                            buffer.name.empty() ? "thread-" + std::to_string(buffer.tid) : buffer.name);
+              appendEscaped(cached->pending, item.name.empty() ? "thread-" + std::to_string(buffer.tid) : item.name);
               cached->pending.append("}\n");
             }
           }
         }
         if (cached == nullptr) {
-          ++r.dropped;
+          ++dropped;
           continue;
         }
         appendEvent(cached->pending, e, buffer.tid, cached->skewNs);
         ++cached->eventsWritten;
-        ++r.written;
         ++lines;
       }
       buffer.readIndex = count;
@@ -452,17 +476,30 @@ uint64_t flushLocked(Recorder& r) {
       releaseChunk(chunk);
       r.chunks.fetch_sub(1, std::memory_order_relaxed);
     }
-    if (buffer.exited.load(std::memory_order_acquire) && drainedLocked(buffer)) {
-      r.retiredAppended += buffer.appended.load(std::memory_order_relaxed);
-      if (buffer.head != nullptr) r.chunks.fetch_sub(1, std::memory_order_relaxed);
-      it = r.buffers.erase(it);
-    } else {
-      ++it;
+  }
+  r.written.fetch_add(lines, std::memory_order_relaxed);
+  r.dropped.fetch_add(dropped, std::memory_order_relaxed);
+  {
+    // Buffers of threads that exited, now written: freed (only here and in ThreadExit, both under
+    // flushMutex, so no flush is reading them).
+    std::lock_guard<std::mutex> lock(r.mutex);
+    for (auto it = r.buffers.begin(); it != r.buffers.end();) {
+      ThreadBuffer& buffer = **it;
+      if (buffer.exited.load(std::memory_order_acquire) && drainedLocked(buffer)) {
+        r.retiredAppended += buffer.appended.load(std::memory_order_relaxed);
+        if (buffer.head != nullptr) r.chunks.fetch_sub(1, std::memory_order_relaxed);
+        it = r.buffers.erase(it);
+      } else {
+        ++it;
+      }
     }
   }
   for (auto& [slot, worker] : r.workers) {
     if (worker.file == nullptr) continue;
-    appendClockLinesLocked(worker);
+    {
+      std::lock_guard<std::mutex> lock(r.clockMutex);
+      appendClockLinesLocked(worker);
+    }
     writePending(worker);
   }
   return lines;
@@ -479,11 +516,16 @@ constexpr std::chrono::milliseconds kWriterPeriod{50};
 
 void writerLoop(Recorder& r) {
   pthread_setname_np(pthread_self(), "dg-trace-writer");
-  std::unique_lock<std::mutex> lock(r.mutex);
-  while (!r.writerStop) {
-    r.writerWake.wait_for(lock, kWriterPeriod);
-    if (r.writerStop) break;
-    if (r.chunks.load(std::memory_order_relaxed) >= r.flushChunks.load(std::memory_order_relaxed)) flushLocked(r);
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(r.mutex);
+      r.writerWake.wait_for(lock, kWriterPeriod, [&] { return r.writerStop; });
+      if (r.writerStop) return;
+    }
+    if (r.chunks.load(std::memory_order_relaxed) >= r.flushChunks.load(std::memory_order_relaxed)) {
+      std::lock_guard<std::mutex> flushLock(r.flushMutex);
+      flushLocked(r);
+    }
   }
 }
 
@@ -616,8 +658,8 @@ void instant(const char* name, Category category, std::initializer_list<int64_t>
 void Scope::end() {
   if (!active_) return;
   active_ = false;
-  event_.endNs = nowNs();
-  record(event_);
+  event().endNs = nowNs();
+  record(event());
 }
 
 WorkerSlot registerWorker(const std::string& name, int rank, const std::string& directory, int64_t clockSkewNs) {
@@ -647,6 +689,7 @@ WorkerSlot registerWorker(const std::string& name, int rank, const std::string& 
   WorkerSlot slot = kNoWorker;
   bool traced = false;
   {
+    std::lock_guard<std::mutex> flushLock(r.flushMutex);
     std::lock_guard<std::mutex> lock(r.mutex);
     slot = r.nextSlot++;
     traced = worker.file != nullptr;
@@ -667,21 +710,24 @@ WorkerSlot registerWorker(const std::string& name, int rank, const std::string& 
 }
 
 namespace {
-// False when `slot` is not registered.
+// False when `slot` is not registered. Caller holds flushMutex (not mutex).
 bool unregisterLocked(Recorder& r, WorkerSlot slot) {
   auto it = r.workers.find(slot);
   if (it == r.workers.end()) return false;
   flushLocked(r);
   Worker& worker = it->second;
-  if (worker.file != nullptr) {
+  const bool traced = worker.file != nullptr;
+  if (traced) {
     worker.pending.append("{\"type\":\"end\"");
     appendField(worker.pending, "end_ns", nowNs() + worker.skewNs);
     appendField(worker.pending, "events", static_cast<int64_t>(worker.eventsWritten));
     worker.pending.append("}\n");
     writePending(worker);
     std::fclose(worker.file);
-    --r.tracing;
+    worker.file = nullptr;
   }
+  std::lock_guard<std::mutex> lock(r.mutex);
+  if (traced) --r.tracing;
   r.workers.erase(it);
   updateEnabledLocked(r);
   return true;
@@ -692,8 +738,11 @@ void unregisterWorker(WorkerSlot slot) {
   Recorder& r = recorder();
   std::lock_guard<std::mutex> writerLock(r.writerMutex);
   {
-    std::lock_guard<std::mutex> lock(r.mutex);
+    std::lock_guard<std::mutex> flushLock(r.flushMutex);
     if (!unregisterLocked(r, slot)) return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(r.mutex);
     if (r.tracing > 0 || !r.writer.joinable()) return;
     r.writerStop = true;
   }
@@ -728,9 +777,11 @@ void setThreadName(std::string_view name) {
 void setClockOffset(WorkerSlot slot, const std::string& peer, int peerRank, int64_t offsetNs, int64_t rttNs,
                     uint64_t samples) {
   Recorder& r = recorder();
+  // Never waits for a flush writing a file (the agent calls this under its own mutex).
   std::lock_guard<std::mutex> lock(r.mutex);
   auto it = r.workers.find(slot);
   if (it == r.workers.end() || it->second.file == nullptr) return;
+  std::lock_guard<std::mutex> clockLock(r.clockMutex);
   ClockLine& line = it->second.clocks[peer];
   line.peerRank = peerRank;
   line.offsetNs = offsetNs;
@@ -741,7 +792,7 @@ void setClockOffset(WorkerSlot slot, const std::string& peer, int peerRank, int6
 
 uint64_t flush() {
   Recorder& r = recorder();
-  std::lock_guard<std::mutex> lock(r.mutex);
+  std::lock_guard<std::mutex> lock(r.flushMutex);
   return flushLocked(r);
 }
 
@@ -758,8 +809,8 @@ Stats stats() {
   Stats s;
   s.recorded = r.retiredAppended;
   for (const auto& buffer : r.buffers) s.recorded += buffer->appended.load(std::memory_order_relaxed);
-  s.written = r.written;
-  s.dropped = r.dropped;
+  s.written = r.written.load(std::memory_order_relaxed);
+  s.dropped = r.dropped.load(std::memory_order_relaxed);
   s.bufferedChunks = r.chunks.load(std::memory_order_relaxed);
   return s;
 }

@@ -34,6 +34,7 @@
 #include <chrono>
 #include <cstdint>
 #include <initializer_list>
+#include <new>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -148,7 +149,7 @@ class Scope {
   Scope(const char* name, Category category, A... args) noexcept : active_(enabled()) {
     if (active_) {
       begin(name, category);
-      ((event_.args[event_.argCount++] = static_cast<int64_t>(args)), ...);
+      ((event().args[event().argCount++] = static_cast<int64_t>(args)), ...);
     }
   }
   ~Scope() {
@@ -161,28 +162,36 @@ class Scope {
   // Sets arg `index` (< kMaxArgs; the args up to it count as set), e.g. a size known only at the end.
   void setArg(int index, int64_t value) {
     if (!active_ || index < 0 || index >= kMaxArgs) return;
-    event_.args[index] = value;
-    if (event_.argCount < index + 1) event_.argCount = static_cast<uint8_t>(index + 1);
+    event().args[index] = value;
+    if (event().argCount < index + 1) event().argCount = static_cast<uint8_t>(index + 1);
   }
   void setFlow(uint64_t flow, FlowPhase phase) {
     if (!active_) return;
-    event_.flow = flow;
-    event_.flowPhase = phase;
+    event().flow = flow;
+    event().flowPhase = phase;
   }
   void setDetail(const char* detail) {
-    if (active_) event_.detail = detail;
+    if (active_) event().detail = detail;
   }
   // Ends the span now (the destructor then does nothing).
   void end();
 
  private:
   void begin(const char* name, Category category) {
-    event_.name = name;
-    event_.category = category;
-    event_.beginNs = nowNs();
+    new (&storage_.event) Event();
+    event().name = name;
+    event().category = category;
+    event().beginNs = nowNs();
   }
+  Event& event() { return storage_.event; }
+  // The event is constructed only when recording (begin): when off, a Scope initialises nothing but
+  // active_.
+  union Storage {
+    Storage() {}
+    Event event;
+  };
   bool active_;
-  Event event_;
+  Storage storage_;
 };
 
 #define DG_TRACE_CONCAT_INNER(a, b) a##b
