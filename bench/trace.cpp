@@ -22,6 +22,8 @@
 // Usage: bench_trace [rounds=4000] [calls=40000] [blocks=20] [spans=200000]
 // rounds: rpcSync calls per mode and comparison; calls: rpcAsync calls per mode, window and comparison;
 // blocks: (off, mode) block pairs they are split into; spans: spans per rep of the span cost (10 reps).
+#include "rpc/trace.h"
+
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -33,11 +35,10 @@
 #include <string>
 #include <vector>
 
+#include "autograd/ops.h"
 #include "bench/agent_pair.h"
 #include "bench/bench_util.h"
 #include "rpc/agent.h"
-#include "autograd/ops.h"
-#include "rpc/trace.h"
 
 namespace distgrad::bench {
 namespace {
@@ -53,9 +54,9 @@ inline const rpc::Function<void(int64_t)> kSetMode{"bench.trace.set_mode"};
 
 // The three ways a phase runs, in both processes at once.
 enum Mode : int64_t {
-  kOff = 0,       // recording paused: every site sees trace::enabled() false
-  kOn = 1,        // recording, events kept in memory (the default below the flush threshold)
-  kWriting = 2,   // recording, and the background writer writes everything buffered every 50 ms
+  kOff = 0,      // recording paused: every site sees trace::enabled() false
+  kOn = 1,       // recording, events kept in memory (the default below the flush threshold)
+  kWriting = 2,  // recording, and the background writer writes everything buffered every 50 ms
 };
 const char* modeName(int64_t mode) { return mode == kOff ? "off" : mode == kOn ? "on" : "on_writing"; }
 
@@ -132,10 +133,10 @@ rpc::Registry pairRegistry(int rank) {
 
 // One block of calls in one mode: what it measured.
 struct Block {
-  std::vector<double> rttUs;    // rpcSync round trips
-  double callsPerSecond = 0;    // rpcAsync with `window` in flight
-  double cpuUsPerCall = 0;      // CPU of both processes (every thread) per call
-  uint64_t events = 0;          // events this process recorded
+  std::vector<double> rttUs;  // rpcSync round trips
+  double callsPerSecond = 0;  // rpcAsync with `window` in flight
+  double cpuUsPerCall = 0;    // CPU of both processes (every thread) per call
+  uint64_t events = 0;        // events this process recorded
   uint64_t calls = 0;
 };
 
@@ -272,8 +273,8 @@ void measureRpc(const Config& config, const std::string& dir) {
     }
     check(last.rfind("{\"type\":\"end\"", 0) == 0, "a trace file without its end line");
   }
-  emit("trace", "trace_lines_written", "lines", Stats{static_cast<double>(lines), static_cast<double>(lines),
-                                                      static_cast<double>(lines), 1});
+  emit("trace", "trace_lines_written", "lines",
+       Stats{static_cast<double>(lines), static_cast<double>(lines), static_cast<double>(lines), 1});
 }
 
 }  // namespace

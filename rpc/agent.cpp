@@ -4,8 +4,8 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <deque>
 #include <cstdlib>
+#include <deque>
 #include <thread>
 #include <utility>
 

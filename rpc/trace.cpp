@@ -1,9 +1,8 @@
 #include "rpc/trace.h"
 
+#include <pthread.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-
-#include <pthread.h>
 
 #include <algorithm>
 #include <charconv>
@@ -49,7 +48,9 @@ struct Chunk {
   alignas(Event) unsigned char storage[kChunkEvents * sizeof(Event)];
 
   void put(uint32_t i, const Event& event) { new (storage + i * sizeof(Event)) Event(event); }
-  const Event& at(uint32_t i) const { return *std::launder(reinterpret_cast<const Event*>(storage + i * sizeof(Event))); }
+  const Event& at(uint32_t i) const {
+    return *std::launder(reinterpret_cast<const Event*>(storage + i * sizeof(Event)));
+  }
 };
 
 void releaseChunk(Chunk* chunk);
@@ -142,26 +143,26 @@ struct Recorder {
   std::mutex mutex;
   std::mutex clockMutex;
   std::vector<std::unique_ptr<ThreadBuffer>> buffers;  // GUARDED_BY(mutex); freed only under flushMutex too
-  std::map<WorkerSlot, Worker> workers;                 // see Worker
-  WorkerSlot nextSlot = 1;                              // GUARDED_BY(mutex)
-  int tracing = 0;                                      // GUARDED_BY(mutex): workers with a file
-  bool paused = false;                                  // GUARDED_BY(mutex)
-  uint64_t retiredAppended = 0;                         // GUARDED_BY(mutex): events of freed buffers
+  std::map<WorkerSlot, Worker> workers;                // see Worker
+  WorkerSlot nextSlot = 1;                             // GUARDED_BY(mutex)
+  int tracing = 0;                                     // GUARDED_BY(mutex): workers with a file
+  bool paused = false;                                 // GUARDED_BY(mutex)
+  uint64_t retiredAppended = 0;                        // GUARDED_BY(mutex): events of freed buffers
   std::atomic<uint64_t> written{0};
   std::atomic<uint64_t> dropped{0};
   std::atomic<uint64_t> chunks{0};
   std::atomic<uint64_t> flushChunks{std::max<uint64_t>(1, kDefaultFlushThresholdBytes / sizeof(Chunk))};
   // The background writer runs while some worker traces (Note [Trace writer]).
-  std::mutex writerMutex;             // serialises starting and stopping it
-  std::thread writer;                 // GUARDED_BY(writerMutex)
+  std::mutex writerMutex;              // serialises starting and stopping it
+  std::thread writer;                  // GUARDED_BY(writerMutex)
   std::condition_variable writerWake;  // with `mutex`
-  bool writerStop = false;            // GUARDED_BY(mutex)
+  bool writerStop = false;             // GUARDED_BY(mutex)
   // The first traced worker: where events of threads bound to no worker go.
   std::atomic<WorkerSlot> defaultWorker{kNoWorker};
 
   // Chunks written and freed, kept for reuse (fresh memory costs page faults): at most kPooledChunks.
-  std::mutex poolMutex;              // a leaf
-  std::vector<Chunk*> pool;          // GUARDED_BY(poolMutex)
+  std::mutex poolMutex;      // a leaf
+  std::vector<Chunk*> pool;  // GUARDED_BY(poolMutex)
 
   std::mutex internMutex;
   std::unordered_set<std::string> interned;  // GUARDED_BY(internMutex); node-based: c_str() is stable
@@ -308,21 +309,11 @@ char* putEscaped(char* p, std::string_view text) {
     }
     *p++ = '\\';
     switch (c) {
-      case '"':
-        *p++ = '"';
-        break;
-      case '\\':
-        *p++ = '\\';
-        break;
-      case '\n':
-        *p++ = 'n';
-        break;
-      case '\r':
-        *p++ = 'r';
-        break;
-      case '\t':
-        *p++ = 't';
-        break;
+      case '"': *p++ = '"'; break;
+      case '\\': *p++ = '\\'; break;
+      case '\n': *p++ = 'n'; break;
+      case '\r': *p++ = 'r'; break;
+      case '\t': *p++ = 't'; break;
       default:
         p = putText(p, "u00");
         *p++ = kHex[c >> 4];
@@ -333,7 +324,9 @@ char* putEscaped(char* p, std::string_view text) {
   return p;
 }
 
-void appendEscaped(OutBuffer& out, std::string_view text) { out.commit(putEscaped(out.reserve(2 + 6 * text.size()), text)); }
+void appendEscaped(OutBuffer& out, std::string_view text) {
+  out.commit(putEscaped(out.reserve(2 + 6 * text.size()), text));
+}
 
 template <typename Out>
 void appendField(Out& out, std::string_view key, int64_t value) {
@@ -533,48 +526,33 @@ void writerLoop(Recorder& r) {
 
 const char* categoryName(Category category) {
   switch (category) {
-    case Category::kUser:
-      return "user";
-    case Category::kRpcClient:
-      return "rpc_client";
-    case Category::kRpcServer:
-      return "rpc_server";
-    case Category::kTransport:
-      return "transport";
-    case Category::kRRef:
-      return "rref";
-    case Category::kAutograd:
-      return "autograd";
-    case Category::kOptimizer:
-      return "optimizer";
-    case Category::kPipeline:
-      return "pipeline";
+    case Category::kUser: return "user";
+    case Category::kRpcClient: return "rpc_client";
+    case Category::kRpcServer: return "rpc_server";
+    case Category::kTransport: return "transport";
+    case Category::kRRef: return "rref";
+    case Category::kAutograd: return "autograd";
+    case Category::kOptimizer: return "optimizer";
+    case Category::kPipeline: return "pipeline";
   }
   return "unknown";
 }
 
 const char* flowPhaseName(FlowPhase phase) {
   switch (phase) {
-    case FlowPhase::kNone:
-      return "";
-    case FlowPhase::kStart:
-      return "start";
-    case FlowPhase::kStep:
-      return "step";
-    case FlowPhase::kEnd:
-      return "end";
+    case FlowPhase::kNone: return "";
+    case FlowPhase::kStart: return "start";
+    case FlowPhase::kStep: return "step";
+    case FlowPhase::kEnd: return "end";
   }
   return "";
 }
 
 const char* eventKindName(EventKind kind) {
   switch (kind) {
-    case EventKind::kSpan:
-      return "span";
-    case EventKind::kInstant:
-      return "instant";
-    case EventKind::kAsync:
-      return "async";
+    case EventKind::kSpan: return "span";
+    case EventKind::kInstant: return "instant";
+    case EventKind::kAsync: return "async";
   }
   return "span";
 }
@@ -702,8 +680,10 @@ WorkerSlot registerWorker(const std::string& name, int rank, const std::string& 
       r.writer = std::thread([&r] { writerLoop(r); });
     } catch (const std::system_error& e) {
       // Tracing still works: everything is written by trace::flush() and at unregistration.
-      std::fprintf(stderr, "[distgrad] trace: the background writer cannot start (%s); events are written at "
-                   "shutdown\n", e.what());
+      std::fprintf(stderr,
+                   "[distgrad] trace: the background writer cannot start (%s); events are written at "
+                   "shutdown\n",
+                   e.what());
     }
   }
   return slot;
@@ -751,7 +731,6 @@ void unregisterWorker(WorkerSlot slot) {
   std::lock_guard<std::mutex> lock(r.mutex);
   r.writerStop = false;
 }
-
 
 std::string workerFile(WorkerSlot slot) {
   Recorder& r = recorder();

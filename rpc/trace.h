@@ -144,9 +144,12 @@ class Scope {
     if (active_) begin(name, category);
   }
   // Up to kMaxArgs integer args (a0, a1, a2 in the file).
+  // (The installed clang-format mangles requires-clauses.)
+  // clang-format off
   template <typename... A>
     requires(sizeof...(A) >= 1 && sizeof...(A) <= kMaxArgs && (std::is_integral_v<A> && ...))
   Scope(const char* name, Category category, A... args) noexcept : active_(enabled()) {
+    // clang-format on
     if (active_) {
       begin(name, category);
       ((event().args[event().argCount++] = static_cast<int64_t>(args)), ...);
@@ -262,10 +265,10 @@ void setPaused(bool paused);
 
 // Counters since the process started (for tests and the benchmark).
 struct Stats {
-  uint64_t recorded = 0;         // events appended by record()
-  uint64_t written = 0;          // event lines written to files
-  uint64_t dropped = 0;          // events of workers that write no file (or whose file failed)
-  uint64_t bufferedChunks = 0;   // chunks allocated and not yet freed
+  uint64_t recorded = 0;        // events appended by record()
+  uint64_t written = 0;         // event lines written to files
+  uint64_t dropped = 0;         // events of workers that write no file (or whose file failed)
+  uint64_t bufferedChunks = 0;  // chunks allocated and not yet freed
 };
 Stats stats();
 // Chunks allocated and not yet freed (one atomic load).

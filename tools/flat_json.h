@@ -146,24 +146,12 @@ class FlatParser {
       switch (e) {
         case '"':
         case '\\':
-        case '/':
-          out += e;
-          break;
-        case 'b':
-          out += '\b';
-          break;
-        case 'f':
-          out += '\f';
-          break;
-        case 'n':
-          out += '\n';
-          break;
-        case 'r':
-          out += '\r';
-          break;
-        case 't':
-          out += '\t';
-          break;
+        case '/': out += e; break;
+        case 'b': out += '\b'; break;
+        case 'f': out += '\f'; break;
+        case 'n': out += '\n'; break;
+        case 'r': out += '\r'; break;
+        case 't': out += '\t'; break;
         case 'u': {
           auto code = hex4();
           if (!code) return std::nullopt;
@@ -176,8 +164,7 @@ class FlatParser {
           appendUtf8(out, *code);
           break;
         }
-        default:
-          return std::nullopt;
+        default: return std::nullopt;
       }
     }
     return std::nullopt;

@@ -3,6 +3,8 @@
 // distributed backward records every node it runs (named by the node, with the context id) and the
 // gradients sent back (autograd.send_gradients) and received (autograd.recv_gradients, same context and
 // message); a DistributedOptimizer step records optim.step on the owner of the parameters.
+#include "rpc/trace.h"
+
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -14,7 +16,6 @@
 #include "autograd/ops.h"
 #include "models/nn/linear.h"
 #include "models/optim/distributed_optimizer.h"
-#include "rpc/trace.h"
 #include "rref/remote_module.h"
 #include "tensor/random.h"
 #include "tests/rpc/trace_test_util.h"
@@ -50,11 +51,11 @@ DG_REMOTE_MODULE(distgrad::trace_test::Stage, distgrad::trace_test::stageClass()
 namespace distgrad::trace_test {
 namespace {
 
+using tools::FlatObject;
 using trace::testing::named;
 using trace::testing::readTrace;
 using trace::testing::TempDir;
 using trace::testing::TraceFile;
-using tools::FlatObject;
 
 // Opens the gate of rref::testing::kGated on the callee.
 inline const rpc::Function<int64_t()> kOpenGate{"trace_test.open_gate"};
@@ -71,8 +72,9 @@ class LayerTraceTest : public rref::testing::RRefFixture {
     registry_ = rref::testing::makeRegistry(world_);
     autograd::distributed::install(registry_);
     models::optim::DistributedOptimizer::install(registry_);
-    rref::bindRemoteModule(registry_, stageClass()).factory<int64_t, int64_t, uint64_t>(
-        [](int64_t in, int64_t out, uint64_t seed) { return std::make_shared<Stage>(in, out, seed); });
+    rref::bindRemoteModule(registry_, stageClass())
+        .factory<int64_t, int64_t, uint64_t>(
+            [](int64_t in, int64_t out, uint64_t seed) { return std::make_shared<Stage>(in, out, seed); });
     registry_.bind(kOpenGate, [this] {
       std::lock_guard<std::mutex> lock(world_.mutex);
       world_.gate->setValue(1);
@@ -150,7 +152,8 @@ TEST_P(LayerTraceTest, RRefWaitsBackwardNodesGradientsAndOptimizerStepsAreTraced
   // The propagation is an RPC like any other.
   EXPECT_EQ(named(w1, "rpc.server.execute").size() >= 1, true);
   bool propagated = false;
-  for (const FlatObject* e : named(w1, "rpc.server.execute")) propagated |= e->string("detail") == "dg.autograd.propagate";
+  for (const FlatObject* e : named(w1, "rpc.server.execute"))
+    propagated |= e->string("detail") == "dg.autograd.propagate";
   EXPECT_TRUE(propagated);
 
   // Every node worker1 ran in the pass is a span of category autograd carrying the context id; worker1

@@ -26,11 +26,11 @@ namespace distgrad::rpc {
 namespace {
 
 using namespace testing;  // the shared agent test setup (agent_test_util.h)
+using tools::FlatObject;
 using trace::testing::named;
 using trace::testing::readTrace;
 using trace::testing::TempDir;
 using trace::testing::TraceFile;
-using tools::FlatObject;
 
 inline const Function<int64_t(int64_t)> kTracedRegion{"traced_region"};
 inline const Function<int64_t(int64_t)> kGated{"gated"};  // answers when the test opens the gate
@@ -121,17 +121,16 @@ void expectSpansNestPerThread(const TraceFile& file, const std::string& who) {
     if (ev.string("type") == "span") byThread[*ev.integer("tid")].push_back(&ev);
   }
   for (auto& [tid, spans] : byThread) {
-    std::sort(spans.begin(), spans.end(), [](const FlatObject* x, const FlatObject* y) {
-      return b(*x) != b(*y) ? b(*x) < b(*y) : e(*x) > e(*y);
-    });
+    std::sort(spans.begin(), spans.end(),
+              [](const FlatObject* x, const FlatObject* y) { return b(*x) != b(*y) ? b(*x) < b(*y) : e(*x) > e(*y); });
     std::vector<const FlatObject*> stack;
     for (const FlatObject* span : spans) {
       while (!stack.empty() && e(*stack.back()) <= b(*span)) stack.pop_back();
       if (!stack.empty()) {
         EXPECT_LE(e(*span), e(*stack.back()))
             << who << " thread " << tid << ": " << *span->string("name") << " [" << b(*span) << ", " << e(*span)
-            << "] overlaps " << *stack.back()->string("name") << " [" << b(*stack.back()) << ", "
-            << e(*stack.back()) << "] without nesting";
+            << "] overlaps " << *stack.back()->string("name") << " [" << b(*stack.back()) << ", " << e(*stack.back())
+            << "] without nesting";
       }
       stack.push_back(span);
     }
@@ -299,9 +298,9 @@ TEST_P(AgentTraceTest, EveryCallIsTracedOnBothSidesWithFlowsAndEachAgentWritesIt
   std::set<std::string> threadNames;
   for (const auto& line : w1.threads) threadNames.insert(*line.string("name"));
   EXPECT_TRUE(threadNames.count(GetParam() == "tcp" ? "dg-tcp-loop" : "dg-inproc-loop")) << "loop thread unnamed";
-  EXPECT_TRUE(std::any_of(threadNames.begin(), threadNames.end(),
-                          [](const std::string& n) { return n.rfind("dg-agent-", 0) == 0; }))
-      << "executor threads unnamed";
+  EXPECT_TRUE(std::any_of(threadNames.begin(), threadNames.end(), [](const std::string& n) {
+    return n.rfind("dg-agent-", 0) == 0;
+  })) << "executor threads unnamed";
   ASSERT_FALSE(w0.clocks.empty());
   EXPECT_EQ(w0.clocks.back().string("peer"), "worker1");
   EXPECT_EQ(w0.clocks.back().integer("peer_rank"), 1);

@@ -3,8 +3,9 @@
 // times, args, flows and thread names; every line of the file is a flat JSON object (read back with
 // tools/flat_json.h, the reader distgrad-trace uses); workers are kept apart by thread binding; interning
 // is stable; buffers of exited threads are written and freed; the test skew shifts every time written.
-#include <gtest/gtest.h>
+#include "rpc/trace.h"
 
+#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -18,10 +19,9 @@
 #include <tuple>
 #include <vector>
 
-#include "rpc/trace.h"
+#include "tensor/error.h"
 #include "tests/rpc/async_test_util.h"
 #include "tests/rpc/trace_test_util.h"
-#include "tensor/error.h"
 #include "tools/flat_json.h"
 
 namespace distgrad::trace {
@@ -300,9 +300,7 @@ TEST(Trace, PausedRecordingRecordsNothing) {
   setPaused(true);
   EXPECT_FALSE(enabled());
   const uint64_t recorded = stats().recorded;
-  {
-    DG_TRACE_SCOPE("while paused");
-  }
+  { DG_TRACE_SCOPE("while paused"); }
   EXPECT_EQ(stats().recorded, recorded);
   setPaused(false);
   EXPECT_TRUE(enabled());
