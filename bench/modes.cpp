@@ -27,98 +27,16 @@
 #include <vector>
 
 #include "examples/example_util.h"
+#include "tools/flat_json.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 
-// A flat JSON object of the examples' final lines: string, number, bool or null values (no nesting).
-using JsonValue = std::variant<std::monostate, double, bool, std::string>;
-using JsonObject = std::map<std::string, JsonValue>;
+// The examples' final lines are flat JSON objects (tools/flat_json.h).
+using distgrad::tools::FlatObject;
 
-// Parses one flat JSON object; std::nullopt when `text` is not one (nested values are refused too: the
-// examples never print them, so one means the line is not what we look for).
-std::optional<JsonObject> parseFlatJson(const std::string& text) {
-  size_t i = 0;
-  auto skip = [&] {
-    while (i < text.size() && std::isspace(static_cast<unsigned char>(text[i]))) ++i;
-  };
-  auto string = [&]() -> std::optional<std::string> {
-    if (i >= text.size() || text[i] != '"') return std::nullopt;
-    std::string out;
-    for (++i; i < text.size(); ++i) {
-      char c = text[i];
-      if (c == '"') {
-        ++i;
-        return out;
-      }
-      if (c == '\\') {
-        if (++i >= text.size()) return std::nullopt;
-        c = text[i];
-        if (c == 'u') {
-          if (i + 4 >= text.size()) return std::nullopt;
-          out += static_cast<char>(std::stoi(text.substr(i + 1, 4), nullptr, 16));
-          i += 4;
-          continue;
-        }
-        out += c == 'n' ? '\n' : c == 't' ? '\t' : c;
-        continue;
-      }
-      out += c;
-    }
-    return std::nullopt;
-  };
-  JsonObject object;
-  skip();
-  if (i >= text.size() || text[i++] != '{') return std::nullopt;
-  skip();
-  if (i < text.size() && text[i] == '}') return object;
-  while (true) {
-    skip();
-    auto key = string();
-    if (!key) return std::nullopt;
-    skip();
-    if (i >= text.size() || text[i++] != ':') return std::nullopt;
-    skip();
-    if (i >= text.size()) return std::nullopt;
-    if (text[i] == '"') {
-      auto value = string();
-      if (!value) return std::nullopt;
-      object[*key] = *value;
-    } else if (text.compare(i, 4, "true") == 0) {
-      object[*key] = true;
-      i += 4;
-    } else if (text.compare(i, 5, "false") == 0) {
-      object[*key] = false;
-      i += 5;
-    } else if (text.compare(i, 4, "null") == 0) {
-      object[*key] = std::monostate{};
-      i += 4;
-    } else {
-      size_t used = 0;
-      try {
-        object[*key] = std::stod(text.substr(i), &used);
-      } catch (const std::logic_error&) {
-        return std::nullopt;
-      }
-      i += used;
-    }
-    skip();
-    if (i < text.size() && text[i] == ',') {
-      ++i;
-      continue;
-    }
-    if (i < text.size() && text[i] == '}') return object;
-    return std::nullopt;
-  }
-}
-
-std::optional<double> number(const JsonObject& o, const std::string& key) {
-  auto it = o.find(key);
-  if (it == o.end()) return std::nullopt;
-  if (const double* d = std::get_if<double>(&it->second)) return *d;
-  return std::nullopt;
-}
+std::optional<double> number(const FlatObject& o, const std::string& key) { return o.number(key); }
 
 struct Settings {
   int64_t epochs = 1;
@@ -173,7 +91,7 @@ std::vector<Mode> modes(const Settings& s) {
 
 struct Row {
   Mode mode;
-  JsonObject result;
+  FlatObject result;
   std::string error;
 };
 
@@ -189,7 +107,7 @@ Row runMode(const Mode& mode, const fs::path& dir) {
     return row;
   }
   std::string line;
-  std::optional<JsonObject> last;
+  std::optional<FlatObject> last;
   char buf[4096];
   while (std::fgets(buf, sizeof(buf), pipe) != nullptr) {
     line += buf;
@@ -197,7 +115,7 @@ Row runMode(const Mode& mode, const fs::path& dir) {
     std::cerr << "  " << line;
     const size_t brace = line.find("{\"example\"");
     if (brace != std::string::npos) {
-      if (auto parsed = parseFlatJson(line.substr(brace))) last = std::move(parsed);
+      if (auto parsed = distgrad::tools::parseFlatJson(line.substr(brace))) last = std::move(parsed);
     }
     line.clear();
   }
@@ -325,9 +243,10 @@ int main(int argc, char** argv) {
       line.add("error", row.error);
     }
     // The example's own fields, renamed where they would repeat the row's ("mode" is the row's name here).
-    for (const auto& [key, value] : row.result) {
+    for (const auto& [key, value] : row.result.values) {
       const std::string name = key == "mode" || key == "example" ? "example_" + key : key;
       if (const double* d = std::get_if<double>(&value)) line.add(name, *d);
+      if (const int64_t* i = std::get_if<int64_t>(&value)) line.add(name, *i);
       if (const std::string* str = std::get_if<std::string>(&value)) line.add(name, *str);
     }
     std::cout << line.str() << std::endl;

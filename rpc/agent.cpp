@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
 #include <thread>
 #include <utility>
 
@@ -52,6 +53,9 @@ constexpr size_t kMaxHandshakeEnvelopeBytes = 4096;
 constexpr std::chrono::microseconds kCalleeDeadlineGrace{20'000};
 // Default bound on one link's handshake (AgentConfig::handshakeTimeout).
 constexpr std::chrono::milliseconds kDefaultHandshakeTimeout{10'000};
+// Clock-offset samples kept per peer (the handshake's, then one per heartbeat received): the estimate is
+// the sample with the smallest round trip among them (Note [Clock offsets]).
+constexpr size_t kClockWindow = 16;
 
 const char* stageName(int64_t stage) {
   switch (stage) {
@@ -129,6 +133,18 @@ std::string joinNames(const std::vector<std::string>& names) {
 
 }  // namespace
 
+// Note [Clock offsets] (docs/wire_protocol.md, "Clock offsets")
+// Every worker times its events with its own steady clock; distgrad-trace lines them up with an estimate
+// of each peer's clock taken from four timestamps of one round trip: t0 (A sends, A's clock), t1 (B
+// receives, B's clock), t2 (B answers, B's clock), t3 (A receives, A's clock):
+//   rtt = (t3 - t0) - (t2 - t1)        offset(A -> B) = (t1 - t0) - rtt / 2
+// (= ((t1 - t0) + (t2 - t3)) / 2: the error is at most rtt / 2, the asymmetry of the two trips). The
+// handshake gives the first sample: hello (t0), challenge (t1 = when the hello arrived, t2 = its own send
+// time), the connector takes t3 and sends its estimate in the proof, which the acceptor checks against the
+// t0 and t1 it knows (the offset must equal (t1 - t0) - rtt / 2) and adopts, negated. Heartbeats refresh
+// it: each carries its send time and echoes the last heartbeat received from that peer with its arrival
+// time, so every heartbeat that echoes one gives its receiver a new sample. A peer keeps the last
+// kClockWindow samples; the one with the smallest round trip (least queueing) is the estimate.
 struct Agent::HandshakeMessage {
   int64_t stage = 0;
   int64_t version = 0;
@@ -136,6 +152,13 @@ struct Agent::HandshakeMessage {
   int64_t rank = -1;
   std::vector<uint8_t> nonce;
   std::vector<uint8_t> mac;
+  // Note [Clock offsets]: hello and challenge: the sender's clock when it sent this message (> 0);
+  // challenge: when the hello arrived (acceptor's clock); proof: the connector's estimate of the acceptor's
+  // clock (offsetNs, with its round trip rttNs >= 0). 0 where a stage does not use them.
+  int64_t sentNs = 0;
+  int64_t helloReceivedNs = 0;
+  int64_t offsetNs = 0;
+  int64_t rttNs = 0;
   template <class V>
   void visitFields(V& v) {
     v("stage", stage);
@@ -144,6 +167,25 @@ struct Agent::HandshakeMessage {
     v("rank", rank);
     v("nonce", nonce);
     v("mac", mac);
+    v("sentNs", sentNs);
+    v("helloReceivedNs", helloReceivedNs);
+    v("offsetNs", offsetNs);
+    v("rttNs", rttNs);
+  }
+};
+
+// The value of a heartbeat (Note [Clock offsets]): its send time on the sender's clock, and the send time
+// of the last heartbeat the sender received from this receiver with its arrival time on the sender's
+// clock (both 0 until one arrived).
+struct Agent::HeartbeatMessage {
+  int64_t sentNs = 0;
+  int64_t echoNs = 0;
+  int64_t echoReceivedNs = 0;
+  template <class V>
+  void visitFields(V& v) {
+    v("sentNs", sentNs);
+    v("echoNs", echoNs);
+    v("echoReceivedNs", echoReceivedNs);
   }
 };
 
@@ -174,6 +216,14 @@ struct Agent::Link {
   std::optional<HandshakeMessage> deferredHello;      // GUARDED_BY(Agent::mutex_)
   bool ready = false;    // written on the loop thread under Agent::mutex_
   bool refused = false;  // written on the loop thread under Agent::mutex_
+  // Written on the loop thread before the link is registered (under Agent::mutex_), read-only afterwards.
+  int peerRank = -1;
+  // Note [Clock offsets], loop: the connector's hello send time; the acceptor's copy of the hello's
+  // sentNs and its arrival; the sample the handshake gave (moved into the Peer by registerLink).
+  int64_t helloSentNs = 0;
+  int64_t peerHelloSentNs = 0;
+  int64_t helloReceivedNs = 0;
+  std::optional<std::pair<int64_t, int64_t>> clockSample;  // (offset, rtt)
 };
 
 struct Agent::Peer {
@@ -190,6 +240,13 @@ struct Agent::Peer {
   std::atomic<uint64_t> bytesReceived{0};
   std::atomic<uint64_t> errors{0};
   uint64_t pending = 0;  // GUARDED_BY(Agent::mutex_)
+  // Note [Clock offsets], GUARDED_BY(Agent::mutex_): the last kClockWindow samples (offset, rtt), how many
+  // were taken, and the last heartbeat received from the peer (its sentNs, our arrival time) to echo.
+  std::deque<std::pair<int64_t, int64_t>> clockSamples;
+  uint64_t clockSampleCount = 0;
+  int64_t lastHeartbeatSentNs = 0;
+  int64_t lastHeartbeatReceivedNs = 0;
+  int64_t lastEchoUsedNs = 0;  // the echo of our heartbeat that gave the last sample (never used twice)
 };
 
 struct Agent::Pending {
@@ -198,6 +255,11 @@ struct Agent::Pending {
   Completion complete;
   TimerId timer = kInvalidTimerId;
   CancellationRegistration cancelRegistration;
+  // Tracing: the function's interned name (nullptr: the call is not traced), the callee's rank and when
+  // the call started waiting (after its frame was queued).
+  const char* traceName = nullptr;
+  int peerRank = -1;
+  int64_t waitBeginNs = 0;
 };
 
 struct Agent::Incoming {
@@ -233,8 +295,14 @@ void Agent::warn(const std::string& message) const {
 }
 
 void Agent::startUp() {
-  executor_ = std::make_unique<Executor>(static_cast<size_t>(std::max(1, options_.executorThreads)), "dg-agent");
-  timers_ = std::make_unique<TimerQueue>();
+  // First the trace slot every thread of this agent records for; with Options::traceDir the file is
+  // created now, so a directory that cannot be written fails start at once (ValueError).
+  traceSlot_ = trace::registerWorker(name_, options_.rank, options_.traceDir, config_.clockSkewForTesting.count());
+  const trace::WorkerSlot slot = traceSlot_;
+  auto bindThread = [slot] { trace::setCurrentWorker(slot); };
+  executor_ = std::make_unique<Executor>(static_cast<size_t>(std::max(1, options_.executorThreads)), "dg-agent",
+                                         bindThread);
+  timers_ = std::make_unique<TimerQueue>(nullptr, bindThread);
   // Before any connection exists, so every message sees the hook (it may use the executor).
   if (registry_.autogradHookFactory()) autogradHook_ = registry_.autogradHookFactory()(*this);
   const auto rendezvousDeadline = SteadyTime::now() + options_.rendezvousTimeout;
@@ -262,6 +330,8 @@ void Agent::startUp() {
     if (!context.ok()) throw RpcError(context.error());
     context_ = std::move(context).value();
   }
+  // The loop thread records for this agent too; this runs before any connection exists.
+  context_->defer(bindThread);
   allocator_ = makePayloadAllocator();
   std::string listenAddress;
   std::string publishHost;
@@ -387,13 +457,17 @@ std::string Agent::storeAddress() const { return storeAddress_; }
 
 // ---- links and handshake (loop thread) ----
 
-Result<transport::OutgoingFrame> Agent::introduction(int64_t stage, const Link& link) const {
+Result<transport::OutgoingFrame> Agent::introduction(int64_t stage, Link& link) const {
   HandshakeMessage message;
   message.stage = stage;
   message.version = config_.protocolVersionForTesting;
   message.name = name_;
   message.rank = options_.rank;
   message.nonce.assign(link.nonce.begin(), link.nonce.end());
+  // Note [Clock offsets]: the hello's send time is t0; the challenge carries t1 (the hello's arrival) and t2.
+  message.sentNs = clockNs();
+  if (stage == kHello) link.helloSentNs = message.sentNs;
+  if (stage == kChallenge) message.helloReceivedNs = link.helloReceivedNs;
   EnvelopeFields fields;
   fields.kind = MessageKind::kHandshake;
   return encodeMessageWith(fields, message);
@@ -500,6 +574,7 @@ void Agent::refuseLink(const std::shared_ptr<Link>& link, const std::string& rea
 }
 
 void Agent::onFrame(const std::shared_ptr<Link>& link, transport::IncomingFrame&& frame) {
+  const int64_t arrivalNs = trace::enabled() ? trace::nowNs() : 0;
   if (!link->ready && (!frame.payloads.empty() || frame.envelope.size() > kMaxHandshakeEnvelopeBytes)) {
     // Only handshake messages may come before the link is ready (the tcp allocator refused payloads
     // before this point; inproc frames get here).
@@ -539,18 +614,24 @@ void Agent::onFrame(const std::shared_ptr<Link>& link, transport::IncomingFrame&
   }
   peer->lastSeenNanos.store(nowNanos(), std::memory_order_relaxed);
   peer->bytesReceived.fetch_add(bytes, std::memory_order_relaxed);
+  if (arrivalNs != 0) {
+    trace::recordInstant("transport.recv", trace::Category::kTransport, arrivalNs,
+                         {static_cast<int64_t>(bytes), peer->rank});
+  }
+  const Arrival arrival{arrivalNs, bytes};
   switch (message.kind()) {
     case MessageKind::kCall:
-      onCall(link, std::move(message));
+      onCall(link, std::move(message), arrival);
       break;
     case MessageKind::kResponse:
     case MessageKind::kError:
-      onReply(link->peer, std::move(message));
+      onReply(link->peer, std::move(message), arrival);
       break;
     case MessageKind::kCancel:
       onCancel(link->peer, message);
       break;
     case MessageKind::kHeartbeat:
+      onHeartbeat(link, message);
       break;
     default:
       warn(std::string("ignoring a ") + messageKindName(message.kind()) + " message from " + link->peer +
@@ -561,6 +642,7 @@ void Agent::onFrame(const std::shared_ptr<Link>& link, transport::IncomingFrame&
 
 void Agent::onHandshake(const std::shared_ptr<Link>& link, const DecodedMessage& message) {
   if (link->refused) return;
+  const int64_t receivedNs = clockNs();  // Note [Clock offsets]: t1 of a hello, t3 of a challenge
   auto decoded = message.decodeValue<HandshakeMessage>();
   if (!decoded.ok()) return refuseLink(link, "malformed handshake: " + decoded.error().message);
   HandshakeMessage hs = std::move(decoded).value();
@@ -587,12 +669,18 @@ void Agent::onHandshake(const std::shared_ptr<Link>& link, const DecodedMessage&
       return refuseLink(link, "a nonce of " + std::to_string(hs.nonce.size()) + " bytes (expected " +
                                   std::to_string(detail::kNonceBytes) + ")");
     }
+    if (hs.sentNs <= 0) {
+      return refuseLink(link, std::string("a ") + stageName(hs.stage) + " with sentNs " + std::to_string(hs.sentNs) +
+                                  " (expected the sender's steady clock in ns, > 0)");
+    }
   }
   EnvelopeFields fields;
   fields.kind = MessageKind::kHandshake;
   switch (hs.stage) {
     case kHello: {
       link->step = HandshakeStep::kHelloPending;
+      link->peerHelloSentNs = hs.sentNs;
+      link->helloReceivedNs = receivedNs;
       {
         // A hello can come before this agent has read the peer list from the store: it waits on the link
         // (startUp replays it on the loop) so that the loop thread never blocks.
@@ -623,11 +711,25 @@ void Agent::onHandshake(const std::shared_ptr<Link>& link, const DecodedMessage&
         return refuseLink(link, "protocol version " + std::to_string(hs.version) + ", this worker speaks " +
                                     std::to_string(config_.protocolVersionForTesting));
       }
+      // Note [Clock offsets]: t0 = our hello, t1 = its arrival, t2 = the challenge's send time, t3 = now.
+      if (hs.helloReceivedNs <= 0 || hs.helloReceivedNs > hs.sentNs) {
+        return refuseLink(link, "a challenge whose hello arrival time (" + std::to_string(hs.helloReceivedNs) +
+                                    " ns) is not in (0, its send time " + std::to_string(hs.sentNs) + " ns]");
+      }
+      // Both steady clocks are monotonic and run at the same rate to within parts per million, so a
+      // negative round trip can only be rounding: it counts as 0.
+      const int64_t rtt =
+          std::max<int64_t>(0, (receivedNs - link->helloSentNs) - (hs.sentNs - hs.helloReceivedNs));
+      const int64_t offset = (hs.helloReceivedNs - link->helloSentNs) - rtt / 2;
+      link->clockSample = std::make_pair(offset, rtt);
       link->peer = hs.name;
+      link->peerRank = registeredRank;
       link->peerNonce = std::move(hs.nonce);
       HandshakeMessage proof;
       proof.stage = kProof;
       proof.version = config_.protocolVersionForTesting;
+      proof.offsetNs = offset;
+      proof.rttNs = rtt;
       proof.mac = handshakeMac(options_.secret, kConnectorToAcceptor, link->nonce, link->peerNonce, name_, link->peer);
       link->step = HandshakeStep::kAwaitAccept;
       auto frame = encodeMessageWith(fields, proof);
@@ -640,6 +742,20 @@ void Agent::onHandshake(const std::shared_ptr<Link>& link, const DecodedMessage&
                                       name_);
       if (!detail::constantTimeEqual(expectedMac, hs.mac)) {
         return refuseLink(link, "HMAC mismatch: the peer does not know the cluster secret (DISTGRAD_SECRET)");
+      }
+      {
+        // Note [Clock offsets]: the connector's estimate must follow from the hello's t0 and t1 we know.
+        // Every trip of the handshake fits in its timeout, which also keeps this arithmetic in range.
+        const int64_t maxRtt = std::chrono::duration_cast<std::chrono::nanoseconds>(handshakeTimeout()).count();
+        const bool rttOk = hs.rttNs >= 0 && hs.rttNs <= maxRtt;
+        const int64_t expectedOffset = rttOk ? (link->helloReceivedNs - link->peerHelloSentNs) - hs.rttNs / 2 : 0;
+        if (!rttOk || hs.offsetNs != expectedOffset) {
+          return refuseLink(link, "a proof whose clock estimate (offset " + std::to_string(hs.offsetNs) + " ns, rtt " +
+                                      std::to_string(hs.rttNs) + " ns) does not follow from its hello's times " +
+                                      "(expected rtt in [0, " + std::to_string(maxRtt) + "] and offset " +
+                                      (rttOk ? std::to_string(expectedOffset) + " ns)" : "(hello arrival - hello sent) - rtt / 2)"));
+        }
+        link->clockSample = std::make_pair(-hs.offsetNs, hs.rttNs);
       }
       {
         std::lock_guard<std::mutex> lock(mutex_);
@@ -695,6 +811,7 @@ void Agent::onHello(const std::shared_ptr<Link>& link, const HandshakeMessage& h
                                 "), but only a lower rank connects to a higher one", hello.name);
   }
   link->peer = hello.name;
+  link->peerRank = *registeredRank;
   link->peerNonce = hello.nonce;
   auto frame = introduction(kChallenge, *link);
   if (!frame.ok()) return refuseLink(link, "cannot encode the challenge: " + frame.error().message);
@@ -716,11 +833,75 @@ bool Agent::registerLink(const std::shared_ptr<Link>& link) {
     peer.link = link;
     link->ready = true;
     peer.lastSeenNanos.store(nowNanos(), std::memory_order_relaxed);
+    if (link->clockSample) addClockSampleLocked(peer, link->clockSample->first, link->clockSample->second);
   }
   link->step = HandshakeStep::kDone;
   if (link->handshakeTimer != kInvalidTimerId) timers_->cancel(link->handshakeTimer);
   changed_.notify_all();
   return true;
+}
+
+void Agent::onHeartbeat(const std::shared_ptr<Link>& link, const DecodedMessage& message) {
+  const int64_t receivedNs = clockNs();  // Note [Clock offsets]: t3 of the round trip the echo closes
+  auto decoded = message.decodeValue<HeartbeatMessage>();
+  std::string problem;
+  HeartbeatMessage beat;
+  if (!decoded.ok()) {
+    problem = "a malformed heartbeat: " + decoded.error().message;
+  } else {
+    beat = std::move(decoded).value();
+    if (beat.sentNs <= 0) {
+      problem = "a heartbeat with sentNs " + std::to_string(beat.sentNs) + " (expected > 0)";
+    } else if (beat.echoNs < 0 || beat.echoReceivedNs < 0 || (beat.echoNs == 0) != (beat.echoReceivedNs == 0)) {
+      problem = "a heartbeat echoing time " + std::to_string(beat.echoNs) + " received at " +
+                std::to_string(beat.echoReceivedNs) + " (expected both 0 or both > 0)";
+    } else if (beat.echoNs > receivedNs) {
+      problem = "a heartbeat echoing time " + std::to_string(beat.echoNs) + ", later than this worker's clock (" +
+                std::to_string(receivedNs) + ")";
+    } else if (beat.echoReceivedNs > beat.sentNs) {
+      problem = "a heartbeat sent at " + std::to_string(beat.sentNs) + " echoing a heartbeat it received later, at " +
+                std::to_string(beat.echoReceivedNs);
+    }
+  }
+  if (!problem.empty()) {
+    warn("closing the connection with " + link->peer + ": " + problem);
+    link->connection->close();
+    return;
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = peers_.find(link->peer);
+  if (it == peers_.end()) return;
+  Peer& peer = *it->second;
+  peer.lastHeartbeatSentNs = beat.sentNs;
+  peer.lastHeartbeatReceivedNs = receivedNs;
+  if (beat.echoNs == 0 || beat.echoNs == peer.lastEchoUsedNs) return;  // nothing new to learn
+  // t0 = echoNs (ours), t1 = echoReceivedNs (theirs), t2 = sentNs (theirs), t3 = receivedNs (ours). All
+  // differences are of non-negative values, so none overflows.
+  const int64_t rtt = (receivedNs - beat.echoNs) - (beat.sentNs - beat.echoReceivedNs);
+  if (rtt < 0) return;  // the clocks' rates differ over the interval (slewing): no usable sample
+  peer.lastEchoUsedNs = beat.echoNs;
+  addClockSampleLocked(peer, (beat.echoReceivedNs - beat.echoNs) - rtt / 2, rtt);
+}
+
+void Agent::addClockSampleLocked(Peer& peer, int64_t offsetNs, int64_t rttNs) {
+  peer.clockSamples.emplace_back(offsetNs, rttNs);
+  if (peer.clockSamples.size() > kClockWindow) peer.clockSamples.pop_front();
+  ++peer.clockSampleCount;
+  if (!trace::enabled()) return;
+  auto best = std::min_element(peer.clockSamples.begin(), peer.clockSamples.end(),
+                               [](const auto& a, const auto& b) { return a.second < b.second; });
+  // The recorder's lock is a leaf: taking it under mutex_ cannot deadlock.
+  trace::setClockOffset(traceSlot_, peer.name, peer.rank, best->first, best->second, peer.clockSampleCount);
+}
+
+std::optional<ClockOffset> Agent::clockOffset(const std::string& worker) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = peers_.find(worker);
+  if (it == peers_.end() || it->second->clockSamples.empty()) return std::nullopt;
+  const Peer& peer = *it->second;
+  auto best = std::min_element(peer.clockSamples.begin(), peer.clockSamples.end(),
+                               [](const auto& a, const auto& b) { return a.second < b.second; });
+  return ClockOffset{best->first, best->second, peer.clockSampleCount};
 }
 
 void Agent::onLinkClosed(const std::shared_ptr<Link>& link, const Error& error) {
@@ -799,6 +980,9 @@ std::shared_ptr<AgentExtension> Agent::extension(const std::string& key,
 
 void Agent::rpcRaw(const CallOptions& callOptions, const std::string& worker, const std::string& functionName,
                    uint64_t signatureHash, const EncodeValueFn& encodeValue, RawCompletion complete) {
+  const bool tracing = trace::enabled();
+  trace::WorkerScope traceWorker(traceSlot_, tracing);
+  CallTiming timing;
   EnvelopeFields fields;
   fields.kind = MessageKind::kCall;
   fields.messageId = nextMessageId_.fetch_add(1, std::memory_order_relaxed);
@@ -806,12 +990,14 @@ void Agent::rpcRaw(const CallOptions& callOptions, const std::string& worker, co
   fields.signatureHash = signatureHash;
   prepareCall(callOptions, fields);
   const CodecScope scope = sendScope(worker, activeAutogradContext());
+  if (tracing) timing.serializeBeginNs = trace::nowNs();
   auto frame = encodeMessage(fields, encodeValue, &scope);
+  if (tracing) timing.serializeEndNs = trace::nowNs();
   if (!frame.ok()) {
     complete(Result<DecodedMessage>(frame.error()));
     return;
   }
-  startCall(callOptions, worker, fields, std::move(frame).value(), std::move(complete));
+  startCall(callOptions, worker, fields, std::move(frame).value(), std::move(complete), timing);
 }
 
 // ---- calls ----
@@ -850,9 +1036,14 @@ void Agent::prepareCall(const CallOptions& callOptions, EnvelopeFields& fields) 
 }
 
 void Agent::startCall(const CallOptions& callOptions, const std::string& worker, const EnvelopeFields& fields,
-                      transport::OutgoingFrame frame, Completion complete) {
+                      transport::OutgoingFrame frame, Completion complete, const CallTiming& timing) {
   const uint64_t id = fields.messageId;
   const bool toSelf = worker == name_;  // Note [Self calls]
+  // Decided once, when the call was encoded: a call is traced whole or not at all.
+  const bool traced = timing.serializeBeginNs != 0;
+  const char* traceName = traced ? trace::intern(fields.functionName) : nullptr;
+  const uint64_t bytes = frameBytes(frame);
+  int peerRank = -1;
   std::shared_ptr<Link> link;
   std::optional<Error> refusal;
   {
@@ -875,10 +1066,14 @@ void Agent::startCall(const CallOptions& callOptions, const std::string& worker,
       pending->peer = worker;
       pending->function = fields.functionName;
       pending->complete = std::move(complete);
+      pending->traceName = traceName;
+      pending->peerRank = peer.rank;
+      pending->waitBeginNs = timing.serializeEndNs;  // until the frame is queued (below)
+      peerRank = peer.rank;
       pending_.emplace(id, std::move(pending));
       ++peer.pending;
       peer.callsSent.fetch_add(1, std::memory_order_relaxed);
-      peer.bytesSent.fetch_add(frameBytes(frame), std::memory_order_relaxed);
+      peer.bytesSent.fetch_add(bytes, std::memory_order_relaxed);
     }
   }
   if (refusal) {
@@ -891,13 +1086,26 @@ void Agent::startCall(const CallOptions& callOptions, const std::string& worker,
   if (toSelf) {
     deliverToSelf(std::move(frame), id);
   } else {
-    link->connection->send(std::move(frame), [this, id, worker](const Result<void>& sent) {
+    link->connection->send(std::move(frame), [this, id, worker, traced, bytes, peerRank](const Result<void>& sent) {
       if (!sent.ok()) {
         Error error = Error::disconnected("sending to " + worker + " failed: " + sent.error().message);
         error.worker = worker;
         failPending(id, std::move(error), /*sendCancel=*/false);
+        return;
+      }
+      if (traced && trace::enabled()) {
+        trace::instant("transport.send", trace::Category::kTransport, {static_cast<int64_t>(bytes), peerRank});
       }
     });
+  }
+  const int64_t sentNs = traced ? trace::nowNs() : 0;
+  if (traced) {
+    const int64_t b = static_cast<int64_t>(bytes);
+    const int64_t i = static_cast<int64_t>(id);
+    trace::recordSpan("rpc.client.serialize", trace::Category::kRpcClient, timing.serializeBeginNs,
+                      timing.serializeEndNs, {b, peerRank, i}, 0, trace::FlowPhase::kNone, traceName);
+    trace::recordSpan("rpc.client.send", trace::Category::kRpcClient, timing.serializeEndNs, sentNs, {b, peerRank, i},
+                      trace::callFlowId(options_.rank, id), trace::FlowPhase::kStart, traceName);
   }
   auto timeout = effectiveTimeout(callOptions);
   if (timeout.count() > 0) {
@@ -913,12 +1121,17 @@ void Agent::startCall(const CallOptions& callOptions, const std::string& worker,
       auto it = pending_.find(id);
       if (it != pending_.end()) {
         it->second->timer = timer;
+        if (traced) it->second->waitBeginNs = sentNs;
         armed = true;
       }
     }
     // The reply (or a failure) already took the call: its completion could not see this timer, so cancel
     // it here rather than leave it queued (holding its captures) until the deadline.
     if (!armed && timer != kInvalidTimerId) timers_->cancel(timer);
+  } else if (traced) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = pending_.find(id);
+    if (it != pending_.end()) it->second->waitBeginNs = sentNs;
   }
   {
     // A default token never calls back; a cancelled one calls back at once (inline).
@@ -954,6 +1167,12 @@ std::unique_ptr<Agent::Pending> Agent::takePending(uint64_t id, const std::strin
 void Agent::failPending(uint64_t id, Error error, bool sendCancel) {
   auto pending = takePending(id);
   if (!pending) return;
+  if (pending->traceName != nullptr && trace::enabled()) {
+    // a2: 1 + the ErrorKind that ended the wait (0 = a reply came).
+    trace::recordAsync("rpc.client.wait", trace::Category::kRpcClient, pending->waitBeginNs, trace::nowNs(),
+                       {pending->peerRank, static_cast<int64_t>(id), 1 + static_cast<int64_t>(error.kind)}, 0,
+                       pending->traceName);
+  }
   if (pending->timer != kInvalidTimerId) timers_->cancel(pending->timer);
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -970,20 +1189,39 @@ void Agent::failPending(uint64_t id, Error error, bool sendCancel) {
   pending->complete(Result<DecodedMessage>(std::move(error)));
 }
 
-void Agent::onReply(const std::string& peer, DecodedMessage message) {
-  auto pending = takePending(message.fields().messageId, &peer);
+void Agent::onReply(const std::string& peer, DecodedMessage message, Arrival arrival) {
+  const uint64_t id = message.fields().messageId;
+  auto pending = takePending(id, &peer);
   if (!pending) return;  // it timed out or was cancelled before the reply came
+  // Traced when the call was and tracing is still on: the wait until the reply arrived, then the span of
+  // its decoding and completion, which ends the call's flow.
+  const bool traced = pending->traceName != nullptr && arrival.ns != 0;
+  if (traced) {
+    const int64_t status = message.kind() == MessageKind::kError && message.fields().error
+                               ? 1 + static_cast<int64_t>(message.fields().error->kind)
+                               : 0;
+    trace::recordAsync("rpc.client.wait", trace::Category::kRpcClient, pending->waitBeginNs, arrival.ns,
+                       {pending->peerRank, static_cast<int64_t>(id), status}, 0, pending->traceName);
+  }
+  auto complete = [&](Result<DecodedMessage>&& result) {
+    pending->complete(std::move(result));
+    if (traced) {
+      trace::recordSpan("rpc.client.deserialize", trace::Category::kRpcClient, arrival.ns, trace::nowNs(),
+                        {static_cast<int64_t>(arrival.bytes), pending->peerRank, static_cast<int64_t>(id)},
+                        trace::callFlowId(options_.rank, id), trace::FlowPhase::kEnd, pending->traceName);
+    }
+  };
   message.setScope(CodecScope{this, peer});
   if (pending->timer != kInvalidTimerId) timers_->cancel(pending->timer);
   if (auto refused = attachAutograd(message, peer)) {
-    pending->complete(Result<DecodedMessage>(std::move(*refused)));
+    complete(Result<DecodedMessage>(std::move(*refused)));
     return;
   }
   if (message.kind() == MessageKind::kError) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (Peer* peer = peerLocked(pending->peer)) peer->errors.fetch_add(1, std::memory_order_relaxed);
   }
-  pending->complete(Result<DecodedMessage>(std::move(message)));
+  complete(Result<DecodedMessage>(std::move(message)));
 }
 
 void Agent::onCancel(const std::string& peer, const DecodedMessage& message) {
@@ -1016,9 +1254,20 @@ void Agent::onCallDeadline(const std::string& peer, uint64_t id, int64_t timeout
   source->cancel(std::move(reason));
 }
 
-void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message) {
+void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Arrival arrival) {
   const std::string peerName = link ? link->peer : name_;  // no link: a call of this agent to itself
   const uint64_t id = message.fields().messageId;
+  // Traced when tracing was on as the frame arrived: deserialize (up to here), queue, execute, await,
+  // serialize and send of the reply, with the call's flow (started by the caller) stepping at execute.
+  const char* traceName = arrival.ns != 0 ? trace::intern(message.fields().functionName) : nullptr;
+  const int callerRank = link ? link->peerRank : options_.rank;
+  // Decoded now; the call is queued for the executor right after (one clock read for both).
+  const int64_t queuedNs = traceName != nullptr ? trace::nowNs() : 0;
+  if (traceName != nullptr) {
+    trace::recordSpan("rpc.server.deserialize", trace::Category::kRpcServer, arrival.ns, queuedNs,
+                      {static_cast<int64_t>(arrival.bytes), callerRank, static_cast<int64_t>(id)}, 0,
+                      trace::FlowPhase::kNone, traceName);
+  }
   CancellationToken token;
   std::optional<Error> refusal;
   bool duplicateId = false;
@@ -1051,7 +1300,10 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message) {
   }
   // A response to a call of an autograd context belongs to it too (its grad tensors flow back).
   const uint64_t autogradContext = message.fields().autograd ? message.fields().autograd->contextId : 0;
-  auto reply = [this, peerName, id, autogradContext, fn = message.fields().functionName](Result<EncodeValueFn>&& result) {
+  auto reply = [this, peerName, id, autogradContext, fn = message.fields().functionName, traceName,
+                callerRank](Result<EncodeValueFn>&& result, int64_t startedNs = 0) {
+    // `startedNs`: the caller just read the clock (a handler that returned); saves a read.
+    const int64_t serializeBeginNs = traceName == nullptr ? 0 : startedNs != 0 ? startedNs : trace::nowNs();
     EnvelopeFields fields;
     fields.messageId = id;
     fields.functionName = fn;
@@ -1068,7 +1320,15 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message) {
       fields.error = std::move(error);
       frame = encodeMessage(fields);
     }
+    const int64_t serializeEndNs = traceName != nullptr ? trace::nowNs() : 0;
+    const int64_t bytes = frame.ok() ? static_cast<int64_t>(frameBytes(frame.value())) : 0;
     if (frame.ok()) sendFrame(peerName, std::move(frame).value(), id);
+    if (traceName != nullptr) {
+      trace::recordSpan("rpc.server.serialize", trace::Category::kRpcServer, serializeBeginNs, serializeEndNs,
+                        {bytes, callerRank, static_cast<int64_t>(id)}, 0, trace::FlowPhase::kNone, traceName);
+      trace::recordSpan("rpc.server.send", trace::Category::kRpcServer, serializeEndNs, trace::nowNs(),
+                        {bytes, callerRank, static_cast<int64_t>(id)}, 0, trace::FlowPhase::kNone, traceName);
+    }
     std::unique_ptr<Incoming> done;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -1092,7 +1352,12 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message) {
     reply(Result<EncodeValueFn>(std::move(*refusal)));
     return;
   }
-  auto task = [this, peerName, token, reply, message = std::move(message)]() mutable {
+  auto task = [this, peerName, token, reply, message = std::move(message), traceName, callerRank, queuedNs]() mutable {
+    const int64_t startNs = traceName != nullptr ? trace::nowNs() : 0;
+    if (traceName != nullptr) {
+      trace::recordAsync("rpc.server.queue", trace::Category::kRpcServer, queuedNs, startNs,
+                         {callerRank, static_cast<int64_t>(message.fields().messageId)}, 0, traceName);
+    }
     const auto& fields = message.fields();
     auto entry = registry_.find(fields.functionName);
     if (!entry) {
@@ -1123,17 +1388,29 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message) {
       AutogradContextScope active(ctx.autogradContext);
       return entry->invoke(message, ctx, *executor_);
     }();
+    const int64_t invokedNs = traceName != nullptr ? trace::nowNs() : 0;
+    if (traceName != nullptr) {
+      trace::recordSpan("rpc.server.execute", trace::Category::kRpcServer, startNs, invokedNs,
+                        {callerRank, static_cast<int64_t>(fields.messageId)},
+                        trace::callFlowId(callerRank, fields.messageId), trace::FlowPhase::kStep, traceName);
+    }
     if (result.isReady()) {
       // A synchronous handler (or an async one that finished already): we are on an executor thread
       // inside this task, so encode and send the reply here instead of posting a continuation for it.
       // This is not a continuation running inline (the task consumes its own ready result), and it
       // saves one executor round trip (and often a worker wake-up) per call.
-      reply(result.result());
+      reply(result.result(), invokedNs);
       return;
     }
     // Still running: the reply (which encodes the value) is a normal continuation on the executor, never
     // on the thread that completes the handler's future (that may be a transport loop thread).
-    (void)result.then([reply](Result<EncodeValueFn>&& r) mutable { reply(std::move(r)); });
+    (void)result.then([reply, traceName, callerRank, invokedNs, id = fields.messageId](Result<EncodeValueFn>&& r) mutable {
+      if (traceName != nullptr && trace::enabled()) {
+        trace::recordAsync("rpc.server.await", trace::Category::kRpcServer, invokedNs, trace::nowNs(),
+                           {callerRank, static_cast<int64_t>(id)}, 0, traceName);
+      }
+      reply(std::move(r));
+    });
   };
   if (!executor_->post(std::move(task))) {
     reply(Result<EncodeValueFn>(Error::failed("worker " + name_ + " is shutting down")));
@@ -1161,6 +1438,16 @@ void Agent::sendFrame(const std::string& peerName, transport::OutgoingFrame fram
 }
 
 void Agent::sendOn(const std::shared_ptr<Link>& link, transport::OutgoingFrame frame) {
+  // `ready` and `peerRank` were set on the loop thread before the link was published under mutex_, which
+  // every caller took to find the link (the loop thread itself wrote them).
+  if (trace::enabled() && link->ready) {
+    const auto bytes = static_cast<int64_t>(frameBytes(frame));
+    const int rank = link->peerRank;
+    link->connection->send(std::move(frame), [bytes, rank](const Result<void>& sent) {
+      if (sent.ok() && trace::enabled()) trace::instant("transport.send", trace::Category::kTransport, {bytes, rank});
+    });
+    return;
+  }
   link->connection->send(std::move(frame), [](const Result<void>&) {});
 }
 
@@ -1176,6 +1463,7 @@ void Agent::sendOn(const std::shared_ptr<Link>& link, transport::OutgoingFrame f
 // same as for peers. Only a handler's cancellation callbacks are posted to the executor here (a remote
 // callee runs them on its loop thread), so they never run inside the caller's CancellationSource::cancel().
 void Agent::deliverToSelf(transport::OutgoingFrame frame, uint64_t callId) {
+  const int64_t arrivalNs = trace::enabled() ? trace::nowNs() : 0;
   const uint64_t bytes = frameBytes(frame);
   auto decoded = decodeLoopback(std::move(frame));
   if (!decoded.ok()) {
@@ -1186,13 +1474,14 @@ void Agent::deliverToSelf(transport::OutgoingFrame frame, uint64_t callId) {
   }
   self_->bytesReceived.fetch_add(bytes, std::memory_order_relaxed);
   DecodedMessage message = std::move(decoded).value();
+  const Arrival arrival{arrivalNs, bytes};
   switch (message.kind()) {
     case MessageKind::kCall:
-      onCall(nullptr, std::move(message));
+      onCall(nullptr, std::move(message), arrival);
       break;
     case MessageKind::kResponse:
     case MessageKind::kError:
-      onReply(name_, std::move(message));
+      onReply(name_, std::move(message), arrival);
       break;
     case MessageKind::kCancel: {
       auto shared = std::make_shared<DecodedMessage>(std::move(message));
@@ -1217,7 +1506,8 @@ void Agent::heartbeat() {
   const int64_t now = nowNanos();
   const int64_t limit = std::chrono::duration_cast<std::chrono::nanoseconds>(options_.heartbeatTimeout).count();
   std::vector<std::pair<std::string, int64_t>> silent;
-  std::vector<std::shared_ptr<Link>> alive;
+  // Each live link with what its heartbeat echoes (Note [Clock offsets]).
+  std::vector<std::pair<std::shared_ptr<Link>, HeartbeatMessage>> alive;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (closed_) return;
@@ -1227,7 +1517,10 @@ void Agent::heartbeat() {
       if (quiet > limit) {
         silent.emplace_back(name, quiet / 1'000'000);
       } else {
-        alive.push_back(peer->link);
+        HeartbeatMessage beat;
+        beat.echoNs = peer->lastHeartbeatSentNs;
+        beat.echoReceivedNs = peer->lastHeartbeatReceivedNs;
+        alive.emplace_back(peer->link, beat);
       }
     }
   }
@@ -1241,8 +1534,9 @@ void Agent::heartbeat() {
   }
   EnvelopeFields fields;
   fields.kind = MessageKind::kHeartbeat;
-  for (const auto& link : alive) {
-    auto frame = encodeMessage(fields);
+  for (auto& [link, beat] : alive) {
+    beat.sentNs = clockNs();
+    auto frame = encodeMessageWith(fields, beat);
     if (frame.ok()) sendOn(link, std::move(frame).value());
   }
   std::lock_guard<std::mutex> lock(mutex_);
@@ -1429,6 +1723,8 @@ void Agent::teardown() {
   if (executor_) executor_->shutdown();
   store_.reset();
   storeServer_.reset();
+  // Every thread of the agent is joined: its trace is complete. Writes it and closes the file.
+  trace::unregisterWorker(traceSlot_);
 }
 
 Agent::~Agent() {

@@ -50,6 +50,7 @@
 #include "rpc/registry.h"
 #include "rpc/store.h"
 #include "rpc/timer.h"
+#include "rpc/trace.h"
 #include "rpc/transport/transport.h"
 
 namespace distgrad::rpc {
@@ -77,6 +78,17 @@ struct AgentConfig {
   // Bound on one connection's handshake (from the moment it exists to the last proof): a connection that
   // has not finished by then is closed with a logged reason. 0 = min(Options::rendezvousTimeout, 10 s).
   std::chrono::milliseconds handshakeTimeout{0};
+  // TEST-ONLY: added to this agent's clock (the times its handshakes and heartbeats carry and its trace
+  // file records), so one process can check the clock-offset estimate against a known offset.
+  std::chrono::nanoseconds clockSkewForTesting{0};
+};
+
+// An estimate of a peer's clock relative to this agent's (docs/wire_protocol.md, "Clock offsets"): from
+// the handshake, refreshed by heartbeats; the sample with the smallest round trip of the last few wins.
+struct ClockOffset {
+  int64_t offsetNs = 0;  // add it to this worker's steady-clock time (ns) to get the peer's
+  int64_t rttNs = 0;     // round trip of that sample: the offset is within rttNs / 2 of the truth
+  uint64_t samples = 0;  // samples taken since the link opened
 };
 
 // Per-agent state of a layer above rpc/ (rref/, autograd/distributed/), kept in the agent's extension slot
@@ -140,6 +152,10 @@ class Agent {
   Future<R> rpcAsyncWith(const CallOptions& callOptions, const std::string& worker, const Function<R(Params...)>& fn,
                          A&&... args) {
     static_assert(sizeof...(Params) == sizeof...(A), "rpcAsync: wrong number of arguments");
+    // Tracing (rpc/trace.h): the only cost when off is this load.
+    const bool tracing = trace::enabled();
+    trace::WorkerScope traceWorker(traceSlot_, tracing);
+    CallTiming timing;
     Promise<R> promise(*executor_);
     Future<R> future = promise.getFuture();
     EnvelopeFields fields;
@@ -150,7 +166,9 @@ class Agent {
     // Converting to the declared parameter types first makes the wire type the declared one.
     prepareCall(callOptions, fields);
     const CodecScope scope = sendScope(worker, activeAutogradContext());
+    if (tracing) timing.serializeBeginNs = trace::nowNs();
     auto frame = encodeCallIn(&scope, fields, asParam<Params>(std::forward<A>(args))...);
+    if (tracing) timing.serializeEndNs = trace::nowNs();
     std::string signature = fn.signature();
     Completion complete = [promise = std::move(promise), signature](Result<DecodedMessage>&& reply) mutable {
       if (!reply.ok()) {
@@ -175,7 +193,7 @@ class Agent {
     if (!frame.ok()) {
       complete(Result<DecodedMessage>(frame.error()));
     } else {
-      startCall(callOptions, worker, fields, std::move(frame).value(), std::move(complete));
+      startCall(callOptions, worker, fields, std::move(frame).value(), std::move(complete), timing);
     }
     return future;
   }
@@ -229,6 +247,12 @@ class Agent {
   // heartbeat): a gauge for leak checks.
   size_t armedTimers() const { return timers_ ? timers_->pending() : 0; }
 
+  // The current estimate of `worker`'s clock relative to this agent's; nullopt before the first sample
+  // (or for this agent itself / an unknown name).
+  std::optional<ClockOffset> clockOffset(const std::string& worker) const;
+  // This agent's worker slot in the trace recorder (rpc/trace.h).
+  trace::WorkerSlot traceWorker() const { return traceSlot_; }
+
  private:
   using Completion = detail::MoveOnlyFunction<void(Result<DecodedMessage>&&)>;
   struct Peer;
@@ -236,6 +260,17 @@ class Agent {
   struct Pending;
   struct Incoming;
   struct HandshakeMessage;
+  struct HeartbeatMessage;
+  // When a traced call was encoded (trace::nowNs(); 0 = the call is not traced).
+  struct CallTiming {
+    int64_t serializeBeginNs = 0;
+    int64_t serializeEndNs = 0;
+  };
+  // A received frame: when it arrived (0 = not traced) and its size.
+  struct Arrival {
+    int64_t ns = 0;
+    uint64_t bytes = 0;
+  };
 
   Agent(const Options& options, const Registry& registry, AgentConfig config);
   // The argument as the declared parameter type: passed through when it already is one (no copy).
@@ -264,7 +299,7 @@ class Agent {
   std::chrono::milliseconds effectiveTimeout(const CallOptions& callOptions) const;
   void startUp();
   void startCall(const CallOptions& callOptions, const std::string& worker, const EnvelopeFields& fields,
-                 transport::OutgoingFrame frame, Completion complete);
+                 transport::OutgoingFrame frame, Completion complete, const CallTiming& timing);
   // Removes and returns pending call `id`; with `fromPeer`, only if that call went to that peer (a reply
   // from anyone else is ignored).
   std::unique_ptr<Pending> takePending(uint64_t id, const std::string* fromPeer = nullptr);
@@ -272,13 +307,18 @@ class Agent {
 
   // Links and handshake (loop thread; docs/wire_protocol.md section 8).
   void adoptConnection(std::shared_ptr<transport::Connection> connection, const std::string& expectedPeer);
-  // This end's hello (connector) or challenge (acceptor): version, name, rank and the link's nonce.
-  Result<transport::OutgoingFrame> introduction(int64_t stage, const Link& link) const;
+  // This end's hello (connector) or challenge (acceptor): version, name, rank, the link's nonce and the
+  // times of the clock-offset exchange (recorded in the link).
+  Result<transport::OutgoingFrame> introduction(int64_t stage, Link& link) const;
   // The allocator of a link: refuses every payload until the link is ready (an unauthenticated peer must
   // not make this process allocate up to maxMessageBytes), then defers to allocator_.
   transport::PayloadAllocator linkAllocator(const std::weak_ptr<Link>& weak);
   void onFrame(const std::shared_ptr<Link>& link, transport::IncomingFrame&& frame);
   void onHandshake(const std::shared_ptr<Link>& link, const DecodedMessage& message);
+  // A heartbeat from a ready link's peer: validates its times and adds a clock-offset sample.
+  void onHeartbeat(const std::shared_ptr<Link>& link, const DecodedMessage& message);
+  // Adds a clock-offset sample for `peer` (caller holds mutex_) and publishes the best one to the trace.
+  void addClockSampleLocked(Peer& peer, int64_t offsetNs, int64_t rttNs);
   // The acceptor's answer to a connector's hello, once the peer list is known (a hello that came earlier
   // waits on its link and is replayed by startUp on the loop thread: the loop never blocks).
   void onHello(const std::shared_ptr<Link>& link, const HandshakeMessage& hello);
@@ -295,8 +335,8 @@ class Agent {
                   std::optional<transport::OutgoingFrame> lastWords = std::nullopt);
   void peerDown(const std::string& peer, const Error& error);
 
-  void onCall(const std::shared_ptr<Link>& link, DecodedMessage message);
-  void onReply(const std::string& peer, DecodedMessage message);
+  void onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Arrival arrival);
+  void onReply(const std::string& peer, DecodedMessage message, Arrival arrival);
   void onCancel(const std::string& peer, const DecodedMessage& message);
   // `callId`: the call the frame belongs to (a self call fails it if its loopback frame does not decode).
   void sendFrame(const std::string& peer, transport::OutgoingFrame frame, uint64_t callId);
@@ -317,6 +357,8 @@ class Agent {
   // Names the agent thread the caller is on ("executor", "transport loop", "timer"), or nullptr.
   const char* internalThreadName() const;
   void teardown();
+  // This agent's clock for handshakes and heartbeats: trace::nowNs() plus the test skew.
+  int64_t clockNs() const { return trace::nowNs() + config_.clockSkewForTesting.count(); }
 
   Options options_;
   AgentConfig config_;
@@ -333,6 +375,8 @@ class Agent {
   std::atomic<uint64_t> nextMessageId_{1};
   // Set in startUp before any message moves, read-only afterwards (rpc/autograd_hook.h).
   std::shared_ptr<AutogradHook> autogradHook_;
+  // Set first thing in startUp, read-only afterwards: this agent's slot in the trace recorder.
+  trace::WorkerSlot traceSlot_ = trace::kNoWorker;
 
   mutable std::mutex mutex_;
   std::condition_variable changed_;

@@ -7,6 +7,7 @@
 #include <exception>
 #include <utility>
 
+#include "rpc/trace.h"
 #include "tensor/error.h"
 
 namespace distgrad::rpc {
@@ -15,9 +16,10 @@ namespace {
 thread_local Executor* tCurrentExecutor = nullptr;
 }  // namespace
 
-Executor::Executor(size_t numThreads, std::string name)
+Executor::Executor(size_t numThreads, std::string name, std::function<void()> onThreadStart)
     : numThreads_(numThreads != 0 ? numThreads : std::max<size_t>(2, std::thread::hardware_concurrency())),
-      name_(name.substr(0, 10)) {
+      name_(name.substr(0, 10)),
+      onThreadStart_(std::move(onThreadStart)) {
   threads_.reserve(numThreads_);
   for (size_t i = 0; i < numThreads_; ++i) threads_.emplace_back([this, i] { workerLoop(i); });
 }
@@ -80,6 +82,8 @@ void Executor::workerLoop(size_t index) {
   tCurrentExecutor = this;
   std::string threadName = name_ + "-" + std::to_string(index);
   pthread_setname_np(pthread_self(), threadName.substr(0, 15).c_str());
+  trace::setThreadName(threadName);
+  if (onThreadStart_) onThreadStart_();
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
     workAvailable_.wait(lock, [&] { return !queue_.empty() || stopping_; });

@@ -26,6 +26,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -40,8 +41,10 @@ using Task = detail::MoveOnlyFunction<void()>;
 class Executor {
  public:
   // numThreads == 0 picks the number of hardware threads (at least 2). `name` prefixes the thread names
-  // (at most 10 characters are kept so "NAME-NN" fits Linux's 15-character limit).
-  explicit Executor(size_t numThreads = 0, std::string name = "dg-exec");
+  // (at most 10 characters are kept so "NAME-NN" fits Linux's 15-character limit). `onThreadStart`, if
+  // set, runs first on every worker thread, before any task (the agent binds its threads to its trace
+  // worker there); it must not throw.
+  explicit Executor(size_t numThreads = 0, std::string name = "dg-exec", std::function<void()> onThreadStart = {});
   ~Executor();
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
@@ -72,6 +75,7 @@ class Executor {
 
   const size_t numThreads_;
   const std::string name_;
+  const std::function<void()> onThreadStart_;
   mutable std::mutex mutex_;
   std::condition_variable workAvailable_;
   std::deque<Task> queue_;  // GUARDED_BY(mutex_)

@@ -331,6 +331,11 @@ Options Options::fromEnv(const std::map<std::string, std::string>& env) {
   }
   if (auto transport = lookup(env, "DISTGRAD_TRANSPORT")) options.transport = *transport;
   if (auto secret = lookup(env, "DISTGRAD_SECRET")) options.secret = *secret;
+  if (auto dir = lookup(env, "DISTGRAD_TRACE")) {
+    // Set but empty is a mistake (a launcher expanding an unset variable): refuse rather than not trace.
+    DG_CHECK(!dir->empty(), "Options: DISTGRAD_TRACE is set but empty (expected the trace directory)");
+    options.traceDir = *dir;
+  }
 
   constexpr int64_t kMaxMs = int64_t{7} * 24 * 3600 * 1000;  // a week: anything longer is a typo
   if (auto ms = integerVar(env, "DISTGRAD_RPC_TIMEOUT_MS", 1, kMaxMs)) {

@@ -19,7 +19,7 @@
 // DISTGRAD_WORKER_NAME (default "worker<rank>"), DISTGRAD_RPC_TIMEOUT_MS, DISTGRAD_STORE (host:port of an
 // existing rendezvous store; then no rank hosts one), DISTGRAD_EXECUTOR_THREADS,
 // DISTGRAD_HEARTBEAT_INTERVAL_MS, DISTGRAD_HEARTBEAT_TIMEOUT_MS, DISTGRAD_MAX_MESSAGE_BYTES,
-// DISTGRAD_RENDEZVOUS_TIMEOUT_MS.
+// DISTGRAD_RENDEZVOUS_TIMEOUT_MS, DISTGRAD_TRACE (trace directory, see traceDir).
 // Every value is validated; a bad one throws distgrad::ValueError naming the variable and its value.
 // Thread-safety: Options is a value type. fromEnv() reads the process environment once (getenv is not safe
 // against concurrent setenv); fromEnv(map) reads nothing global and is what tests use.
@@ -59,6 +59,10 @@ struct Options {
   std::chrono::milliseconds heartbeatInterval{500};
   std::chrono::milliseconds heartbeatTimeout{2'000};  // a peer silent this long is declared dead
   uint64_t maxMessageBytes = 16ull << 30;               // largest frame (envelope + payloads) accepted
+
+  // Tracing (rpc/trace.h, docs/tracing.md): when set, the agent records spans from start-up and writes
+  // traceDir/<worker>.trace.jsonl (the directory is created) when it shuts down. Empty: off.
+  std::string traceDir;
 
   // Where the rank came from ("explicit", "distgrad", "torchrun", "slurm", "openmpi"), for log messages.
   std::string source = "explicit";

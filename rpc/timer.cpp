@@ -6,11 +6,13 @@
 #include <exception>
 #include <vector>
 
+#include "rpc/trace.h"
 #include "tensor/error.h"
 
 namespace distgrad::rpc {
 
-TimerQueue::TimerQueue(Clock* clock) : clock_(clock != nullptr ? clock : &steadyClock_) {
+TimerQueue::TimerQueue(Clock* clock, std::function<void()> onThreadStart)
+    : clock_(clock != nullptr ? clock : &steadyClock_), onThreadStart_(std::move(onThreadStart)) {
   if (!clock_->isReal()) {
     // A manual clock jumped: wake the loop so it re-reads now().
     listenerId_ = clock_->addListener([this] {
@@ -78,6 +80,8 @@ void TimerQueue::shutdown() {
 
 void TimerQueue::loop() {
   pthread_setname_np(pthread_self(), "dg-timer");
+  trace::setThreadName("dg-timer");
+  if (onThreadStart_) onThreadStart_();
   std::unique_lock<std::mutex> lock(mutex_);
   while (!stopping_) {
     if (timers_.empty()) {

@@ -19,6 +19,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -39,8 +40,9 @@ class TimerQueue {
  public:
   using Callback = detail::MoveOnlyFunction<void()>;
 
-  // `clock` must outlive the queue; nullptr uses the real steady clock.
-  explicit TimerQueue(Clock* clock = nullptr);
+  // `clock` must outlive the queue; nullptr uses the real steady clock. `onThreadStart`, if set, runs
+  // first on the timer thread (the agent binds it to its trace worker there); it must not throw.
+  explicit TimerQueue(Clock* clock = nullptr, std::function<void()> onThreadStart = {});
   ~TimerQueue();
   TimerQueue(const TimerQueue&) = delete;
   TimerQueue& operator=(const TimerQueue&) = delete;
@@ -64,6 +66,7 @@ class TimerQueue {
 
   SteadyClock steadyClock_;
   Clock* clock_;
+  std::function<void()> onThreadStart_;
   uint64_t listenerId_ = 0;
   mutable std::mutex mutex_;
   std::condition_variable changed_;

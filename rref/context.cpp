@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "rpc/autograd_hook.h"
+#include "rpc/trace.h"
 #include "rref/rref.h"
 
 namespace distgrad::rref {
@@ -478,6 +479,14 @@ void RRefContext::whenResolved(RRefId id, std::function<void(rpc::Result<detail:
     if (entry.value) {
       ready = *entry.value;
     } else {
+      if (trace::enabled()) {
+        // Traced: the wait from now until the waiter runs with the value (docs/tracing.md, rref.wait).
+        callback = [callback = std::move(callback), since = trace::nowNs(), owner = int64_t{id.ownerWorkerId},
+                    local = static_cast<int64_t>(id.localId)](rpc::Result<detail::OwnedValue> value) {
+          trace::recordAsync("rref.wait", trace::Category::kRRef, since, trace::nowNs(), {owner, local});
+          callback(std::move(value));
+        };
+      }
       entry.waiters.push_back(std::move(callback));
       return;
     }

@@ -6,6 +6,7 @@
 
 #include "autograd/grad_mode.h"
 #include "autograd/ops.h"
+#include "rpc/trace.h"
 
 namespace distgrad::autograd::distributed {
 
@@ -20,6 +21,15 @@ constexpr size_t kReleasedMemory = 1 << 16;
 constexpr size_t kMaxClosureWalk = 1 << 16;
 
 uint64_t rankOf(uint64_t id) { return id >> kCounterBits; }
+
+// Bytes of defined gradients, for the trace.
+int64_t gradientBytes(const std::vector<Tensor>& grads) {
+  int64_t bytes = 0;
+  for (const auto& g : grads) {
+    if (g.defined()) bytes += static_cast<int64_t>(g.nbytes());
+  }
+  return bytes;
+}
 
 // The closure of a message carrying tensors whose gradients flow into `edges` (Note [Exact plans]), or
 // false when it is unknown.
@@ -183,6 +193,7 @@ DistAutogradState::DistAutogradState(rpc::Agent& agent)
       rank_(static_cast<uint64_t>(agent.rank())),
       executor_(&agent.executor()),
       defaultTimeout_(agent.options().defaultTimeout),
+      traceWorker_(agent.traceWorker()),
       agent_(&agent) {
   DG_CHECK(agent.rank() >= 0 && agent.rank() < (1 << 16), "distributed autograd supports ranks below 65536, got ",
            agent.rank());
@@ -390,6 +401,7 @@ std::shared_ptr<DistAutogradState::Pass> DistAutogradState::passFor(Context& ctx
 rpc::Future<void> DistAutogradState::backward(uint64_t contextId, const std::vector<Tensor>& roots,
                                               const std::vector<Tensor>& grads, const BackwardOptions& options,
                                               bool drainHere) {
+  trace::WorkerScope traceWorker(traceWorker_);  // the caller's thread runs nodes of the pass too
   DG_CHECK(!roots.empty(), "distributed backward: no roots given");
   DG_CHECK(grads.empty() || grads.size() == roots.size(), "distributed backward: ", roots.size(), " roots but ",
            grads.size(), " gradients");
@@ -732,6 +744,11 @@ std::optional<rpc::Error> DistAutogradState::deliverToSend(Context& ctx, Pass& p
 }
 
 rpc::Future<void> DistAutogradState::onPropagate(PropagateRequest request, const rpc::CallContext& call) {
+  if (trace::enabled()) {
+    trace::instant("autograd.recv_gradients", trace::Category::kAutograd,
+                        {static_cast<int64_t>(request.contextId), static_cast<int64_t>(request.messageId),
+                         gradientBytes(request.grads)});
+  }
   auto ctx = find(request.contextId, false);
   std::unique_lock<std::mutex> lock(ctx->mutex);
   DG_CHECK(request.mode <= static_cast<uint8_t>(BackwardMode::kFast), "unknown backward mode ", int(request.mode));
@@ -785,6 +802,7 @@ void DistAutogradState::drain(const std::shared_ptr<Context>& ctx, const std::sh
     lock.unlock();
     std::vector<Tensor> out;
     std::optional<rpc::Error> failure;
+    const int64_t runBeginNs = trace::enabled() ? trace::nowNs() : 0;
     try {
       // A RecvBackward's gradients go back to the peer that sent its tensors; hooks on those tensors
       // (registerHook, retainGrad) run first, as they would on a local node.
@@ -796,6 +814,11 @@ void DistAutogradState::drain(const std::shared_ptr<Context>& ctx, const std::sh
     } catch (const std::exception& e) {
       failure = localError(rpc::ErrorKind::kRemote,
                            "distributed backward failed on worker " + name_ + " in " + node->name() + ": " + e.what());
+    }
+    if (runBeginNs != 0) {
+      // docs/tracing.md: one span per node run in a distributed pass, named by the node.
+      trace::recordSpan(trace::intern(node->name()), trace::Category::kAutograd, runBeginNs,
+                             trace::nowNs(), {static_cast<int64_t>(ctx->id), static_cast<int64_t>(pass->id)});
     }
     lock.lock();
     if (failure) {
@@ -823,6 +846,10 @@ void DistAutogradState::sendGradients(const std::shared_ptr<Context>& ctx, const
   request.messageId = recv.messageId;
   request.mode = static_cast<uint8_t>(pass->mode);
   request.retainGraph = pass->retainGraph;
+  if (trace::enabled()) {
+    trace::instant("autograd.send_gradients", trace::Category::kAutograd,
+                        {static_cast<int64_t>(ctx->id), static_cast<int64_t>(recv.messageId), gradientBytes(grads)});
+  }
   request.grads = std::move(grads);
   ++pass->outstanding;
   const auto timeout = remaining(*pass);

@@ -24,6 +24,7 @@
 #include "autograd/node.h"
 #include "rpc/agent.h"
 #include "rpc/timer.h"
+#include "rpc/trace.h"
 
 namespace distgrad::autograd::distributed {
 
@@ -205,6 +206,8 @@ class DistAutogradState final : public rpc::AgentExtension,
   const uint64_t rank_;
   rpc::Executor* executor_;
   const std::chrono::milliseconds defaultTimeout_;
+  // The agent's trace worker: a backward run on a user thread records for this agent (docs/tracing.md).
+  const trace::WorkerSlot traceWorker_;
 
   std::mutex agentMutex_;
   rpc::Agent* agent_;  // GUARDED_BY(agentMutex_): null once the agent closed

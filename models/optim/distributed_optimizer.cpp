@@ -18,6 +18,7 @@
 #include "autograd/ops.h"
 #include "rpc/autograd_hook.h"
 #include "rpc/detail/handler.h"
+#include "rpc/trace.h"
 #include "rref/context.h"
 
 namespace distgrad::models::optim {
@@ -322,6 +323,7 @@ std::string contextsText(const std::vector<uint64_t>& contextIds) {
 // updates, releases, and completes `promise` with the number of parameters that had a gradient.
 void runStep(const std::shared_ptr<LocalOptimizer::State>& state, rpc::Agent& agent,
              const std::vector<uint64_t>& contextIds, const std::shared_ptr<rpc::Promise<int64_t>>& promise) {
+  trace::WorkerScope traceWorker(agent.traceWorker());  // a local step runs on the caller's thread
   const std::string what = "optimizer step on " + state->worker + " for " + contextsText(contextIds);
   const std::vector<Tensor>& params = state->optimizer->parameters();
   std::vector<Tensor> grads(params.size());
@@ -347,6 +349,7 @@ void runStep(const std::shared_ptr<LocalOptimizer::State>& state, rpc::Agent& ag
                      [state, grads = std::move(grads), withGradient, promise, what] {
                        std::optional<rpc::Error> failure;
                        try {
+                         trace::Scope span("optim.step", trace::Category::kOptimizer, withGradient);  // docs/tracing.md
                          state->optimizer->step(grads);
                        } catch (...) {
                          failure = partError(std::current_exception(), state->worker, what);

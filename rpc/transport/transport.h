@@ -26,7 +26,7 @@
 namespace distgrad::rpc::transport {
 
 inline constexpr uint32_t kFrameMagic = 0x44474652;  // "DGFR"
-inline constexpr uint16_t kProtocolVersion = 2;  // 2: the connector-proves-first handshake
+inline constexpr uint16_t kProtocolVersion = 3;  // 3: clock-offset times in handshake and heartbeats
 inline constexpr size_t kPayloadAlignment = 64;
 
 // Fixed-size start of every frame, little-endian on the wire.

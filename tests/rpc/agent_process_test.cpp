@@ -1,6 +1,8 @@
 // Agent tests across processes (fork, tcp on 127.0.0.1): a peer that hangs (SIGSTOP: its sockets stay open
 // but nothing arrives) is declared dead by the heartbeat timeout; a peer killed with SIGKILL mid-call fails
-// the call as disconnected. Children get PR_SET_PDEATHSIG so a failing test leaves no process behind.
+// the call as disconnected; the two processes' clock-offset estimates of each other (one machine, one
+// steady clock) are within 1 ms of 0, from the handshake and after heartbeats refreshed them. Children get
+// PR_SET_PDEATHSIG so a failing test leaves no process behind.
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -11,6 +13,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "tests/rpc/agent_test_util.h"
 
@@ -22,6 +25,8 @@ using SteadyTime = std::chrono::steady_clock;
 
 using testing::kAddInt;
 inline const Function<int64_t(int64_t)> kNever{"never"};  // answers only when cancelled
+// The callee's clock estimate of the caller: {offset ns, rtt ns, samples}, or {} before it has one.
+inline const Function<std::vector<int64_t>()> kClockOfCaller{"clock_of_caller"};
 
 Options optionsFor(int rank, int storePort) { return testing::processOptions(rank, 2, storePort, "proc-secret"); }
 
@@ -43,6 +48,11 @@ pid_t forkWorker(int readFd) {
     static std::vector<std::shared_ptr<CancellationRegistration>> keep;
     keep.push_back(registration);
     return future;
+  });
+  reg.bind(kClockOfCaller, [](const CallContext& ctx) {
+    auto estimate = ctx.agent->clockOffset(ctx.caller);
+    if (!estimate) return std::vector<int64_t>{};
+    return std::vector<int64_t>{estimate->offsetNs, estimate->rttNs, static_cast<int64_t>(estimate->samples)};
   });
   try {
     auto agent = Agent::start(optionsFor(1, storePort), reg);
@@ -105,6 +115,39 @@ TEST_F(AgentProcessTest, HungPeerIsDeclaredDeadByHeartbeats) {
     later = e.error();
   }
   EXPECT_EQ(later.kind, ErrorKind::kDisconnected);
+}
+
+// The bound: merged timelines of two processes line up within 1 ms. On one machine both processes
+// read the same CLOCK_MONOTONIC, so the true offset is 0. Any one sample is within half its round trip of
+// it; heartbeats keep the best of the last 16, whose round trip on loopback gets under 2 ms (so the
+// estimate within 1 ms) even on a loaded machine.
+TEST_F(AgentProcessTest, ClockOffsetsOfTwoProcessesOnLoopbackAreWithin1MsOfZero) {
+  auto local = agent_->clockOffset("worker1");
+  ASSERT_TRUE(local.has_value()) << "the handshake gave no estimate";
+  EXPECT_GE(local->rttNs, 0);
+  EXPECT_LE(std::abs(local->offsetNs), local->rttNs / 2 + 1) << "offset " << local->offsetNs << ", rtt " << local->rttNs;
+  std::vector<int64_t> remote = agent_->rpcSync("worker1", kClockOfCaller);
+  ASSERT_EQ(remote.size(), 3u) << "worker1 has no estimate of worker0";
+  EXPECT_LE(std::abs(remote[0]), remote[1] / 2 + 1) << "worker1's offset " << remote[0] << ", rtt " << remote[1];
+  // Heartbeats (every 100 ms) refresh both sides.
+  EXPECT_TRUE(testing::eventually(
+      [&] {
+        local = agent_->clockOffset("worker1");
+        return local->samples >= 4 && local->rttNs < 2'000'000;
+      },
+      20s))
+      << "rtt " << local->rttNs;
+  EXPECT_TRUE(testing::eventually(
+      [&] {
+        remote = agent_->rpcSync("worker1", kClockOfCaller);
+        return remote.size() == 3 && remote[2] >= 4 && remote[1] < 2'000'000;
+      },
+      20s));
+  ASSERT_EQ(remote.size(), 3u);
+  EXPECT_LT(std::abs(local->offsetNs), 1'000'000) << "offset " << local->offsetNs << " ns, rtt " << local->rttNs;
+  EXPECT_LT(std::abs(remote[0]), 1'000'000) << "worker1's offset " << remote[0] << " ns, rtt " << remote[1];
+  EXPECT_LE(std::abs(local->offsetNs), local->rttNs / 2 + 1);
+  EXPECT_LE(std::abs(remote[0]), remote[1] / 2 + 1);
 }
 
 TEST_F(AgentProcessTest, KilledPeerFailsPendingCallsFast) {

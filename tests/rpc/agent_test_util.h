@@ -151,6 +151,8 @@ struct ClusterSpec {
   std::chrono::milliseconds heartbeatTimeout{3000};
   std::chrono::milliseconds rendezvousTimeout{10'000};
   std::chrono::milliseconds shutdownTimeout{10'000};
+  std::string traceDir;                            // Options::traceDir of every rank (empty: no tracing)
+  std::vector<std::chrono::nanoseconds> clockSkews;  // per rank (AgentConfig::clockSkewForTesting); empty: none
 };
 
 struct Cluster {
@@ -194,10 +196,12 @@ inline void startCluster(Cluster& cluster, const ClusterSpec& spec, World& world
       options.heartbeatTimeout = spec.heartbeatTimeout;
       options.rendezvousTimeout = spec.rendezvousTimeout;
       options.defaultTimeout = 20s;
+      options.traceDir = spec.traceDir;
       AgentConfig config;
       config.inprocHub = hub;
       config.shutdownTimeout = spec.shutdownTimeout;
       if (!spec.protocolVersions.empty()) config.protocolVersionForTesting = spec.protocolVersions[rank];
+      if (!spec.clockSkews.empty()) config.clockSkewForTesting = spec.clockSkews[rank];
       try {
         cluster.agents[rank] = Agent::start(options, reg, config);
       } catch (...) {
@@ -224,9 +228,11 @@ inline Error errorOf(const std::function<void()>& fn) {
 
 class AgentFixture : public ::testing::TestWithParam<std::string> {
  protected:
-  void start(ClusterSpec spec = {}) {
+  // `extra` adds functions to the shared test registry before the agents start.
+  void start(ClusterSpec spec = {}, const std::function<void(Registry&)>& extra = {}) {
     spec.transport = GetParam();
     registry_ = makeRegistry(world_);
+    if (extra) extra(registry_);
     startCluster(cluster_, spec, world_, registry_);
     for (size_t i = 0; i < cluster_.errors.size(); ++i) {
       if (cluster_.errors[i]) {

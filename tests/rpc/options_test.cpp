@@ -34,6 +34,7 @@ TEST(Options, EmptyEnvironmentIsASingleWorker) {
   EXPECT_EQ(o.source, "default");
   EXPECT_TRUE(o.secret.empty());
   EXPECT_TRUE(o.storeAddr.empty());
+  EXPECT_TRUE(o.traceDir.empty()) << "tracing is off unless asked for";
 }
 
 TEST(Options, Torchrun) {
@@ -162,8 +163,10 @@ TEST(Options, DistgradVariables) {
                                          {"DISTGRAD_HEARTBEAT_INTERVAL_MS", "200"},
                                          {"DISTGRAD_HEARTBEAT_TIMEOUT_MS", "3000"},
                                          {"DISTGRAD_MAX_MESSAGE_BYTES", "1048576"},
-                                         {"DISTGRAD_RENDEZVOUS_TIMEOUT_MS", "9000"}});
+                                         {"DISTGRAD_RENDEZVOUS_TIMEOUT_MS", "9000"},
+                                         {"DISTGRAD_TRACE", "/tmp/traces"}});
   EXPECT_EQ(o.secret, "s3cret");
+  EXPECT_EQ(o.traceDir, "/tmp/traces");
   EXPECT_EQ(o.transport, "inproc");
   EXPECT_EQ(o.workerName, "trainer-1");
   EXPECT_EQ(o.defaultTimeout.count(), 2500);
@@ -210,6 +213,7 @@ TEST(Options, ValidationErrorsNameTheVariableAndValue) {
   expectEnvError(Env{{"DISTGRAD_RPC_TIMEOUT_MS", "soon"}}, {"DISTGRAD_RPC_TIMEOUT_MS='soon'", "not an integer"});
   expectEnvError(Env{{"DISTGRAD_TRANSPORT", "carrier-pigeon"}}, {"DISTGRAD_TRANSPORT", "carrier-pigeon"});
   expectEnvError(Env{{"DISTGRAD_WORKER_NAME", ""}}, {"DISTGRAD_WORKER_NAME is set but empty"});
+  expectEnvError(Env{{"DISTGRAD_TRACE", ""}}, {"DISTGRAD_TRACE is set but empty"});
   expectEnvError(Env{{"DISTGRAD_WORKER_NAME", "two words"}}, {"two words", "whitespace"});
   expectEnvError(Env{{"DISTGRAD_STORE", "nohost"}}, {"DISTGRAD_STORE='nohost'", "host:port"});
   expectEnvError(Env{{"DISTGRAD_STORE", "h:99999"}}, {"DISTGRAD_STORE='h:99999'", "invalid port"});

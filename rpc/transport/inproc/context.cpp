@@ -1,9 +1,12 @@
 #include "rpc/transport/inproc/context.h"
 
+#include <pthread.h>
+
 #include <cstdio>
 
 #include "rpc/transport/inproc/connection.h"
 #include "rpc/transport/inproc/listener.h"
+#include "rpc/trace.h"
 
 namespace distgrad::rpc::transport::inproc {
 
@@ -14,6 +17,8 @@ InprocLoop::InprocLoop() {
   std::condition_variable ready;
   bool ok = false;
   thread_ = std::thread([this, &started, &ready, &ok] {
+    pthread_setname_np(pthread_self(), "dg-inproc-loop");
+    trace::setThreadName("dg-inproc-loop");
     {
       std::lock_guard inner(started);
       threadId_ = std::this_thread::get_id();

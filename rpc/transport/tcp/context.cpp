@@ -1,6 +1,7 @@
 #include "rpc/transport/tcp/context.h"
 
 #include <arpa/inet.h>
+#include <pthread.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -11,6 +12,7 @@
 
 #include "rpc/transport/tcp/connection.h"
 #include "rpc/transport/tcp/listener.h"
+#include "rpc/trace.h"
 
 namespace distgrad::rpc::transport::tcp {
 
@@ -44,6 +46,8 @@ TcpLoop::TcpLoop(const ContextOptions& options) : options_(options) {
   std::promise<void> started;
   auto ready = started.get_future();
   thread_ = std::thread([this, &started] {
+    pthread_setname_np(pthread_self(), "dg-tcp-loop");
+    trace::setThreadName("dg-tcp-loop");
     threadId_ = std::this_thread::get_id();
     started.set_value();
     run();

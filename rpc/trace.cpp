@@ -1,0 +1,803 @@
+#include "rpc/trace.h"
+
+#include <pthread.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <charconv>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <set>
+#include <system_error>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "tensor/error.h"
+
+namespace distgrad::trace {
+
+namespace {
+
+// Note [Trace buffers]
+// Each thread that records owns a ThreadBuffer: a singly linked list of chunks. Only the owner appends,
+// always to its tail chunk: it writes event `count`, then stores count + 1 with release. When the tail is
+// full it links a new chunk with a release store of `next` and never touches the old one again. The writer
+// (a flush, under flushMutex) walks from `head`: it loads `next` (acquire) BEFORE `count` (acquire), so a
+// chunk whose next it saw set has its final count; it writes events [readIndex, count) and frees a chunk
+// only when it is full, completely written and has a successor (the owner has left it). A thread that
+// exits marks its buffer; the next flush (or the exiting thread itself, when nothing is left) frees it.
+//
+// Locks, in order: writerMutex (starting / stopping the writer thread), flushMutex (a whole flush, and
+// registering or unregistering a worker), mutex (the buffer list, thread names, the enabled state; only
+// ever held briefly, so a recording thread that registers its buffer or names itself never waits for a
+// flush writing a file), then the leaves clockMutex and poolMutex.
+struct Chunk {
+  std::atomic<uint32_t> count{0};
+  std::atomic<Chunk*> next{nullptr};
+  // Raw storage: an event is constructed in its slot when recorded, so a chunk (allocated with plain
+  // `new Chunk`, default-initialised) costs no pass over its 2048 slots.
+  alignas(Event) unsigned char storage[kChunkEvents * sizeof(Event)];
+
+  void put(uint32_t i, const Event& event) { new (storage + i * sizeof(Event)) Event(event); }
+  const Event& at(uint32_t i) const {
+    return *std::launder(reinterpret_cast<const Event*>(storage + i * sizeof(Event)));
+  }
+};
+
+void releaseChunk(Chunk* chunk);
+
+struct ThreadBuffer {
+  // Owner thread only.
+  Chunk* tail = nullptr;
+  // Published by the owner, read by the writer.
+  std::atomic<Chunk*> first{nullptr};
+  std::atomic<uint64_t> appended{0};  // written only by the owner
+  std::atomic<bool> exited{false};
+  const int64_t tid;
+  // GUARDED_BY(flushMutex): the writer's position.
+  Chunk* head = nullptr;
+  uint32_t readIndex = 0;
+  // GUARDED_BY(mutex)
+  std::string name;
+  uint64_t nameVersion = 0;
+
+  explicit ThreadBuffer(int64_t threadId) : tid(threadId) {}
+  ~ThreadBuffer() {
+    Chunk* chunk = head != nullptr ? head : first.load(std::memory_order_acquire);
+    while (chunk != nullptr) {
+      Chunk* next = chunk->next.load(std::memory_order_acquire);
+      releaseChunk(chunk);
+      chunk = next;
+    }
+  }
+};
+
+// The lines of a flush in progress: a growable byte buffer written through raw pointers (an event line is
+// formatted in place, without a string append per field: the writer's cost per event is what a long traced
+// run pays for its file).
+class OutBuffer {
+ public:
+  // A pointer to at least `n` writable bytes at the end; commit() how many were used.
+  char* reserve(size_t n) {
+    if (size_ + n > capacity_) {
+      const size_t capacity = std::max(capacity_ * 2, size_ + n + 4096);
+      auto grown = std::make_unique<char[]>(capacity);
+      if (size_ != 0) std::memcpy(grown.get(), data_.get(), size_);
+      data_ = std::move(grown);
+      capacity_ = capacity;
+    }
+    return data_.get() + size_;
+  }
+  void commit(const char* end) { size_ = static_cast<size_t>(end - data_.get()); }
+  void append(std::string_view text) {
+    char* p = reserve(text.size());
+    std::memcpy(p, text.data(), text.size());
+    size_ += text.size();
+  }
+  const char* data() const { return data_.get(); }
+  size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  void clear() { size_ = 0; }
+
+ private:
+  std::unique_ptr<char[]> data_;
+  size_t size_ = 0;
+  size_t capacity_ = 0;
+};
+
+struct ClockLine {
+  int peerRank = -1;
+  int64_t offsetNs = 0;
+  int64_t rttNs = 0;
+  uint64_t samples = 0;
+  bool dirty = false;
+};
+
+// A registered worker. The map of workers changes only under flushMutex and mutex together, so either
+// lock makes reading it safe; the fields below `path` are the flush's (flushMutex), except `clocks`.
+struct Worker {
+  std::string name;
+  int rank = 0;
+  std::string path;  // empty: this worker writes no file
+  int64_t skewNs = 0;
+  std::FILE* file = nullptr;
+  bool failed = false;  // a write failed: the rest is dropped (reported once)
+  uint64_t eventsWritten = 0;
+  std::map<int64_t, uint64_t> threadsAnnounced;  // tid -> name version written
+  OutBuffer pending;                             // lines of the flush in progress
+  std::map<std::string, ClockLine> clocks;       // GUARDED_BY(clockMutex)
+};
+
+// The recorder's state. Leaked on purpose: threads may record (and exit) during static destruction.
+struct Recorder {
+  std::mutex flushMutex;
+  std::mutex mutex;
+  std::mutex clockMutex;
+  std::vector<std::unique_ptr<ThreadBuffer>> buffers;  // GUARDED_BY(mutex); freed only under flushMutex too
+  std::map<WorkerSlot, Worker> workers;                // see Worker
+  WorkerSlot nextSlot = 1;                             // GUARDED_BY(mutex)
+  int tracing = 0;                                     // GUARDED_BY(mutex): workers with a file
+  bool paused = false;                                 // GUARDED_BY(mutex)
+  uint64_t retiredAppended = 0;                        // GUARDED_BY(mutex): events of freed buffers
+  std::atomic<uint64_t> written{0};
+  std::atomic<uint64_t> dropped{0};
+  std::atomic<uint64_t> chunks{0};
+  std::atomic<uint64_t> flushChunks{std::max<uint64_t>(1, kDefaultFlushThresholdBytes / sizeof(Chunk))};
+  // The background writer runs while some worker traces (Note [Trace writer]).
+  std::mutex writerMutex;              // serialises starting and stopping it
+  std::thread writer;                  // GUARDED_BY(writerMutex)
+  std::condition_variable writerWake;  // with `mutex`
+  bool writerStop = false;             // GUARDED_BY(mutex)
+  // The first traced worker: where events of threads bound to no worker go.
+  std::atomic<WorkerSlot> defaultWorker{kNoWorker};
+
+  // Chunks written and freed, kept for reuse (fresh memory costs page faults): at most kPooledChunks.
+  std::mutex poolMutex;      // a leaf
+  std::vector<Chunk*> pool;  // GUARDED_BY(poolMutex)
+
+  std::mutex internMutex;
+  std::unordered_set<std::string> interned;  // GUARDED_BY(internMutex); node-based: c_str() is stable
+};
+
+Recorder& recorder() {
+  static Recorder* instance = new Recorder();
+  return *instance;
+}
+
+constexpr size_t kPooledChunks = 64;
+
+void releaseChunk(Chunk* chunk) {
+  Recorder& r = recorder();
+  {
+    std::lock_guard<std::mutex> lock(r.poolMutex);
+    if (r.pool.size() < kPooledChunks) {
+      r.pool.push_back(chunk);
+      return;
+    }
+  }
+  delete chunk;
+}
+
+thread_local ThreadBuffer* tBuffer = nullptr;
+thread_local WorkerSlot tWorker = kNoWorker;
+
+int64_t currentTid() { return static_cast<int64_t>(::syscall(SYS_gettid)); }
+
+// The thread's chosen name, kept outside the recorder so naming a thread costs the recorder nothing until
+// the thread records.
+std::string& threadNameSlot() {
+  thread_local std::string name;
+  return name;
+}
+
+void updateEnabledLocked(Recorder& r) {
+  r.defaultWorker.store(kNoWorker, std::memory_order_relaxed);
+  for (const auto& [slot, worker] : r.workers) {
+    if (!worker.path.empty()) {
+      r.defaultWorker.store(slot, std::memory_order_relaxed);
+      break;
+    }
+  }
+  detail::gEnabled.store(r.tracing > 0 && !r.paused, std::memory_order_relaxed);
+}
+
+bool drainedLocked(const ThreadBuffer& buffer) {
+  const Chunk* chunk = buffer.head != nullptr ? buffer.head : buffer.first.load(std::memory_order_acquire);
+  if (chunk == nullptr) return true;
+  if (chunk->next.load(std::memory_order_acquire) != nullptr) return false;
+  return buffer.readIndex == chunk->count.load(std::memory_order_acquire);
+}
+
+// Runs at thread exit for threads that created a buffer.
+struct ThreadExit {
+  ~ThreadExit() {
+    ThreadBuffer* buffer = tBuffer;
+    if (buffer == nullptr) return;
+    tBuffer = nullptr;
+    Recorder& r = recorder();
+    // flushMutex: a flush in progress may be reading this buffer (the thread's exit waits for it).
+    std::lock_guard<std::mutex> flushLock(r.flushMutex);
+    std::lock_guard<std::mutex> lock(r.mutex);
+    buffer->exited.store(true, std::memory_order_release);
+    if (!drainedLocked(*buffer)) return;  // the next flush writes the rest, then frees it
+    for (auto it = r.buffers.begin(); it != r.buffers.end(); ++it) {
+      if (it->get() != buffer) continue;
+      r.retiredAppended += buffer->appended.load(std::memory_order_relaxed);
+      uint64_t freed = 0;
+      for (Chunk* c = buffer->head != nullptr ? buffer->head : buffer->first.load(std::memory_order_acquire);
+           c != nullptr; c = c->next.load(std::memory_order_acquire)) {
+        ++freed;
+      }
+      r.chunks.fetch_sub(freed, std::memory_order_relaxed);
+      r.buffers.erase(it);
+      break;
+    }
+  }
+};
+
+ThreadBuffer* attachThread() {
+  thread_local ThreadExit exitHook;
+  (void)&exitHook;  // odr-use: constructs it, so its destructor runs when the thread exits
+  auto buffer = std::make_unique<ThreadBuffer>(currentTid());
+  ThreadBuffer* raw = buffer.get();
+  Recorder& r = recorder();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  raw->name = threadNameSlot();
+  raw->nameVersion = 1;
+  r.buffers.push_back(std::move(buffer));
+  tBuffer = raw;
+  return raw;
+}
+
+Chunk* newChunk(ThreadBuffer& buffer) {
+  Recorder& r = recorder();
+  Chunk* chunk = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(r.poolMutex);  // once per kChunkEvents events
+    if (!r.pool.empty()) {
+      chunk = r.pool.back();
+      r.pool.pop_back();
+    }
+  }
+  if (chunk == nullptr) {
+    chunk = new Chunk;  // default-initialised: the event slots stay untouched
+  } else {
+    // Not yet published: plain stores (relaxed) suffice; the release store that links it publishes them.
+    chunk->count.store(0, std::memory_order_relaxed);
+    chunk->next.store(nullptr, std::memory_order_relaxed);
+  }
+  recorder().chunks.fetch_add(1, std::memory_order_relaxed);
+  if (buffer.tail == nullptr) {
+    buffer.first.store(chunk, std::memory_order_release);
+  } else {
+    buffer.tail->next.store(chunk, std::memory_order_release);
+  }
+  buffer.tail = chunk;
+  return chunk;
+}
+
+// ---- JSON writing ----
+
+// Room an event line needs besides its name and detail (each escapes to at most 6 bytes per byte).
+constexpr size_t kEventLineFixed = 320;
+
+char* putText(char* p, std::string_view text) {
+  std::memcpy(p, text.data(), text.size());
+  return p + text.size();
+}
+
+char* putInt(char* p, int64_t value) { return std::to_chars(p, p + 24, value).ptr; }
+
+// `text` as a JSON string (quotes included); `p` has room for 2 + 6 * text.size() bytes.
+char* putEscaped(char* p, std::string_view text) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  *p++ = '"';
+  for (char ch : text) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (c >= 0x20 && c != '"' && c != '\\') {
+      *p++ = ch;
+      continue;
+    }
+    *p++ = '\\';
+    switch (c) {
+      case '"': *p++ = '"'; break;
+      case '\\': *p++ = '\\'; break;
+      case '\n': *p++ = 'n'; break;
+      case '\r': *p++ = 'r'; break;
+      case '\t': *p++ = 't'; break;
+      default:
+        p = putText(p, "u00");
+        *p++ = kHex[c >> 4];
+        *p++ = kHex[c & 15];
+    }
+  }
+  *p++ = '"';
+  return p;
+}
+
+void appendEscaped(OutBuffer& out, std::string_view text) {
+  out.commit(putEscaped(out.reserve(2 + 6 * text.size()), text));
+}
+
+template <typename Out>
+void appendField(Out& out, std::string_view key, int64_t value) {
+  char text[64];
+  char* p = putText(text, ",\"");
+  p = putText(p, key);
+  p = putText(p, "\":");
+  p = putInt(p, value);
+  out.append(std::string_view(text, static_cast<size_t>(p - text)));
+}
+
+void appendEvent(OutBuffer& out, const Event& e, int64_t tid, int64_t skewNs) {
+  const std::string_view name = e.name != nullptr ? std::string_view(e.name) : std::string_view();
+  const std::string_view detail = e.detail != nullptr ? std::string_view(e.detail) : std::string_view();
+  char* p = out.reserve(kEventLineFixed + 6 * (name.size() + detail.size()));
+  p = putText(p, "{\"type\":\"");
+  p = putText(p, eventKindName(e.kind));
+  p = putText(p, "\",\"name\":");
+  p = putEscaped(p, name);
+  p = putText(p, ",\"cat\":\"");
+  p = putText(p, categoryName(e.category));
+  p = putText(p, "\",\"tid\":");
+  p = putInt(p, tid);
+  p = putText(p, ",\"b\":");
+  p = putInt(p, e.beginNs + skewNs);
+  p = putText(p, ",\"e\":");
+  p = putInt(p, e.endNs + skewNs);
+  if (e.flow != 0) {
+    p = putText(p, ",\"flow\":");
+    p = std::to_chars(p, p + 24, e.flow).ptr;
+    if (e.flowPhase != FlowPhase::kNone) {
+      p = putText(p, ",\"flow_phase\":\"");
+      p = putText(p, flowPhaseName(e.flowPhase));
+      *p++ = '"';
+    }
+  }
+  static constexpr std::string_view kArgKeys[kMaxArgs] = {",\"a0\":", ",\"a1\":", ",\"a2\":"};
+  for (int i = 0; i < e.argCount && i < kMaxArgs; ++i) {
+    p = putText(p, kArgKeys[i]);
+    p = putInt(p, e.args[i]);
+  }
+  if (e.detail != nullptr) {
+    p = putText(p, ",\"detail\":");
+    p = putEscaped(p, detail);
+  }
+  p = putText(p, "}\n");
+  out.commit(p);
+}
+
+void writePending(Worker& worker) {
+  if (worker.pending.empty()) return;
+  if (worker.file != nullptr && !worker.failed) {
+    const size_t n = std::fwrite(worker.pending.data(), 1, worker.pending.size(), worker.file);
+    if (n != worker.pending.size() || std::fflush(worker.file) != 0) {
+      worker.failed = true;
+      std::fprintf(stderr, "[distgrad] trace: writing %s failed; the rest of worker %s's trace is dropped\n",
+                   worker.path.c_str(), worker.name.c_str());
+    }
+  }
+  worker.pending.clear();
+}
+
+// Caller holds flushMutex and clockMutex.
+void appendClockLinesLocked(Worker& worker) {
+  for (auto& [peer, clock] : worker.clocks) {
+    if (!clock.dirty) continue;
+    clock.dirty = false;
+    worker.pending.append("{\"type\":\"clock\",\"peer\":");
+    appendEscaped(worker.pending, peer);
+    appendField(worker.pending, "peer_rank", clock.peerRank);
+    appendField(worker.pending, "offset_ns", clock.offsetNs);
+    appendField(worker.pending, "rtt_ns", clock.rttNs);
+    appendField(worker.pending, "samples", static_cast<int64_t>(clock.samples));
+    worker.pending.append("}\n");
+  }
+}
+
+// Writes every buffered event to its worker's file and frees what the threads left behind. Caller holds
+// flushMutex (and not mutex: it is taken briefly, to list the buffers and to free exited ones).
+uint64_t flushLocked(Recorder& r) {
+  struct Item {
+    ThreadBuffer* buffer;
+    std::string name;
+    uint64_t nameVersion;
+  };
+  std::vector<Item> items;
+  {
+    std::lock_guard<std::mutex> lock(r.mutex);
+    items.reserve(r.buffers.size());
+    for (const auto& buffer : r.buffers) items.push_back({buffer.get(), buffer->name, buffer->nameVersion});
+  }
+  uint64_t lines = 0;
+  uint64_t dropped = 0;
+  for (const Item& item : items) {
+    ThreadBuffer& buffer = *item.buffer;
+    // A thread's events mostly belong to one worker: the lookup (and the thread line check) is redone
+    // only when the worker changes from one event to the next.
+    WorkerSlot cachedSlot = kNoWorker;
+    Worker* cached = nullptr;
+    bool first = true;
+    if (buffer.head == nullptr) buffer.head = buffer.first.load(std::memory_order_acquire);
+    while (buffer.head != nullptr) {
+      Chunk* chunk = buffer.head;
+      // `next` before `count`: once the owner linked a successor, the count read after it is final.
+      Chunk* next = chunk->next.load(std::memory_order_acquire);
+      const uint32_t count = chunk->count.load(std::memory_order_acquire);
+      for (uint32_t i = buffer.readIndex; i < count; ++i) {
+        const Event& e = chunk->at(i);
+        if (first || e.worker != cachedSlot) {
+          first = false;
+          cachedSlot = e.worker;
+          auto found = r.workers.find(e.worker);
+          cached = found == r.workers.end() || found->second.file == nullptr || found->second.failed ? nullptr
+                                                                                                     : &found->second;
+          if (cached != nullptr) {
+            auto announced = cached->threadsAnnounced.find(buffer.tid);
+            if (announced == cached->threadsAnnounced.end() || announced->second != item.nameVersion) {
+              cached->threadsAnnounced[buffer.tid] = item.nameVersion;
+              cached->pending.append("{\"type\":\"thread\"");
+              appendField(cached->pending, "tid", buffer.tid);
+              cached->pending.append(",\"name\":");
+              appendEscaped(cached->pending, item.name.empty() ? "thread-" + std::to_string(buffer.tid) : item.name);
+              cached->pending.append("}\n");
+            }
+          }
+        }
+        if (cached == nullptr) {
+          ++dropped;
+          continue;
+        }
+        appendEvent(cached->pending, e, buffer.tid, cached->skewNs);
+        ++cached->eventsWritten;
+        ++lines;
+      }
+      buffer.readIndex = count;
+      if (next == nullptr) break;
+      // Full, written, and the owner moved on: nobody touches this chunk again.
+      buffer.head = next;
+      buffer.readIndex = 0;
+      releaseChunk(chunk);
+      r.chunks.fetch_sub(1, std::memory_order_relaxed);
+    }
+  }
+  r.written.fetch_add(lines, std::memory_order_relaxed);
+  r.dropped.fetch_add(dropped, std::memory_order_relaxed);
+  {
+    // Buffers of threads that exited, now written: freed (only here and in ThreadExit, both under
+    // flushMutex, so no flush is reading them).
+    std::lock_guard<std::mutex> lock(r.mutex);
+    for (auto it = r.buffers.begin(); it != r.buffers.end();) {
+      ThreadBuffer& buffer = **it;
+      if (buffer.exited.load(std::memory_order_acquire) && drainedLocked(buffer)) {
+        r.retiredAppended += buffer.appended.load(std::memory_order_relaxed);
+        if (buffer.head != nullptr) r.chunks.fetch_sub(1, std::memory_order_relaxed);
+        it = r.buffers.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& [slot, worker] : r.workers) {
+    if (worker.file == nullptr) continue;
+    {
+      std::lock_guard<std::mutex> lock(r.clockMutex);
+      appendClockLinesLocked(worker);
+    }
+    writePending(worker);
+  }
+  return lines;
+}
+
+int64_t pid() { return static_cast<int64_t>(::getpid()); }
+
+// Note [Trace writer]: a traced run keeps its events in memory (recording is cheap, writing JSON is not:
+// see bench_trace) unless more than the flush threshold is buffered. This thread checks every 50 ms and
+// then writes everything buffered, off the threads that do the job's work. It runs from the first traced
+// worker's registration to the last one's unregistration (so a process that traces nothing has no extra
+// thread, and a fork after tracing ended forks no writer).
+constexpr std::chrono::milliseconds kWriterPeriod{50};
+
+void writerLoop(Recorder& r) {
+  pthread_setname_np(pthread_self(), "dg-trace-writer");
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(r.mutex);
+      r.writerWake.wait_for(lock, kWriterPeriod, [&] { return r.writerStop; });
+      if (r.writerStop) return;
+    }
+    if (r.chunks.load(std::memory_order_relaxed) >= r.flushChunks.load(std::memory_order_relaxed)) {
+      std::lock_guard<std::mutex> flushLock(r.flushMutex);
+      flushLocked(r);
+    }
+  }
+}
+
+}  // namespace
+
+const char* categoryName(Category category) {
+  switch (category) {
+    case Category::kUser: return "user";
+    case Category::kRpcClient: return "rpc_client";
+    case Category::kRpcServer: return "rpc_server";
+    case Category::kTransport: return "transport";
+    case Category::kRRef: return "rref";
+    case Category::kAutograd: return "autograd";
+    case Category::kOptimizer: return "optimizer";
+    case Category::kPipeline: return "pipeline";
+  }
+  return "unknown";
+}
+
+const char* flowPhaseName(FlowPhase phase) {
+  switch (phase) {
+    case FlowPhase::kNone: return "";
+    case FlowPhase::kStart: return "start";
+    case FlowPhase::kStep: return "step";
+    case FlowPhase::kEnd: return "end";
+  }
+  return "";
+}
+
+const char* eventKindName(EventKind kind) {
+  switch (kind) {
+    case EventKind::kSpan: return "span";
+    case EventKind::kInstant: return "instant";
+    case EventKind::kAsync: return "async";
+  }
+  return "span";
+}
+
+const char* intern(std::string_view text) {
+  // Keys are views of the interned strings themselves, which never move or die.
+  thread_local std::unordered_map<std::string_view, const char*> cache;
+  auto hit = cache.find(text);
+  if (hit != cache.end()) return hit->second;
+  Recorder& r = recorder();
+  const std::string* stored = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(r.internMutex);
+    stored = &*r.interned.emplace(text).first;
+  }
+  cache.emplace(std::string_view(*stored), stored->c_str());
+  return stored->c_str();
+}
+
+void record(Event event) {
+  if (event.worker == kNoWorker) {
+    event.worker = tWorker != kNoWorker ? tWorker : recorder().defaultWorker.load(std::memory_order_relaxed);
+  }
+  ThreadBuffer* buffer = tBuffer;
+  if (buffer == nullptr) buffer = attachThread();
+  Chunk* chunk = buffer->tail;
+  uint32_t n = chunk != nullptr ? chunk->count.load(std::memory_order_relaxed) : 0;
+  if (chunk == nullptr || n == kChunkEvents) {
+    chunk = newChunk(*buffer);
+    n = 0;
+  }
+  chunk->put(n, event);
+  chunk->count.store(n + 1, std::memory_order_release);
+  // The next event's slot, for writing: recording sites are microseconds apart, so the line is in cache by
+  // then instead of costing a miss on the recording thread.
+  if (n + 2 < kChunkEvents) __builtin_prefetch(chunk->storage + (n + 2) * sizeof(Event), 1, 3);
+  buffer->appended.store(buffer->appended.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+}
+
+namespace {
+Event makeEvent(const char* name, Category category, EventKind kind, int64_t beginNs, int64_t endNs,
+                std::initializer_list<int64_t> args, uint64_t flow, FlowPhase phase, const char* detail) {
+  Event e;
+  e.name = name;
+  e.detail = detail;
+  e.category = category;
+  e.kind = kind;
+  e.beginNs = beginNs;
+  e.endNs = endNs;
+  e.flow = flow;
+  e.flowPhase = flow != 0 ? phase : FlowPhase::kNone;
+  for (int64_t a : args) {
+    if (e.argCount == kMaxArgs) break;
+    e.args[e.argCount++] = a;
+  }
+  return e;
+}
+}  // namespace
+
+void recordSpan(const char* name, Category category, int64_t beginNs, int64_t endNs,
+                std::initializer_list<int64_t> args, uint64_t flow, FlowPhase phase, const char* detail) {
+  record(makeEvent(name, category, EventKind::kSpan, beginNs, endNs, args, flow, phase, detail));
+}
+
+void recordAsync(const char* name, Category category, int64_t beginNs, int64_t endNs,
+                 std::initializer_list<int64_t> args, uint64_t flow, const char* detail) {
+  record(makeEvent(name, category, EventKind::kAsync, beginNs, endNs, args, flow, FlowPhase::kNone, detail));
+}
+
+void recordInstant(const char* name, Category category, int64_t atNs, std::initializer_list<int64_t> args,
+                   const char* detail) {
+  record(makeEvent(name, category, EventKind::kInstant, atNs, atNs, args, 0, FlowPhase::kNone, detail));
+}
+
+void instant(const char* name, Category category, std::initializer_list<int64_t> args, const char* detail) {
+  if (!enabled()) return;
+  const int64_t now = nowNs();
+  record(makeEvent(name, category, EventKind::kInstant, now, now, args, 0, FlowPhase::kNone, detail));
+}
+
+void Scope::end() {
+  if (!active_) return;
+  active_ = false;
+  event().endNs = nowNs();
+  record(event());
+}
+
+WorkerSlot registerWorker(const std::string& name, int rank, const std::string& directory, int64_t clockSkewNs) {
+  Worker worker;
+  worker.name = name;
+  worker.rank = rank;
+  worker.skewNs = clockSkewNs;
+  if (!directory.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(directory, ec);
+    DG_CHECK(!ec, "trace directory '", directory, "' cannot be created: ", ec.message());
+    worker.path = (std::filesystem::path(directory) / (name + ".trace.jsonl")).string();
+    worker.file = std::fopen(worker.path.c_str(), "w");
+    DG_CHECK(worker.file != nullptr, "trace file '", worker.path, "' cannot be opened for writing");
+    worker.pending.append("{\"distgrad_trace\":1,\"worker\":");
+    appendEscaped(worker.pending, name);
+    appendField(worker.pending, "rank", rank);
+    appendField(worker.pending, "pid", pid());
+    worker.pending.append(",\"clock\":\"steady_ns\"");
+    appendField(worker.pending, "start_ns", nowNs() + clockSkewNs);
+    worker.pending.append("}\n");
+    writePending(worker);
+    DG_CHECK(!worker.failed, "trace file '", worker.path, "' cannot be written");
+  }
+  Recorder& r = recorder();
+  std::lock_guard<std::mutex> writerLock(r.writerMutex);
+  WorkerSlot slot = kNoWorker;
+  bool traced = false;
+  {
+    std::lock_guard<std::mutex> flushLock(r.flushMutex);
+    std::lock_guard<std::mutex> lock(r.mutex);
+    slot = r.nextSlot++;
+    traced = worker.file != nullptr;
+    if (traced) ++r.tracing;
+    r.workers.emplace(slot, std::move(worker));
+    updateEnabledLocked(r);
+  }
+  if (traced && !r.writer.joinable()) {
+    try {
+      r.writer = std::thread([&r] { writerLoop(r); });
+    } catch (const std::system_error& e) {
+      // Tracing still works: everything is written by trace::flush() and at unregistration.
+      std::fprintf(stderr,
+                   "[distgrad] trace: the background writer cannot start (%s); events are written at "
+                   "shutdown\n",
+                   e.what());
+    }
+  }
+  return slot;
+}
+
+namespace {
+// False when `slot` is not registered. Caller holds flushMutex (not mutex).
+bool unregisterLocked(Recorder& r, WorkerSlot slot) {
+  auto it = r.workers.find(slot);
+  if (it == r.workers.end()) return false;
+  flushLocked(r);
+  Worker& worker = it->second;
+  const bool traced = worker.file != nullptr;
+  if (traced) {
+    worker.pending.append("{\"type\":\"end\"");
+    appendField(worker.pending, "end_ns", nowNs() + worker.skewNs);
+    appendField(worker.pending, "events", static_cast<int64_t>(worker.eventsWritten));
+    worker.pending.append("}\n");
+    writePending(worker);
+    std::fclose(worker.file);
+    worker.file = nullptr;
+  }
+  std::lock_guard<std::mutex> lock(r.mutex);
+  if (traced) --r.tracing;
+  r.workers.erase(it);
+  updateEnabledLocked(r);
+  return true;
+}
+}  // namespace
+
+void unregisterWorker(WorkerSlot slot) {
+  Recorder& r = recorder();
+  std::lock_guard<std::mutex> writerLock(r.writerMutex);
+  {
+    std::lock_guard<std::mutex> flushLock(r.flushMutex);
+    if (!unregisterLocked(r, slot)) return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(r.mutex);
+    if (r.tracing > 0 || !r.writer.joinable()) return;
+    r.writerStop = true;
+  }
+  r.writerWake.notify_all();
+  r.writer.join();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.writerStop = false;
+}
+
+std::string workerFile(WorkerSlot slot) {
+  Recorder& r = recorder();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  auto it = r.workers.find(slot);
+  return it == r.workers.end() ? std::string() : it->second.path;
+}
+
+WorkerSlot currentWorker() { return tWorker; }
+
+void setCurrentWorker(WorkerSlot slot) { tWorker = slot; }
+
+void setThreadName(std::string_view name) {
+  threadNameSlot().assign(name);
+  ThreadBuffer* buffer = tBuffer;
+  if (buffer == nullptr) return;
+  Recorder& r = recorder();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  buffer->name.assign(name);
+  ++buffer->nameVersion;
+}
+
+void setClockOffset(WorkerSlot slot, const std::string& peer, int peerRank, int64_t offsetNs, int64_t rttNs,
+                    uint64_t samples) {
+  Recorder& r = recorder();
+  // Never waits for a flush writing a file (the agent calls this under its own mutex).
+  std::lock_guard<std::mutex> lock(r.mutex);
+  auto it = r.workers.find(slot);
+  if (it == r.workers.end() || it->second.file == nullptr) return;
+  std::lock_guard<std::mutex> clockLock(r.clockMutex);
+  ClockLine& line = it->second.clocks[peer];
+  line.peerRank = peerRank;
+  line.offsetNs = offsetNs;
+  line.rttNs = rttNs;
+  line.samples = samples;
+  line.dirty = true;
+}
+
+uint64_t flush() {
+  Recorder& r = recorder();
+  std::lock_guard<std::mutex> lock(r.flushMutex);
+  return flushLocked(r);
+}
+
+void setPaused(bool paused) {
+  Recorder& r = recorder();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.paused = paused;
+  updateEnabledLocked(r);
+}
+
+Stats stats() {
+  Recorder& r = recorder();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  Stats s;
+  s.recorded = r.retiredAppended;
+  for (const auto& buffer : r.buffers) s.recorded += buffer->appended.load(std::memory_order_relaxed);
+  s.written = r.written.load(std::memory_order_relaxed);
+  s.dropped = r.dropped.load(std::memory_order_relaxed);
+  s.bufferedChunks = r.chunks.load(std::memory_order_relaxed);
+  return s;
+}
+
+uint64_t bufferedChunks() { return recorder().chunks.load(std::memory_order_relaxed); }
+
+void setFlushThreshold(uint64_t bytes) {
+  recorder().flushChunks.store(bytes / sizeof(Chunk), std::memory_order_relaxed);
+}
+
+}  // namespace distgrad::trace

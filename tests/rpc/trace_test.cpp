@@ -1,0 +1,393 @@
+// The trace recorder (rpc/trace.h) on its own: nothing is recorded when tracing is off; spans recorded from
+// several threads at once (while another thread flushes) come out exactly once each, with their nesting,
+// times, args, flows and thread names; every line of the file is a flat JSON object (read back with
+// tools/flat_json.h, the reader distgrad-trace uses); workers are kept apart by thread binding; interning
+// is stable; buffers of exited threads are written and freed; the test skew shifts every time written.
+#include "rpc/trace.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "tensor/error.h"
+#include "tests/rpc/async_test_util.h"
+#include "tests/rpc/trace_test_util.h"
+#include "tools/flat_json.h"
+
+namespace distgrad::trace {
+namespace {
+
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+using testing::readTrace;
+using testing::TempDir;
+using testing::TraceFile;
+using tools::FlatObject;
+
+using testing::named;
+
+TEST(Trace, OffRecordsNothing) {
+  ASSERT_FALSE(enabled()) << "a previous test left tracing on";
+  // A worker without a directory takes a slot but does not turn recording on.
+  const WorkerSlot slot = registerWorker("untraced", 0);
+  EXPECT_FALSE(enabled());
+  const Stats before = stats();
+  const uint64_t chunks = bufferedChunks();
+  for (int i = 0; i < 1000; ++i) {
+    DG_TRACE_SCOPE("off");
+    WorkerScope worker(slot);
+    Scope span("span", Category::kRpcClient, i, 2);
+    span.setArg(2, 3);
+    span.setFlow(callFlowId(0, static_cast<uint64_t>(i)), FlowPhase::kStart);
+    EXPECT_FALSE(span.active());
+    instant("tick", Category::kTransport, {i});
+  }
+  const Stats after = stats();
+  EXPECT_EQ(after.recorded, before.recorded);
+  EXPECT_EQ(bufferedChunks(), chunks);
+  EXPECT_EQ(currentWorker(), kNoWorker) << "WorkerScope bound the thread while tracing was off";
+  unregisterWorker(slot);
+}
+
+TEST(Trace, ConcurrentThreadsRecordNestedSpansExactlyOnceWhileAnotherThreadFlushes) {
+  TempDir dir;
+  const int64_t registeredAt = nowNs();
+  const WorkerSlot slot = registerWorker("nest", 3, dir.path());
+  ASSERT_TRUE(enabled());
+  const std::string path = workerFile(slot);
+  EXPECT_EQ(path, (fs::path(dir.path()) / "nest.trace.jsonl").string());
+  const Stats before = stats();
+
+  constexpr int kThreads = 4;
+  constexpr int kIterations = 3000;  // 3 events each: several chunks per thread
+  std::atomic<int> running{kThreads};
+  std::vector<std::thread> threads;
+  std::vector<int64_t> tids(kThreads);
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      setCurrentWorker(slot);
+      setThreadName("worker-thread-" + std::to_string(t));
+      tids[t] = static_cast<int64_t>(::gettid());
+      for (int i = 0; i < kIterations; ++i) {
+        Scope outer("outer", Category::kUser, t, i);
+        {
+          Scope inner("inner", Category::kPipeline);
+          inner.setArg(1, i);
+          inner.setFlow(callFlowId(t, static_cast<uint64_t>(i)), FlowPhase::kStep);
+        }
+        instant("tick", Category::kTransport, {t, i});
+      }
+      running.fetch_sub(1);
+    });
+  }
+  // The writer runs concurrently with the recording threads (Note [Trace buffers]).
+  uint64_t flushedLines = 0;
+  while (running.load() > 0) flushedLines += flush();
+  for (auto& thread : threads) thread.join();
+  flushedLines += flush();
+  EXPECT_EQ(flushedLines, static_cast<uint64_t>(kThreads) * kIterations * 3);
+  unregisterWorker(slot);
+  EXPECT_FALSE(enabled());
+  const Stats after = stats();
+  EXPECT_EQ(after.recorded - before.recorded, static_cast<uint64_t>(kThreads) * kIterations * 3);
+  EXPECT_EQ(after.written - before.written, static_cast<uint64_t>(kThreads) * kIterations * 3);
+
+  const TraceFile file = readTrace(path);
+  EXPECT_EQ(file.header.string("worker"), "nest");
+  EXPECT_EQ(file.header.integer("rank"), 3);
+  EXPECT_EQ(file.header.integer("pid"), static_cast<int64_t>(::getpid()));
+  EXPECT_EQ(file.header.string("clock"), "steady_ns");
+  ASSERT_TRUE(file.header.integer("start_ns").has_value());
+  EXPECT_GE(*file.header.integer("start_ns"), registeredAt);
+  ASSERT_TRUE(file.end.has_value());
+  EXPECT_EQ(file.end->integer("events"), static_cast<int64_t>(file.events.size()));
+  EXPECT_EQ(file.events.size(), static_cast<size_t>(kThreads) * kIterations * 3);
+
+  // Every thread is named once, with the name it chose.
+  std::map<int64_t, std::string> threadNames;
+  for (const auto& line : file.threads) {
+    EXPECT_TRUE(threadNames.emplace(*line.integer("tid"), *line.string("name")).second) << "a thread named twice";
+  }
+  for (int t = 0; t < kThreads; ++t) EXPECT_EQ(threadNames[tids[t]], "worker-thread-" + std::to_string(t));
+
+  // Exactly once each, with the args, flows, kinds and categories they were recorded with.
+  std::map<std::tuple<int, std::string, int64_t>, const FlatObject*> seen;
+  std::map<int64_t, int> threadIndex;
+  for (int t = 0; t < kThreads; ++t) threadIndex[tids[t]] = t;
+  for (const auto& e : file.events) {
+    const int t = threadIndex.at(*e.integer("tid"));
+    const std::string name = *e.string("name");
+    ASSERT_TRUE(e.integer("b") && e.integer("e"));
+    EXPECT_LE(*e.integer("b"), *e.integer("e"));
+    EXPECT_GE(*e.integer("b"), registeredAt);
+    int64_t i = -1;
+    if (name == "outer") {
+      EXPECT_EQ(e.string("type"), "span");
+      EXPECT_EQ(e.string("cat"), "user");
+      EXPECT_EQ(e.integer("a0"), t);
+      i = *e.integer("a1");
+      EXPECT_FALSE(e.has("a2"));
+      EXPECT_FALSE(e.has("flow"));
+    } else if (name == "inner") {
+      EXPECT_EQ(e.string("type"), "span");
+      EXPECT_EQ(e.string("cat"), "pipeline");
+      EXPECT_EQ(e.integer("a0"), 0) << "args before the highest set one are written as 0";
+      i = *e.integer("a1");
+      EXPECT_EQ(e.integer("flow"), static_cast<int64_t>(callFlowId(t, static_cast<uint64_t>(i))));
+      EXPECT_EQ(e.string("flow_phase"), "step");
+    } else if (name == "tick") {
+      EXPECT_EQ(e.string("type"), "instant");
+      EXPECT_EQ(e.string("cat"), "transport");
+      EXPECT_EQ(e.integer("b"), e.integer("e"));
+      EXPECT_EQ(e.integer("a0"), t);
+      i = *e.integer("a1");
+    } else {
+      ADD_FAILURE() << "unexpected event " << name;
+      continue;
+    }
+    EXPECT_TRUE(seen.emplace(std::make_tuple(t, name, i), &e).second) << name << " " << t << "/" << i << " twice";
+  }
+  ASSERT_EQ(seen.size(), static_cast<size_t>(kThreads) * kIterations * 3);
+  // Nesting and order on each thread: inner inside outer; the tick after the inner span and inside the
+  // outer one; iterations one after another.
+  for (int t = 0; t < kThreads; ++t) {
+    int64_t previousEnd = 0;
+    for (int i = 0; i < kIterations; ++i) {
+      const FlatObject& outer = *seen.at({t, "outer", i});
+      const FlatObject& inner = *seen.at({t, "inner", i});
+      const FlatObject& tick = *seen.at({t, "tick", i});
+      EXPECT_EQ(outer.integer("tid"), inner.integer("tid"));
+      EXPECT_GE(*outer.integer("b"), previousEnd);
+      EXPECT_LE(*outer.integer("b"), *inner.integer("b"));
+      EXPECT_LE(*inner.integer("e"), *tick.integer("b"));
+      EXPECT_LE(*tick.integer("b"), *outer.integer("e"));
+      previousEnd = *outer.integer("e");
+    }
+  }
+}
+
+TEST(Trace, EventsOfThreadsThatExitedAreWrittenAndTheirBuffersFreed) {
+  TempDir dir;
+  const uint64_t chunksBefore = bufferedChunks();
+  const WorkerSlot slot = registerWorker("exited", 0, dir.path());
+  const std::string path = workerFile(slot);
+  constexpr int kThreads = 3;
+  constexpr int kEvents = static_cast<int>(kChunkEvents) * 2 + 7;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      setThreadName("short-lived-" + std::to_string(t));
+      WorkerScope bound(slot);
+      for (int i = 0; i < kEvents; ++i) instant("work", Category::kUser, {t, i});
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  EXPECT_GT(bufferedChunks(), chunksBefore) << "the exited threads' events must still be buffered";
+  EXPECT_EQ(flush(), static_cast<uint64_t>(kThreads) * kEvents);
+  EXPECT_EQ(bufferedChunks(), chunksBefore) << "buffers of exited threads are freed once written";
+  unregisterWorker(slot);
+  const TraceFile file = readTrace(path);
+  EXPECT_EQ(file.events.size(), static_cast<size_t>(kThreads) * kEvents);
+  std::set<std::pair<int64_t, int64_t>> keys;
+  for (const auto& e : file.events) keys.emplace(*e.integer("a0"), *e.integer("a1"));
+  EXPECT_EQ(keys.size(), static_cast<size_t>(kThreads) * kEvents);
+  std::set<std::string> names;
+  for (const auto& line : file.threads) names.insert(*line.string("name"));
+  EXPECT_EQ(names, (std::set<std::string>{"short-lived-0", "short-lived-1", "short-lived-2"}));
+}
+
+TEST(Trace, EachEventGoesToTheWorkerItsThreadIsBoundTo) {
+  TempDir dir;
+  const WorkerSlot a = registerWorker("wa", 0, dir.path());
+  const WorkerSlot b = registerWorker("wb", 1, dir.path());
+  const WorkerSlot untraced = registerWorker("wc", 2);  // no file: its events are dropped
+  const Stats before = stats();
+  std::thread([&] {
+    setCurrentWorker(b);
+    instant("for-b", Category::kUser);
+  }).join();
+  std::thread([&] {
+    {
+      WorkerScope call(a);  // a user thread calling through agent A
+      instant("for-a", Category::kUser);
+    }
+    instant("unbound", Category::kUser);  // the process's first traced worker: a
+  }).join();
+  std::thread([&] {
+    setCurrentWorker(untraced);
+    instant("for-c", Category::kUser);
+  }).join();
+  flush();
+  EXPECT_EQ(stats().dropped - before.dropped, 1u);
+  const std::string pathA = workerFile(a), pathB = workerFile(b);
+  EXPECT_EQ(workerFile(untraced), "");
+  unregisterWorker(untraced);
+  unregisterWorker(b);
+  EXPECT_TRUE(enabled()) << "worker a still traces";
+  unregisterWorker(a);
+  EXPECT_FALSE(enabled());
+  unregisterWorker(a);  // idempotent
+  const TraceFile fileA = readTrace(pathA), fileB = readTrace(pathB);
+  EXPECT_EQ(fileA.header.string("worker"), "wa");
+  EXPECT_EQ(fileB.header.string("worker"), "wb");
+  std::multiset<std::string> inA, inB;
+  for (const auto& e : fileA.events) inA.insert(*e.string("name"));
+  for (const auto& e : fileB.events) inB.insert(*e.string("name"));
+  EXPECT_EQ(inA, (std::multiset<std::string>{"for-a", "unbound"}));
+  EXPECT_EQ(inB, (std::multiset<std::string>{"for-b"}));
+}
+
+// Over the flush threshold the background writer writes the buffered events without anyone calling
+// flush(); under it they stay in memory.
+TEST(Trace, TheBackgroundWriterWritesOnceTheThresholdIsPassed) {
+  TempDir dir;
+  const WorkerSlot slot = registerWorker("writer", 0, dir.path());
+  const std::string path = workerFile(slot);
+  const uint64_t written = stats().written;
+  std::thread([&] {
+    WorkerScope bound(slot);
+    for (int i = 0; i < 100; ++i) instant("small", Category::kUser, {i});
+  }).join();
+  setFlushThreshold(0);  // every check writes what is buffered
+  EXPECT_TRUE(rpc::testing::eventually([&] { return stats().written >= written + 100; }, 10s))
+      << "the writer did not write";
+  setFlushThreshold(kDefaultFlushThresholdBytes);
+  std::ifstream in(path);
+  size_t lines = 0;
+  for (std::string line; std::getline(in, line);) ++lines;
+  EXPECT_GE(lines, 1u + 1u + 100u) << "header, thread line and the events are in the file before shutdown";
+  unregisterWorker(slot);
+  EXPECT_EQ(readTrace(path).events.size(), 100u);
+}
+
+TEST(Trace, InterningGivesOneStablePointerPerText) {
+  std::string text = "rpc.fn.";
+  text += "interned";
+  const char* first = intern(text);
+  text.assign(64, 'x');  // the caller's buffer changes: the interned copy does not
+  EXPECT_STREQ(first, "rpc.fn.interned");
+  EXPECT_EQ(intern("rpc.fn.interned"), first);
+  EXPECT_NE(intern("rpc.fn.other"), first);
+  const char* fromAnotherThread = nullptr;
+  std::thread([&] { fromAnotherThread = intern(std::string_view("rpc.fn.interned")); }).join();
+  EXPECT_EQ(fromAnotherThread, first);
+  // Many threads interning the same new texts at once agree on one pointer per text.
+  std::vector<std::vector<const char*>> results(4);
+  std::vector<std::thread> threads;
+  for (auto& out : results) {
+    threads.emplace_back([&out] {
+      for (int i = 0; i < 200; ++i) out.push_back(intern("concurrent-" + std::to_string(i)));
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  for (const auto& out : results) EXPECT_EQ(out, results[0]);
+}
+
+TEST(Trace, PausedRecordingRecordsNothing) {
+  TempDir dir;
+  const WorkerSlot slot = registerWorker("paused", 0, dir.path());
+  ASSERT_TRUE(enabled());
+  setPaused(true);
+  EXPECT_FALSE(enabled());
+  const uint64_t recorded = stats().recorded;
+  { DG_TRACE_SCOPE("while paused"); }
+  EXPECT_EQ(stats().recorded, recorded);
+  setPaused(false);
+  EXPECT_TRUE(enabled());
+  {
+    WorkerScope bound(slot);
+    DG_TRACE_SCOPE("after");
+  }
+  const std::string path = workerFile(slot);
+  unregisterWorker(slot);
+  const TraceFile file = readTrace(path);
+  ASSERT_EQ(file.events.size(), 1u);
+  EXPECT_EQ(file.events[0].string("name"), "after");
+}
+
+TEST(Trace, TheTestSkewShiftsEveryTimeAndClockLinesAndOddNamesAreWrittenExactly) {
+  TempDir dir;
+  constexpr int64_t kSkew = 5'000'000'000;
+  const int64_t before = nowNs();
+  const WorkerSlot slot = registerWorker("skewed", 2, dir.path(), kSkew);
+  const char* odd = intern("we\"ird\\ name\nwith\tcontrol \x01 chars");
+  {
+    WorkerScope bound(slot);
+    recordSpan("manual", Category::kAutograd, 100, 250, {7, -8, 9}, 42, FlowPhase::kEnd, odd);
+    recordAsync("waited", Category::kRRef, 300, 400, {1});
+    recordInstant("at", Category::kTransport, 500, {2, 3});
+  }
+  setClockOffset(slot, "peer-0", 0, -123, 456, 7);
+  setClockOffset(slot, "peer-0", 0, -120, 400, 8);  // the latest estimate replaces the earlier one
+  const std::string path = workerFile(slot);
+  unregisterWorker(slot);
+  const TraceFile file = readTrace(path);
+  EXPECT_GE(*file.header.integer("start_ns"), before + kSkew);
+  ASSERT_EQ(file.events.size(), 3u);
+  const FlatObject& manual = *named(file, "manual").at(0);
+  EXPECT_EQ(manual.integer("b"), 100 + kSkew);
+  EXPECT_EQ(manual.integer("e"), 250 + kSkew);
+  EXPECT_EQ(manual.string("cat"), "autograd");
+  EXPECT_EQ(manual.integer("a0"), 7);
+  EXPECT_EQ(manual.integer("a1"), -8);
+  EXPECT_EQ(manual.integer("a2"), 9);
+  EXPECT_EQ(manual.integer("flow"), 42);
+  EXPECT_EQ(manual.string("flow_phase"), "end");
+  EXPECT_EQ(manual.string("detail"), std::string(odd));
+  const FlatObject& waited = *named(file, "waited").at(0);
+  EXPECT_EQ(waited.string("type"), "async");
+  EXPECT_EQ(waited.string("cat"), "rref");
+  EXPECT_EQ(waited.integer("b"), 300 + kSkew);
+  const FlatObject& at = *named(file, "at").at(0);
+  EXPECT_EQ(at.string("type"), "instant");
+  EXPECT_EQ(at.integer("b"), 500 + kSkew);
+  EXPECT_EQ(at.integer("e"), 500 + kSkew);
+  ASSERT_EQ(file.clocks.size(), 1u) << "one clock line per flush with a new estimate";
+  EXPECT_EQ(file.clocks[0].string("peer"), "peer-0");
+  EXPECT_EQ(file.clocks[0].integer("peer_rank"), 0);
+  EXPECT_EQ(file.clocks[0].integer("offset_ns"), -120);
+  EXPECT_EQ(file.clocks[0].integer("rtt_ns"), 400);
+  EXPECT_EQ(file.clocks[0].integer("samples"), 8);
+  ASSERT_TRUE(file.end.has_value());
+  EXPECT_GE(*file.end->integer("end_ns"), before + kSkew);
+}
+
+TEST(Trace, ADirectoryThatCannotBeCreatedIsRefusedNamingIt) {
+  TempDir dir;
+  const std::string notADirectory = dir.path() + "/plain-file";
+  std::ofstream(notADirectory) << "x";
+  try {
+    registerWorker("refused", 0, notADirectory + "/traces");
+    FAIL() << "expected a ValueError";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find(notADirectory + "/traces"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(enabled());
+}
+
+TEST(Trace, TheFlatJsonReaderRefusesWhatTheFormatForbids) {
+  EXPECT_TRUE(tools::parseFlatJson(R"({"a":1,"b":-2.5e3,"c":"x\u00e9\n","d":true,"e":null})").has_value());
+  const auto big = tools::parseFlatJson(R"({"t":9007199254740993})");  // 2^53 + 1: exact as an integer
+  ASSERT_TRUE(big.has_value());
+  EXPECT_EQ(big->integer("t"), 9007199254740993LL);
+  EXPECT_EQ(tools::parseFlatJson(R"({"c":"x\u00e9"})")->string("c"), "x\xc3\xa9");
+  for (const char* bad : {R"({"a":{"b":1}})", R"({"a":[1]})", R"({"a":1,"a":2})", R"({"a":1} x)", R"({"a":01})",
+                          R"({"a":1,})", R"({a:1})", "{\"a\":\"raw\ttab\"}", R"({"a":"\q"})", ""}) {
+    std::string error;
+    EXPECT_FALSE(tools::parseFlatJson(bad, &error).has_value()) << bad;
+    EXPECT_FALSE(error.empty()) << bad;
+  }
+}
+
+}  // namespace
+}  // namespace distgrad::trace
