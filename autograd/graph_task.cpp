@@ -15,15 +15,17 @@ void accumulateInto(Tensor& slot, const Tensor& g) {
 }
 
 void runTensorHooks(Node& node, std::vector<Tensor>& grads) {
+  for (const auto& [output, hook] : node.tensorHooks()) {
+    if (output >= grads.size() || !grads[output].defined()) continue;
+    Tensor replaced = hook(grads[output]);
+    if (replaced.defined()) grads[output] = replaced;
+  }
+  // retainGrad lives on the tensor: a retained gradient is only observable while someone holds it.
   auto& outs = node.outputs();
   for (size_t i = 0; i < outs.size() && i < grads.size(); ++i) {
     auto impl = outs[i].lock();
     if (!impl || !impl->autograd || !grads[i].defined()) continue;
     auto& meta = *impl->autograd;
-    for (auto& hook : meta.hooks) {
-      Tensor replaced = hook(grads[i]);
-      if (replaced.defined()) grads[i] = replaced;
-    }
     if (meta.retainsGrad) {
       std::lock_guard<std::mutex> lock(meta.mutex);
       meta.grad = meta.grad ? add(Tensor(meta.grad), grads[i]).detach().implPtr() : grads[i].cloneData().implPtr();

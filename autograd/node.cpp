@@ -106,3 +106,18 @@ void recordOp(const char* name, const std::vector<Tensor>& inputs, const std::ve
 }
 
 }  // namespace distgrad::autograd
+
+namespace distgrad::tensor {
+
+// Declared in tensor/tensor.h; defined here because a non-leaf's hooks belong to its grad_fn.
+void Tensor::registerHook(std::function<Tensor(const Tensor&)> hook) const {
+  DG_CHECK(requiresGrad(), "registerHook: the tensor does not require grad");
+  AutogradMeta& meta = ensureAutogradMeta();
+  if (meta.gradFn != nullptr) {
+    meta.gradFn->addTensorHook(meta.outputNr, std::move(hook));
+  } else {
+    meta.hooks.push_back(std::move(hook));
+  }
+}
+
+}  // namespace distgrad::tensor

@@ -71,6 +71,11 @@ class Node : public std::enable_shared_from_this<Node> {
   using PreHook = std::function<void(std::vector<Tensor>& gradOutputs)>;
   using PostHook = std::function<void(const std::vector<Tensor>& gradInputs, const std::vector<Tensor>& gradOutputs)>;
   void addPreHook(PreHook hook) { preHooks_.push_back(std::move(hook)); }
+  // A hook on the gradient of forward output `output` (Tensor::registerHook on a non-leaf): kept here,
+  // not in the tensor, so it runs even when nobody holds the tensor any more. Runs before the pre-hooks.
+  using TensorHook = std::function<Tensor(const Tensor&)>;
+  void addTensorHook(uint32_t output, TensorHook hook) { tensorHooks_.emplace_back(output, std::move(hook)); }
+  const std::vector<std::pair<uint32_t, TensorHook>>& tensorHooks() const { return tensorHooks_; }
   void addPostHook(PostHook hook) { postHooks_.push_back(std::move(hook)); }
   const std::vector<PreHook>& preHooks() const { return preHooks_; }
   const std::vector<PostHook>& postHooks() const { return postHooks_; }
@@ -84,6 +89,7 @@ class Node : public std::enable_shared_from_this<Node> {
   std::vector<std::weak_ptr<tensor::TensorImpl>> outputs_;
   std::vector<PreHook> preHooks_;
   std::vector<PostHook> postHooks_;
+  std::vector<std::pair<uint32_t, TensorHook>> tensorHooks_;  // in registration order
 };
 
 // Sink node for a leaf that requires grad: adds the incoming gradient into the leaf's .grad.

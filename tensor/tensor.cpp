@@ -430,11 +430,6 @@ AutogradMeta& Tensor::ensureAutogradMeta() const {
   return *slot;
 }
 
-void Tensor::registerHook(std::function<Tensor(const Tensor&)> hook) const {
-  DG_CHECK(requiresGrad(), "registerHook: the tensor does not require grad");
-  ensureAutogradMeta().hooks.push_back(std::move(hook));
-}
-
 void Tensor::retainGrad() const {
   DG_CHECK(requiresGrad(), "retainGrad: the tensor does not require grad");
   ensureAutogradMeta().retainsGrad = true;

@@ -44,7 +44,9 @@ struct AutogradMeta {
   std::shared_ptr<autograd::Node> gradFn;      // the node that produced this tensor (null for leaves)
   std::weak_ptr<autograd::Node> gradAccumulator;  // AccumulateGrad node of a leaf (owned by the graph)
   uint32_t outputNr = 0;                       // which output of gradFn this tensor is
-  std::vector<std::function<Tensor(const Tensor&)>> hooks;  // run on this tensor's gradient in backward
+  // Hooks on a LEAF's gradient (run by its AccumulateGrad). A non-leaf's hooks live on its gradFn node, so
+  // they run even after every handle to the tensor is gone (autograd/node.h, Node::addTensorHook).
+  std::vector<std::function<Tensor(const Tensor&)>> hooks;
 };
 
 struct TensorImpl {
@@ -139,7 +141,9 @@ class Tensor {
   const std::shared_ptr<autograd::Node>& gradFn() const;
   AutogradMeta* autogradMeta() const { return impl().autograd.get(); }
   AutogradMeta& ensureAutogradMeta() const;
-  // Registers a hook run on this tensor's gradient during backward; it may return a replacement.
+  // Registers a hook run on this tensor's gradient during backward; it may return a replacement. A hook on
+  // a non-leaf is kept by the node that produced the tensor, so it runs even if this handle is dropped
+  // before backward (as in PyTorch). Defined in autograd/node.cpp: only autograd/ knows Node.
   void registerHook(std::function<Tensor(const Tensor&)> hook) const;
   void retainGrad() const;
 
