@@ -2,8 +2,8 @@
 //
 // A differentiable op that sees an input requiring grad creates one Node whose next edges point at the
 // nodes that produced its inputs (or the AccumulateGrad node of a leaf). The engine (autograd/engine.h)
-// walks these edges backwards. Nodes never own the tensors they produced (only weak references, for hooks
-// and retain_grad), so graphs have no reference cycles.
+// walks these edges backwards. Nodes never own the tensors they produced (only weak references, for
+// retain_grad), so graphs have no reference cycles; hooks on those tensors are kept by the node itself.
 // Thread-safety: a graph may be executed by one engine task at a time; AccumulateGrad serialises
 // accumulation into a leaf that several tasks share.
 #pragma once
