@@ -260,6 +260,7 @@ class PipelineStage::Flight {
     bool release = false;
     bool counted = false;
     int64_t traceBeginNs = 0;
+    std::thread::id traceThread;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (ended_) return;
@@ -267,8 +268,9 @@ class PipelineStage::Flight {
       release = std::exchange(holdsToken_, false);
       counted = counted_;
       traceBeginNs = traceBeginNs_;
+      traceThread = traceThread_;
     }
-    if (backwardRan && traceBeginNs != 0 && trace::enabled()) traceBackward(traceBeginNs);
+    if (backwardRan && traceBeginNs != 0 && trace::enabled()) traceBackward(traceBeginNs, traceThread);
     if (release) meter_->token->release();
     // A forward that threw never took a slot.
     if (counted) meter_->flightEnded(microBatch_, backwardRan);
@@ -278,9 +280,9 @@ class PipelineStage::Flight {
   // docs/tracing.md, "Pipeline events": the same bracket as the stage's backward timing. The stage's nodes
   // run in one drain of the pass, on one thread; should its two ends ever see different threads, the span
   // would not nest on either, so it is recorded as an async event instead.
-  void traceBackward(int64_t beginNs) const {
+  void traceBackward(int64_t beginNs, std::thread::id beganOn) const {
     const std::initializer_list<int64_t> args{stage_, microBatch_, step_};
-    if (traceThread_ == std::this_thread::get_id()) {
+    if (beganOn == std::this_thread::get_id()) {
       trace::recordSpan("pipeline.backward", trace::Category::kPipeline, beginNs, trace::nowNs(), args, 0,
                         trace::FlowPhase::kNone, "rpc");
     } else {
