@@ -236,10 +236,8 @@ class PipelineStage::Flight {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       holdsToken_ = true;
-      if (trace::enabled()) {
-        traceBeginNs_ = trace::nowNs();
-        traceThread_ = std::this_thread::get_id();
-      }
+      backwardThread_ = std::this_thread::get_id();
+      if (trace::enabled()) traceBeginNs_ = trace::nowNs();
     }
     meter_->backwardStarting(microBatch_);
   }
@@ -268,7 +266,7 @@ class PipelineStage::Flight {
       release = std::exchange(holdsToken_, false);
       counted = counted_;
       traceBeginNs = traceBeginNs_;
-      traceThread = traceThread_;
+      traceThread = backwardThread_;
     }
     if (backwardRan && traceBeginNs != 0 && trace::enabled()) traceBackward(traceBeginNs, traceThread);
     if (release) meter_->token->release();
@@ -300,8 +298,8 @@ class PipelineStage::Flight {
   bool holdsToken_ = false;  // GUARDED_BY(mutex_)
   bool ended_ = false;       // GUARDED_BY(mutex_)
 
-  int64_t traceBeginNs_ = 0;     // GUARDED_BY(mutex_): when the backward started, if traced
-  std::thread::id traceThread_;  // GUARDED_BY(mutex_): where it started
+  int64_t traceBeginNs_ = 0;        // GUARDED_BY(mutex_): when the backward started, if traced
+  std::thread::id backwardThread_;  // GUARDED_BY(mutex_): where the backward started
 };
 
 // Note [Stage backward bracket]
