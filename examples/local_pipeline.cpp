@@ -21,6 +21,7 @@
 //   local_pipeline [--stages N] [--micro-batches N] [--schedule gpipe|1f1b] [--balance time|params]
 //                  [--model resnet18|resnet50|mlp|lenet5] [--width N] [--epochs N] [--batch-size N]
 //                  [--optimizer sgd|adam] [--lr X] [--seed N] [--limit N] [--threads N] [--data-dir DIR]
+//                  [--trace DIR]   (writes DIR/local_pipeline.trace.jsonl: docs/tracing.md)
 #include "examples/local_pipeline_main.h"
 
 int main(int argc, char** argv) {

@@ -31,6 +31,7 @@ inline int runLocalPipeline(const std::string& name, const std::string& mode, co
   if (!threaded) opt.microBatches = 1;  // the whole batch goes through each stage at once
   try {
     tensor::setNumThreads(opt.threads);
+    LocalTrace trace(name, opt.traceDir);  // --trace: from here to the end of training
     const Data data = loadFashionMnist(opt.dataDir, opt.limit);
     const pipeline::ModelSpec spec = opt.modelSpec();
     auto model = pipeline::buildModel(spec);
@@ -82,6 +83,7 @@ inline int runLocalPipeline(const std::string& name, const std::string& mode, co
       std::fflush(stdout);
     }
 
+    trace.finish();
     JsonLine(name)
         .add("mode", mode)
         .add("workers", 1)

@@ -1,16 +1,21 @@
 // The flags and defaults the pipeline family shares (single_worker, local_model_parallel, local_pipeline,
 // rpc_pipeline), so their figures compare: ResNet-18 of base width 16 with a CIFAR stem, 1 epoch, batch 64,
 // Adam lr 0.001 (sgd: lr 0.05, momentum 0.9), seed 0, 1 oneDNN thread; pipelines: 2 stages balanced by
-// measured time, 4 micro-batches, GPipe. Header-only, like example_util.h.
+// measured time, 4 micro-batches, GPipe. --trace DIR writes a trace of the run (docs/tracing.md): rpc_pipeline
+// through every agent's Options::traceDir, the programs without an agent through LocalTrace below.
+// Header-only, like example_util.h.
 // Thread-safety: none needed (parsed once on the main thread).
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
 #include <string>
+#include <utility>
 
 #include "examples/example_util.h"
 #include "models/optim/distributed_optimizer.h"
 #include "models/pipeline/model_spec.h"
+#include "rpc/trace.h"
 
 namespace distgrad::examples {
 
@@ -29,6 +34,7 @@ struct PipelineFlags {
   int64_t limit = 0;
   int threads = 1;
   std::string dataDir;
+  std::string traceDir;  // --trace: empty = no trace
 
   models::pipeline::ModelSpec modelSpec() const {
     models::pipeline::ModelSpec spec;
@@ -65,7 +71,8 @@ inline void parsePipelineFlags(Flags& flags, PipelineFlags& o, int argc, char** 
       .add("--seed", o.seed, "initialisation and shuffling seed")
       .add("--limit", o.limit, "use only the first N training and test images (0 = all)")
       .add("--threads", o.threads, "oneDNN threads per process")
-      .add("--data-dir", o.dataDir, "Fashion-MNIST directory (default: the Debian package's)");
+      .add("--data-dir", o.dataDir, "Fashion-MNIST directory (default: the Debian package's)")
+      .add("--trace", o.traceDir, "write a trace of the run to DIR/<worker>.trace.jsonl (docs/tracing.md)");
   flags.parse(argc, argv);
   flags.require(o.stages >= 1 && o.microBatches >= 1 && o.epochs >= 1 && o.batchSize >= 1 && o.width >= 1 &&
                     o.threads >= 1 && o.limit >= 0 && o.lr >= 0,
@@ -75,5 +82,34 @@ inline void parsePipelineFlags(Flags& flags, PipelineFlags& o, int argc, char** 
   flags.require(o.balance == "time" || o.balance == "params", "--balance must be time or params");
   flags.require(o.optimizer == "sgd" || o.optimizer == "adam", "--optimizer must be sgd or adam");
 }
+
+// --trace for a program without an agent (single_worker, local_model_parallel, local_pipeline): the process
+// registers itself as trace worker `name` (rank 0), so everything it records (the pipeline's events, from
+// every thread) goes to DIR/<name>.trace.jsonl (rpc/trace.h, "A process without an agent"). finish() (or
+// the destructor) writes the file and prints where it went. With an empty directory it does nothing.
+class LocalTrace {
+ public:
+  // Throws ValueError if DIR or the file cannot be created.
+  LocalTrace(const std::string& name, const std::string& directory) : name_(name) {
+    if (directory.empty()) return;
+    slot_ = trace::registerWorker(name, /*rank=*/0, directory);
+    path_ = trace::workerFile(slot_);
+  }
+  ~LocalTrace() { finish(); }
+  LocalTrace(const LocalTrace&) = delete;
+  LocalTrace& operator=(const LocalTrace&) = delete;
+
+  void finish() {
+    if (slot_ == trace::kNoWorker) return;
+    trace::unregisterWorker(std::exchange(slot_, trace::kNoWorker));
+    std::printf("%s: trace written to %s\n", name_.c_str(), path_.c_str());
+    std::fflush(stdout);
+  }
+
+ private:
+  std::string name_;
+  std::string path_;
+  trace::WorkerSlot slot_ = trace::kNoWorker;
+};
 
 }  // namespace distgrad::examples

@@ -22,6 +22,10 @@
 //   rpc_pipeline [--stage-workers N] [--micro-batches N] [--schedule gpipe|1f1b] [--balance time|params]
 //                [--model resnet18|resnet50|mlp|lenet5] [--width N] [--epochs N] [--batch-size N]
 //                [--optimizer sgd|adam] [--lr X] [--seed N] [--limit N] [--threads N] [--data-dir DIR]
+//                [--trace DIR]
+//
+// --trace DIR: every worker (the driver and each stage) writes DIR/<worker>.trace.jsonl (docs/tracing.md);
+// tools/distgrad-trace merges and explains them.
 #include "models/pipeline/rpc_pipeline.h"
 
 #include <sys/resource.h>
@@ -40,6 +44,7 @@
 #include "models/pipeline/model_spec.h"
 #include "models/pipeline/partition.h"
 #include "rpc/agent.h"
+#include "rpc/trace.h"
 #include "rref/context.h"
 #include "tensor/cpu/dnnl_context.h"
 
@@ -216,7 +221,8 @@ int main(int argc, char** argv) {
                                "pipeline stages, one per worker process (--nproc = this + 1)", /*pipelined=*/true);
   try {
     tensor::setNumThreads(opt.threads);
-    const rpc::Options rpcOptions = rpc::Options::fromEnv();
+    rpc::Options rpcOptions = rpc::Options::fromEnv();
+    if (!opt.traceDir.empty()) rpcOptions.traceDir = opt.traceDir;  // on every worker: the flags are the same
     if (rpcOptions.worldSize != opt.stages + 1) {
       std::cerr << "rpc_pipeline: " << opt.stages << " stage workers need " << opt.stages + 1
                 << " processes (a driver and the stages), got " << rpcOptions.worldSize
@@ -234,9 +240,12 @@ int main(int argc, char** argv) {
 
     int status = 0;
     if (agent->rank() == 0) status = runDriver(*agent, opt);
+    const std::string traceFile = trace::workerFile(agent->traceWorker());
     // Graceful: a barrier of every process. A stage worker serves the pipeline here until the driver is done
     // (the first barrier waits while the driver is alive; it fails at once if the driver dies).
-    agent->shutdown();
+    agent->shutdown();  // writes the trace file
+    if (!traceFile.empty())
+      std::printf("rpc_pipeline: %s's trace written to %s\n", agent->name().c_str(), traceFile.c_str());
     return status;
   } catch (const std::exception& e) {
     std::cerr << "rpc_pipeline: error: " << e.what() << "\n";

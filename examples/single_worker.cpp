@@ -27,6 +27,7 @@
 #include "models/optim/distributed_optimizer.h"
 #include "models/pipeline/model_spec.h"
 #include "models/pipeline/schedule.h"
+#include "rpc/trace.h"
 #include "tensor/cpu/dnnl_context.h"
 
 using namespace distgrad;
@@ -39,6 +40,7 @@ int main(int argc, char** argv) {
   examples::parsePipelineFlags(flags, opt, argc, argv, /*stagesFlag=*/"", "", /*pipelined=*/false);
   try {
     tensor::setNumThreads(opt.threads);
+    examples::LocalTrace trace("single_worker", opt.traceDir);  // --trace
     const examples::Data data = examples::loadFashionMnist(opt.dataDir, opt.limit);
     const pipeline::ModelSpec spec = opt.modelSpec();
     auto model = pipeline::buildModel(spec);
@@ -52,6 +54,7 @@ int main(int argc, char** argv) {
     data::DataLoader loader(data.train, {.batchSize = opt.batchSize, .shuffle = true, .seed = opt.seed});
     pipeline::StepStats total;
     int64_t trainImages = 0;
+    int64_t stepsDone = 0;
     double accuracy = 0;
     for (int64_t epoch = 1; epoch <= opt.epochs; ++epoch) {
       const std::string label = "epoch " + std::to_string(epoch) + "/" + std::to_string(opt.epochs);
@@ -62,11 +65,27 @@ int main(int argc, char** argv) {
       int64_t images = 0;
       for (const auto& batch : loader) {
         const auto start = std::chrono::steady_clock::now();
+        // Traced as a one-stage pipeline of one micro-batch (docs/tracing.md, "Pipeline events"), so that
+        // distgrad-trace compares it with the pipelines.
+        const int64_t stepIndex = stepsDone++;
+        trace::Scope stepSpan("pipeline.step", trace::Category::kPipeline, stepIndex, 1, 1);
+        stepSpan.setDetail("gpipe");
+        trace::Scope forwardSpan("pipeline.forward", trace::Category::kPipeline, 0, 0, stepIndex);
+        forwardSpan.setDetail("local");
         Tensor loss = crossEntropy(model->forward(batch.inputs), batch.labels);
+        forwardSpan.end();
+        trace::Scope backwardSpan("pipeline.backward", trace::Category::kPipeline, 0, 0, stepIndex);
+        backwardSpan.setDetail("local");
         distgrad::backward(loss);
+        backwardSpan.end();
         const double compute = examples::secondsSince(start);
-        optimizer->step();
-        optimizer->zeroGrad();
+        {
+          trace::Scope optimizerSpan("pipeline.optimizer", trace::Category::kPipeline, 0);
+          optimizerSpan.setArg(2, stepIndex);
+          optimizer->step();
+          optimizer->zeroGrad();
+        }
+        stepSpan.end();
         // The same accounting as the pipelines, for one stage that is never idle.
         pipeline::StepStats step;
         step.wallSeconds = examples::secondsSince(start);
@@ -91,6 +110,7 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
     }
 
+    trace.finish();
     examples::JsonLine("single_worker")
         .add("mode", "single")
         .add("workers", 1)

@@ -211,6 +211,9 @@ class Scope {
 // written at once), and recording turns on; with an empty one the worker only gets a slot (its threads'
 // events are then dropped). `clockSkewNs` is TEST-ONLY: added to every time this worker writes, so that
 // one process can pretend its workers' clocks differ. Throws ValueError if the file cannot be created.
+// Agents call it; so does a process that traces without an agent (a LocalPipeline, a training loop): its
+// threads, bound to no worker, then record into this one, until unregisterWorker writes the file
+// (docs/tracing.md, "A process without an agent").
 WorkerSlot registerWorker(const std::string& name, int rank, const std::string& directory = {},
                           int64_t clockSkewNs = 0);
 // Writes what is buffered for the worker, a last line, closes its file and frees the slot (events recorded

@@ -8,6 +8,7 @@
 #include "autograd/engine.h"
 #include "autograd/grad_mode.h"
 #include "autograd/ops.h"
+#include "rpc/trace.h"
 #include "tensor/cpu/dnnl_context.h"
 #include "tensor/error.h"
 
@@ -82,6 +83,7 @@ std::string LocalPipeline::describe() const {
 void LocalPipeline::stageLoop(int64_t stage) {
   // OpenMP's thread count is per thread: give this thread the process's setting (tensor::setNumThreads).
   tensor::setNumThreads(tensor::numThreads());
+  trace::setThreadName("dg-stage-" + std::to_string(stage));  // its row in a trace
   uint64_t seen = 0;
   while (true) {
     {
@@ -165,6 +167,8 @@ bool LocalPipeline::runStage(int64_t stage, bool blocking) {
     // still be busy with theirs).
     auto& optimizer = optimizers_[static_cast<size_t>(stage)];
     if (optimizer) {
+      trace::Scope span("pipeline.optimizer", trace::Category::kPipeline, stage);  // docs/tracing.md
+      span.setArg(2, job_->step);
       optimizer->step();
       optimizer->zeroGrad();
     }
@@ -180,6 +184,10 @@ void LocalPipeline::runOp(int64_t stage, const Op& op, Tensor received) {
   const auto m = static_cast<size_t>(op.microBatch);
   Module& module = *stages_[static_cast<size_t>(stage)];
   const auto start = std::chrono::steady_clock::now();
+  // The compute only (docs/tracing.md): ended before the hand-over to the neighbour.
+  trace::Scope span(op.forward ? "pipeline.forward" : "pipeline.backward", trace::Category::kPipeline, stage,
+                    op.microBatch, job_->step);
+  span.setDetail("local");
   if (op.forward) {
     // The stage's own graph starts at a fresh leaf: backward stops here and leaves the input's gradient
     // in x.grad() for the previous stage.
@@ -203,6 +211,7 @@ void LocalPipeline::runOp(int64_t stage, const Op& op, Tensor received) {
     }
     st.maxInFlight = std::max(st.maxInFlight, static_cast<int64_t>(st.inFlight.size()));
     st.forwardSeconds[m] = secondsSince(start);
+    span.end();
     if (!last) post(MailKey{stage + 1, true, op.microBatch}, y.detach());
     return;
   }
@@ -217,6 +226,7 @@ void LocalPipeline::runOp(int64_t stage, const Op& op, Tensor received) {
   Tensor inputGrad = stage > 0 ? x.grad() : Tensor();
   x = Tensor();
   st.backwardSeconds[m] = secondsSince(start);
+  span.end();
   if (stage > 0) post(MailKey{stage - 1, false, op.microBatch}, std::move(inputGrad));
 }
 
@@ -244,6 +254,7 @@ StepResult LocalPipeline::step(const Tensor& inputs, const Tensor& labels) {
   DG_CHECK(inputs.size(0) == labels.size(0), "LocalPipeline::step: ", inputs.size(0), " inputs but ", labels.size(0),
            " labels");
   StepJob job;
+  job.step = steps_++;
   job.batchSize = inputs.size(0);
   const std::vector<int64_t> sizes = microBatchSizes(job.batchSize, options_.microBatches);
   job.microBatches = static_cast<int64_t>(sizes.size());
@@ -266,6 +277,9 @@ StepResult LocalPipeline::step(const Tensor& inputs, const Tensor& labels) {
     failedStage_ = -1;
   }
   const auto start = std::chrono::steady_clock::now();
+  // docs/tracing.md: the whole step, on the caller's thread (the stages' spans are on their threads).
+  trace::Scope stepSpan("pipeline.step", trace::Category::kPipeline, job.step, job.microBatches, numStages());
+  stepSpan.setDetail(scheduleName(options_.schedule));
   if (threaded_) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -294,6 +308,7 @@ StepResult LocalPipeline::step(const Tensor& inputs, const Tensor& labels) {
     }
   }
   const double wall = secondsSince(start);
+  stepSpan.end();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     job_ = nullptr;

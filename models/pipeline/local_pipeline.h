@@ -17,6 +17,11 @@
 // execution, the sum of all of them: that is its schedule), and the micro-batches in flight per stage.
 // peakActivationBytes is -1: the tensors an autograd graph saves are not observable from here.
 //
+// Tracing (docs/tracing.md, "Pipeline events"): when rpc/trace.h records, step() records pipeline.step on
+// the calling thread and each stage its pipeline.forward / pipeline.backward per micro-batch and its
+// pipeline.optimizer, on the thread that computes them (detail "local"). Steps are numbered from 0 per
+// LocalPipeline. With no agent in the process, trace::registerWorker(name, 0, dir) gives them a file.
+//
 // Errors: an exception in any stage (bad shapes, a loss that cannot be computed) stops the step in every
 // stage (none waits forever for a neighbour that failed) and step() throws it, its message prefixed with
 // "local pipeline stage S: "; a ValueError stays a ValueError. Gradients of the failed step are discarded
@@ -71,6 +76,7 @@ class LocalPipeline : public Pipeline {
   struct StepJob {
     int64_t microBatches = 0;
     int64_t batchSize = 0;
+    int64_t step = 0;            // this pipeline's step number (for traces)
     std::vector<Tensor> inputs;  // per micro-batch, for stage 0
     std::vector<Tensor> labels;  // per micro-batch, for the last stage
   };
@@ -110,6 +116,7 @@ class LocalPipeline : public Pipeline {
   bool threaded_;
   std::vector<std::unique_ptr<optim::Optimizer>> optimizers_;  // null for a stage without parameters
   std::vector<StageState> state_;
+  int64_t steps_ = 0;  // step() calls so far: the next step's number in traces
 
   // Guards everything below. One lock for the whole pipeline: hand-overs are a few per micro-batch, far
   // too rare to contend.

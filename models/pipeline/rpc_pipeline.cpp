@@ -8,6 +8,7 @@
 #include <functional>
 #include <optional>
 #include <sstream>
+#include <thread>
 #include <unordered_set>
 #include <utility>
 
@@ -16,6 +17,7 @@
 #include "autograd/ops.h"
 #include "rpc/autograd_hook.h"
 #include "rpc/detail/handler.h"
+#include "rpc/trace.h"
 #include "rref/context.h"
 #include "tensor/storage.h"
 
@@ -215,7 +217,8 @@ struct PipelineStage::Meter {
 // have: a failed step never leaves the token held or the slot taken.
 class PipelineStage::Flight {
  public:
-  Flight(std::shared_ptr<Meter> meter, int64_t microBatch) : meter_(std::move(meter)), microBatch_(microBatch) {}
+  Flight(std::shared_ptr<Meter> meter, int64_t stage, int64_t microBatch, int64_t step)
+      : meter_(std::move(meter)), stage_(stage), microBatch_(microBatch), step_(step) {}
   ~Flight() { end(false); }
   Flight(const Flight&) = delete;
   Flight& operator=(const Flight&) = delete;
@@ -233,6 +236,8 @@ class PipelineStage::Flight {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       holdsToken_ = true;
+      backwardThread_ = std::this_thread::get_id();
+      if (trace::enabled()) traceBeginNs_ = trace::nowNs();
     }
     meter_->backwardStarting(microBatch_);
   }
@@ -252,26 +257,49 @@ class PipelineStage::Flight {
   void end(bool backwardRan) {
     bool release = false;
     bool counted = false;
+    int64_t traceBeginNs = 0;
+    std::thread::id traceThread;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (ended_) return;
       ended_ = true;
       release = std::exchange(holdsToken_, false);
       counted = counted_;
+      traceBeginNs = traceBeginNs_;
+      traceThread = backwardThread_;
     }
+    if (backwardRan && traceBeginNs != 0 && trace::enabled()) traceBackward(traceBeginNs, traceThread);
     if (release) meter_->token->release();
     // A forward that threw never took a slot.
     if (counted) meter_->flightEnded(microBatch_, backwardRan);
   }
 
  private:
+  // docs/tracing.md, "Pipeline events": the same bracket as the stage's backward timing. The stage's nodes
+  // run in one drain of the pass, on one thread; should its two ends ever see different threads, the span
+  // would not nest on either, so it is recorded as an async event instead.
+  void traceBackward(int64_t beginNs, std::thread::id beganOn) const {
+    const std::initializer_list<int64_t> args{stage_, microBatch_, step_};
+    if (beganOn == std::this_thread::get_id()) {
+      trace::recordSpan("pipeline.backward", trace::Category::kPipeline, beginNs, trace::nowNs(), args, 0,
+                        trace::FlowPhase::kNone, "rpc");
+    } else {
+      trace::recordAsync("pipeline.backward", trace::Category::kPipeline, beginNs, trace::nowNs(), args, 0, "rpc");
+    }
+  }
+
   std::shared_ptr<Meter> meter_;
+  const int64_t stage_;
   const int64_t microBatch_;
+  const int64_t step_;
   std::mutex mutex_;
   bool counted_ = false;     // GUARDED_BY(mutex_): the forward finished (the slot is taken)
   int64_t pendingEnds_ = 0;  // GUARDED_BY(mutex_): see endAfter
   bool holdsToken_ = false;  // GUARDED_BY(mutex_)
   bool ended_ = false;       // GUARDED_BY(mutex_)
+
+  int64_t traceBeginNs_ = 0;        // GUARDED_BY(mutex_): when the backward started, if traced
+  std::thread::id backwardThread_;  // GUARDED_BY(mutex_): where the backward started
 };
 
 // Note [Stage backward bracket]
@@ -336,13 +364,19 @@ void PipelineStage::recordSource(int64_t microBatch, const std::string& from) {
   slot(meter_->stats.inputFrom, microBatch) = from;
 }
 
-rpc::Future<Tensor> PipelineStage::forwardFirst(const rpc::CallContext& ctx, Tensor input, int64_t microBatch) {
+rpc::Future<Tensor> PipelineStage::forwardFirst(const rpc::CallContext& ctx, Tensor input, int64_t microBatch,
+                                                int64_t step) {
   recordSource(microBatch, ctx.caller);
-  return enqueue(ctx.agent->executor(), std::move(input), microBatch);
+  return enqueue(ctx.agent->executor(), std::move(input), microBatch, step);
 }
 
-rpc::Future<Tensor> PipelineStage::forward(const rpc::CallContext& ctx, rref::RRef<Tensor> previous,
-                                           int64_t microBatch) {
+void PipelineStage::setIndex(int64_t index) {
+  DG_CHECK(index >= 0, what_, ": the stage index must be >= 0, got ", index);
+  index_.store(index, std::memory_order_relaxed);
+}
+
+rpc::Future<Tensor> PipelineStage::forward(const rpc::CallContext& ctx, rref::RRef<Tensor> previous, int64_t microBatch,
+                                           int64_t step) {
   DG_CHECK(previous.valid(), what_, ": forward got an empty RRef");
   recordSource(microBatch, previous.isOwner() ? worker_ : previous.owner());
   // The fetch joins the micro-batch's context, so the previous stage records where the gradient goes and
@@ -351,20 +385,20 @@ rpc::Future<Tensor> PipelineStage::forward(const rpc::CallContext& ctx, rref::RR
   rpc::Future<Tensor> value = previous.toHereAsync();
   rpc::Executor* executor = &ctx.agent->executor();
   return std::move(value).then(
-      [self = shared_from_this(), executor, microBatch](rpc::Result<Tensor>&& fetched) -> rpc::Future<Tensor> {
+      [self = shared_from_this(), executor, microBatch, step](rpc::Result<Tensor>&& fetched) -> rpc::Future<Tensor> {
         // A failed input is the previous stage's error (it names that worker): passed on as it is.
         if (!fetched.ok()) return rpc::makeErrorFuture<Tensor>(fetched.error(), *executor);
-        return self->enqueue(*executor, std::move(fetched).value(), microBatch);
+        return self->enqueue(*executor, std::move(fetched).value(), microBatch, step);
       });
 }
 
-rpc::Future<Tensor> PipelineStage::enqueue(rpc::Executor& executor, Tensor input, int64_t microBatch) {
+rpc::Future<Tensor> PipelineStage::enqueue(rpc::Executor& executor, Tensor input, int64_t microBatch, int64_t step) {
   auto promise = std::make_shared<rpc::Promise<Tensor>>(executor);
   rpc::Future<Tensor> future = promise->getFuture();
   {
     std::lock_guard<std::mutex> lock(queueMutex_);
     executor_ = &executor;
-    queue_.push_back(Job{std::move(input), microBatch, std::move(promise)});
+    queue_.push_back(Job{std::move(input), microBatch, step, std::move(promise)});
     if (running_) return future;  // the running thread takes it
     running_ = true;
   }
@@ -398,7 +432,7 @@ void PipelineStage::runQueued() {
     }
     rpc::Result<Tensor> result = [&]() -> rpc::Result<Tensor> {
       try {
-        return runForward(job.input, job.microBatch);
+        return runForward(job.input, job.microBatch, job.step);
       } catch (...) {
         rpc::Error error = rpc::detail::handlerError(std::current_exception(), worker_);
         error.message = what_ + ", forward of micro-batch " + std::to_string(job.microBatch) + ": " + error.message;
@@ -410,17 +444,20 @@ void PipelineStage::runQueued() {
   }
 }
 
-Tensor PipelineStage::runForward(const Tensor& input, int64_t microBatch) {
+Tensor PipelineStage::runForward(const Tensor& input, int64_t microBatch, int64_t step) {
   if (!training_.load()) {
     autograd::NoGradGuard noGrad;
     return module_->forward(input);
   }
   meter_->forwardStarting();
   const auto start = Clock::now();
+  const int64_t index = index_.load(std::memory_order_relaxed);
+  trace::Scope span("pipeline.forward", trace::Category::kPipeline, index, microBatch, step);  // docs/tracing.md
+  span.setDetail("rpc");
   // The backward is bracketed (Note [Stage backward bracket]): an identity op at the output starts it (and
   // takes the compute token), the end of the stage's last backward node ends it. The Flight, shared by
   // them, also ends when the graph goes without a backward.
-  auto flight = std::make_shared<Flight>(meter_, microBatch);
+  auto flight = std::make_shared<Flight>(meter_, index, microBatch, step);
   const bool inputNeedsGrad = autograd::anyRequiresGrad({input});
   Tensor x = input;
   if (inputNeedsGrad) {
@@ -438,6 +475,7 @@ Tensor PipelineStage::runForward(const Tensor& input, int64_t microBatch) {
                                     return std::vector<Tensor>{grads[0]};
                                   });
   flight->forwardDone(secondsBetween(start, Clock::now()));
+  span.end();
   return out;
 }
 
@@ -481,6 +519,7 @@ const rpc::Class<PipelineStage>& pipelineStageClass() {
                                                    .method("forwardFirst", &PipelineStage::forwardFirst)
                                                    .method("train", &PipelineStage::train)
                                                    .method("setMaxInFlight", &PipelineStage::setMaxInFlight)
+                                                   .method("setIndex", &PipelineStage::setIndex)
                                                    .method("stats", &PipelineStage::stats)
                                                    .method("resetStats", &PipelineStage::resetStats)
                                                    .method("takeStats", &PipelineStage::takeStats);
@@ -551,6 +590,7 @@ RpcPipeline::RpcPipeline(rpc::Agent& agent, std::vector<RemoteStage> stages, Pip
   for (int64_t s = 0; s < numStages; ++s) {
     const int64_t limit = options_.schedule == Schedule::k1F1B ? numStages - s : 0;
     limits.push_back(stages_[static_cast<size_t>(s)].moduleRRef().rpcAsync(&PipelineStage::setMaxInFlight, limit));
+    limits.push_back(stages_[static_cast<size_t>(s)].moduleRRef().rpcAsync(&PipelineStage::setIndex, s));
   }
   for (auto& r : rpc::whenAll(std::move(limits), &agent.executor()).get()) r.value();
 }
@@ -638,6 +678,10 @@ StepResult RpcPipeline::step(const Tensor& inputs, const Tensor& labels) {
   DG_CHECK(!agent_->executor().isCurrentThread(),
            "RpcPipeline::step blocks: never call it on the agent's executor (inside a handler)");
   const auto start = Clock::now();
+  const int64_t stepIndex = steps_++;
+  // This thread records for the driver's worker while it steps (docs/tracing.md: pipeline.step is in the
+  // driver's file even when several agents share the process).
+  trace::WorkerScope traceWorker(agent_->traceWorker());
   const int64_t n = inputs.shape()[0];
   const std::vector<int64_t> bounds = microBatchBounds(n, options_.microBatches);
   const auto count = static_cast<int64_t>(bounds.size()) - 1;
@@ -669,9 +713,10 @@ StepResult RpcPipeline::step(const Tensor& inputs, const Tensor& labels) {
     auto active = mb.context->activate();
     // The chain is issued at once: each stage's call carries the previous stage's result RRef, which its
     // owner resolves when that forward finishes (promise pipelining); activations never come here.
-    rref::RRef<Tensor> out = stages_[0].moduleRRef().remote(&PipelineStage::forwardFirst, mb.inputs, mb.index);
+    rref::RRef<Tensor> out =
+        stages_[0].moduleRRef().remote(&PipelineStage::forwardFirst, mb.inputs, mb.index, stepIndex);
     for (int64_t s = 1; s < numStages; ++s) {
-      out = stages_[static_cast<size_t>(s)].moduleRRef().remote(&PipelineStage::forward, out, mb.index);
+      out = stages_[static_cast<size_t>(s)].moduleRRef().remote(&PipelineStage::forward, out, mb.index, stepIndex);
     }
     ++outstanding;
     (void)out.toHereAsync().then(rpc::kInlineSafe, [events, m = mb.index](rpc::Result<Tensor>&& logits) {
@@ -714,6 +759,9 @@ StepResult RpcPipeline::step(const Tensor& inputs, const Tensor& labels) {
     return true;
   };
 
+  // docs/tracing.md: from the first forward submitted to the optimizer step's end.
+  trace::Scope stepSpan("pipeline.step", trace::Category::kPipeline, stepIndex, count, numStages);
+  stepSpan.setDetail(scheduleName(options_.schedule));
   const bool oneFOneB = options_.schedule == Schedule::k1F1B;
   int64_t nextForward = 0;
   const int64_t firstWave = oneFOneB ? std::min(count, numStages) : count;
@@ -769,6 +817,7 @@ StepResult RpcPipeline::step(const Tensor& inputs, const Tensor& labels) {
     }
     stepped = stepping.result();
   }
+  stepSpan.end();
   std::vector<rpc::Result<StageStats>> stageResults;
   if (!statsCalls.empty()) stageResults = rpc::whenAll(std::move(statsCalls), &agent_->executor()).get();
   batches.clear();
@@ -838,9 +887,10 @@ Tensor RpcPipeline::predict(const Tensor& inputs) {
   std::vector<rpc::Future<Tensor>> chunks;
   for (size_t m = 0; m + 1 < bounds.size(); ++m) {
     Tensor x = bounds.size() == 2 ? inputs : narrow(inputs, 0, bounds[m], bounds[m + 1] - bounds[m]);
-    rref::RRef<Tensor> out = stages_[0].moduleRRef().remote(&PipelineStage::forwardFirst, x, static_cast<int64_t>(m));
+    rref::RRef<Tensor> out =
+        stages_[0].moduleRRef().remote(&PipelineStage::forwardFirst, x, static_cast<int64_t>(m), int64_t{-1});
     for (size_t s = 1; s < stages_.size(); ++s) {
-      out = stages_[s].moduleRRef().remote(&PipelineStage::forward, out, static_cast<int64_t>(m));
+      out = stages_[s].moduleRRef().remote(&PipelineStage::forward, out, static_cast<int64_t>(m), int64_t{-1});
     }
     chunks.push_back(out.toHereAsync());
   }

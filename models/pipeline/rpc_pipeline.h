@@ -31,6 +31,10 @@
 // thread) and its measurements: forward and backward compute seconds per micro-batch (the backward timed by
 // identity ops recorded at the stage's input and output), micro-batches in flight, peak activation bytes.
 //
+// Tracing (docs/tracing.md, "Pipeline events"): step() records pipeline.step on the driver (in the driver
+// agent's file); each stage records pipeline.forward and pipeline.backward per micro-batch (detail "rpc") in
+// its worker's file, the backward bracketed like its timing. Steps are numbered from 0 per RpcPipeline.
+//
 // Errors of any stage (a bad shape, a dead worker, a timeout) make step() throw an RpcError naming the
 // worker, after every call of the step has settled (nothing is left running, every context is released).
 //
@@ -112,12 +116,16 @@ class PipelineStage : public std::enable_shared_from_this<PipelineStage> {
   PipelineStage& operator=(const PipelineStage&) = delete;
 
   // Stage 0: the module on `input` (sent by the driver). Queued behind this stage's running forward.
-  rpc::Future<Tensor> forwardFirst(const rpc::CallContext& ctx, Tensor input, int64_t microBatch);
+  // `step` is the driver's step number (trace events; -1 outside training).
+  rpc::Future<Tensor> forwardFirst(const rpc::CallContext& ctx, Tensor input, int64_t microBatch, int64_t step);
   // Later stages: the module on the value of `previous` (the previous stage's output): its local value when
   // this worker owns it, else fetched from its owner by this call, inside the call's distributed autograd
   // context, so the gradient flows back there directly. Completes with this stage's output, which the
   // caller keeps here as an RRef (remote()) for the next stage or the driver to fetch.
-  rpc::Future<Tensor> forward(const rpc::CallContext& ctx, rref::RRef<Tensor> previous, int64_t microBatch);
+  rpc::Future<Tensor> forward(const rpc::CallContext& ctx, rref::RRef<Tensor> previous, int64_t microBatch,
+                              int64_t step);
+  // The stage's index in its pipeline (a0 of its trace events); set by the driver before the first step.
+  void setIndex(int64_t index);
   // At most `limit` micro-batches in flight here (forwarded, backward not done; 0: no limit): a training
   // forward waits (holding no thread) until a backward frees a slot (Note [Stage in-flight limit]).
   void setMaxInFlight(int64_t limit);
@@ -139,12 +147,13 @@ class PipelineStage : public std::enable_shared_from_this<PipelineStage> {
   struct Job {
     Tensor input;
     int64_t microBatch = 0;
+    int64_t step = 0;
     std::shared_ptr<rpc::Promise<Tensor>> promise;
   };
   // Queues a forward; runs it (and any queued behind it) on this thread when none runs.
-  rpc::Future<Tensor> enqueue(rpc::Executor& executor, Tensor input, int64_t microBatch);
+  rpc::Future<Tensor> enqueue(rpc::Executor& executor, Tensor input, int64_t microBatch, int64_t step);
   void runQueued();
-  Tensor runForward(const Tensor& input, int64_t microBatch);
+  Tensor runForward(const Tensor& input, int64_t microBatch, int64_t step);
   // Ends `flight` when the backward has run the first ops of the graph of `y` (Note [Stage backward bracket]).
   static void endAtFirstOps(const Tensor& y, const std::shared_ptr<Flight>& flight);
   void recordSource(int64_t microBatch, const std::string& from);
@@ -160,6 +169,7 @@ class PipelineStage : public std::enable_shared_from_this<PipelineStage> {
   bool running_ = false;               // GUARDED_BY(queueMutex_): a forward runs (on the thread that runs the queue)
   std::deque<Job> queue_;              // GUARDED_BY(queueMutex_)
   std::atomic<bool> training_{true};
+  std::atomic<int64_t> index_{-1};  // setIndex
 };
 
 // The rpc::Class of PipelineStage ("forward" is the RemoteModule method).
@@ -223,6 +233,7 @@ class RpcPipeline : public Pipeline {
   std::unique_ptr<optim::DistributedOptimizer> optimizer_;
   std::vector<StageStats> lastStageStats_;
   bool collectStats_ = true;
+  int64_t steps_ = 0;  // step() calls so far: the next step's number in traces
 };
 
 }  // namespace distgrad::models::pipeline

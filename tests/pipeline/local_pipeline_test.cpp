@@ -8,9 +8,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "autograd/engine.h"
@@ -21,8 +23,10 @@
 #include "models/nn/sequential.h"
 #include "models/pipeline/model_spec.h"
 #include "models/pipeline/partition.h"
+#include "rpc/trace.h"
 #include "tensor/random.h"
 #include "test_util.h"
+#include "tests/pipeline/pipeline_trace_util.h"
 
 namespace distgrad::models::pipeline {
 namespace {
@@ -248,6 +252,67 @@ TEST(LocalPipelineTest, InFlightBounds) {
   const StepResult r = small.step(three.inputs, three.labels);
   EXPECT_EQ(r.microBatches, 3);
   EXPECT_EQ(r.stats.maxInFlight, (std::vector<int64_t>{3, 3}));
+}
+
+// Traced (docs/tracing.md, "Pipeline events"), in a process without an agent: registered as a trace worker,
+// the process gets every pipeline event in its file. Each step records one pipeline.step on the caller's
+// thread and, per stage and micro-batch, exactly one pipeline.forward and one pipeline.backward (on the
+// stage's own thread when threaded, named dg-stage-S) inside the step's span, and each stage's
+// pipeline.optimizer; predict() records none.
+TEST(LocalPipelineTest, TracedStepsRecordEveryStageAndMicroBatch) {
+  constexpr int64_t kStages = 3;
+  constexpr int64_t kMicro = 4;
+  constexpr int64_t kSteps = 2;
+  const Batch b = randomBatch(8, 9);
+  for (bool threaded : {true, false}) {
+    SCOPED_TRACE(threaded ? "threaded" : "sequential");
+    trace::testing::TempDir dir;
+    const trace::WorkerSlot slot = trace::registerWorker("local", 0, dir.path());
+    ASSERT_TRUE(trace::enabled());
+    {
+      LocalPipeline pipe(stagesOf(mlpSpec(), kStages), optionsFor(Schedule::k1F1B, kMicro, sgd()), threaded);
+      for (int64_t k = 0; k < kSteps; ++k) (void)pipe.step(b.inputs, b.labels);
+      (void)pipe.predict(b.inputs);
+    }
+    trace::unregisterWorker(slot);
+    const trace::testing::TraceFile file = trace::testing::readTrace(dir.path() + "/local.trace.jsonl");
+    ASSERT_TRUE(file.end.has_value());
+
+    const auto steps = tracecheck::expectStepEvents(file, kMicro, kStages, kSteps, "1f1b");
+    tracecheck::expectStageEvents(file, 0, kStages, kMicro, kSteps, "local");
+    const auto optimizers = tracecheck::pipelineEvents(file, "pipeline.optimizer", "");
+    EXPECT_EQ(static_cast<int64_t>(optimizers.size()), kStages * kSteps);
+    std::map<int64_t, int64_t> stageTid;  // every event of a stage on one thread
+    const int64_t driverTid = steps.empty() ? -1 : steps.begin()->second->integer("tid").value_or(-1);
+    for (const char* name : {"pipeline.forward", "pipeline.backward", "pipeline.optimizer"}) {
+      for (const auto& [key, e] : tracecheck::pipelineEvents(file, name, "")) {
+        const int64_t stage = std::get<0>(key);
+        const int64_t step = std::get<2>(key);
+        // Inside its step's span (one clock: the same process).
+        const auto it = steps.find(tracecheck::Key{step, kMicro, kStages});
+        ASSERT_NE(it, steps.end()) << name << " of step " << step;
+        EXPECT_GE(e->integer("b"), it->second->integer("b")) << name;
+        EXPECT_LE(e->integer("e"), it->second->integer("e")) << name;
+        const int64_t tid = e->integer("tid").value_or(-1);
+        EXPECT_EQ(stageTid.emplace(stage, tid).first->second, tid) << name << " of stage " << stage;
+        if (threaded) {
+          EXPECT_NE(tid, driverTid) << name;
+        } else {
+          EXPECT_EQ(tid, driverTid) << name;
+        }
+      }
+    }
+    if (threaded) {
+      for (const auto& [stage, tid] : stageTid) {
+        bool named = false;
+        for (const auto& t : file.threads) {
+          named = named || (t.integer("tid") == tid && t.string("name") == "dg-stage-" + std::to_string(stage));
+        }
+        EXPECT_TRUE(named) << "stage " << stage << "'s thread";
+      }
+    }
+  }
+  EXPECT_FALSE(trace::enabled());
 }
 
 TEST(LocalPipelineTest, Describe) {

@@ -32,8 +32,10 @@
 #include "models/pipeline/model_spec.h"
 #include "models/pipeline/partition.h"
 #include "models/pipeline/schedule.h"
+#include "rpc/trace.h"
 #include "rref/context.h"
 #include "tensor/random.h"
+#include "tests/pipeline/pipeline_trace_util.h"
 #include "tests/rpc/agent_test_util.h"
 #include "tests/rref/rref_test_util.h"
 
@@ -100,6 +102,7 @@ class RpcPipelineTest : public ::testing::TestWithParam<std::string> {
     spec.transport = GetParam();
     spec.size = 3;
     spec.executorThreads = 3;
+    spec.traceDir = traceDir_;
     rpc::testing::startCluster(cluster_, spec, world_, registry_);
     for (size_t i = 0; i < cluster_.errors.size(); ++i) ASSERT_FALSE(cluster_.errors[i]) << "rank " << i;
   }
@@ -118,6 +121,7 @@ class RpcPipelineTest : public ::testing::TestWithParam<std::string> {
   bool rrefsSettled() { return rref::testing::rrefsSettled(cluster_.agents); }
   std::string rrefTables() { return rref::testing::rrefTables(cluster_.agents); }
 
+  std::string traceDir_;  // Options::traceDir of every worker (a derived fixture's)
   rpc::testing::World world_;
   rpc::Registry registry_;
   rpc::testing::Cluster cluster_;
@@ -463,6 +467,48 @@ TEST_F(StageWorkerDeathTest, KilledStageWorkerFailsTheStepNamingItWithinTheHeart
         << liveContexts(*agent0_) << " " << liveContexts(*agent1_);
   }
 }
+
+// ---------------------------------------------------------------- tracing
+
+class RpcPipelineTraceTest : public RpcPipelineTest {
+ protected:
+  RpcPipelineTraceTest() { traceDir_ = dir_.path(); }
+  trace::testing::TempDir dir_;
+};
+
+// Traced (docs/tracing.md, "Pipeline events"): the driver's file holds one pipeline.step per step (its
+// thread is no agent's, and another worker of this process may be the first traced one); each stage
+// worker's file holds exactly one pipeline.forward and one pipeline.backward span per micro-batch and step of
+// its own stage (the backward's two ends on one thread), and nothing of another stage. predict() records
+// no stage events.
+TEST_P(RpcPipelineTraceTest, StepsRecordEveryStageAndMicroBatchInTheirWorkersFiles) {
+  ASSERT_TRUE(trace::enabled());
+  const ModelSpec model = mlpSpec();
+  constexpr int64_t kMicro = 3;
+  constexpr int64_t kSteps = 2;
+  {
+    RpcPipeline pipe(agent(0), twoStages(model, 2),
+                     {.microBatches = kMicro, .schedule = Schedule::k1F1B, .optimizer = OptimizerSpec::sgd({})});
+    for (int64_t k = 0; k < kSteps; ++k) (void)pipe.step(images(9, model, 30 + k), classes(9, 5, 40 + k));
+    (void)pipe.predict(images(4, model, 50));
+  }
+  ASSERT_GT(trace::flush(), 0u);
+  using trace::testing::named;
+  const auto driver = trace::testing::readTrace(dir_.path() + "/worker0.trace.jsonl");
+  (void)tracecheck::expectStepEvents(driver, kMicro, 2, kSteps, "1f1b");
+  EXPECT_TRUE(named(driver, "pipeline.forward").empty());
+  EXPECT_TRUE(named(driver, "pipeline.backward").empty());
+  for (int64_t stage = 0; stage < 2; ++stage) {
+    const std::string worker = "worker" + std::to_string(stage + 1);
+    SCOPED_TRACE(worker);
+    const auto file = trace::testing::readTrace(dir_.path() + "/" + worker + ".trace.jsonl");
+    tracecheck::expectStageEvents(file, stage, stage + 1, kMicro, kSteps, "rpc");
+    EXPECT_TRUE(named(file, "pipeline.step").empty());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, RpcPipelineTraceTest, ::testing::Values("inproc", "tcp"),
+                         [](const auto& info) { return info.param; });
 
 }  // namespace
 }  // namespace distgrad::models::pipeline
