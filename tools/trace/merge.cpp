@@ -74,7 +74,9 @@ std::string argsJson(const Event& ev) {
   };
   const auto names = argNames(ev);
   for (int i = 0; i < ev.argCount; ++i) {
-    const std::string key = names[static_cast<size_t>(i)].empty() ? "a" + std::to_string(i) : names[static_cast<size_t>(i)];
+    static const char* const kPlain[3] = {"a0", "a1", "a2"};
+    const std::string& named = names[static_cast<size_t>(i)];
+    const std::string key = named.empty() ? std::string(kPlain[i]) : named;
     add(key, std::to_string(ev.args[i]));
   }
   if (!ev.detail.empty()) add("detail", jsonString(ev.detail));
