@@ -56,7 +56,8 @@ int run(int argc, char** argv) {
     std::fputs(kUsage, stdout);
     return 0;
   }
-  if (command != "merge" && command != "report" && command != "plot") throw UsageError("unknown command \"" + command + "\"");
+  if (command != "merge" && command != "report" && command != "plot")
+    throw UsageError("unknown command \"" + command + "\"");
   std::string dir, output;
   bool json = false;
   PlotOptions plot;
@@ -90,8 +91,9 @@ int run(int argc, char** argv) {
   if (dir.empty()) throw UsageError(command + " needs a trace directory");
   if (command != "report" && output.empty()) throw UsageError(command + " needs -o OUTPUT");
   if (command == "plot" && !plotSupported()) {
-    throw distgrad::ValueError("this distgrad-trace was built without cairo, so plot is not available (install "
-                               "libcairo2-dev, e.g. with scripts/deps.sh, and re-run cmake)");
+    throw distgrad::ValueError(
+        "this distgrad-trace was built without cairo, so plot is not available (install "
+        "libcairo2-dev, e.g. with scripts/deps.sh, and re-run cmake)");
   }
 
   TraceSet set = loadTraceDir(dir);

@@ -74,7 +74,9 @@ class JsonReader {
       if (pos_ >= text_.size()) break;
       char e = text_[pos_++];
       switch (e) {
-        case '"': case '\\': case '/': out += e; break;
+        case '"':
+        case '\\':
+        case '/': out += e; break;
         case 'n': out += '\n'; break;
         case 't': out += '\t'; break;
         case 'r': out += '\r'; break;
@@ -86,8 +88,10 @@ class JsonReader {
           auto [p, ec] = std::from_chars(text_.data() + pos_, text_.data() + pos_ + 4, code, 16);
           if (ec != std::errc() || p != text_.data() + pos_ + 4) fail("bad \\u escape");
           pos_ += 4;
-          if (code < 0x80) out += static_cast<char>(code);
-          else out += '?';  // tests never compare non-ASCII escapes
+          if (code < 0x80)
+            out += static_cast<char>(code);
+          else
+            out += '?';  // tests never compare non-ASCII escapes
           break;
         }
         default: fail("bad escape");
@@ -128,9 +132,9 @@ class JsonReader {
       v.string = stringBody();
       return v;
     }
-    for (auto [word, type, b] : {std::tuple{"true", JsonValue::Type::kBool, true},
-                                 std::tuple{"false", JsonValue::Type::kBool, false},
-                                 std::tuple{"null", JsonValue::Type::kNull, false}}) {
+    for (auto [word, type, b] :
+         {std::tuple{"true", JsonValue::Type::kBool, true}, std::tuple{"false", JsonValue::Type::kBool, false},
+          std::tuple{"null", JsonValue::Type::kNull, false}}) {
       const std::string_view w(word);
       if (text_.substr(pos_, w.size()) == w) {
         pos_ += w.size();
@@ -141,8 +145,9 @@ class JsonReader {
     }
     const size_t start = pos_;
     if (text_[pos_] == '-') ++pos_;
-    while (pos_ < text_.size() && (std::isdigit(static_cast<unsigned char>(text_[pos_])) || text_[pos_] == '.' ||
-                                   text_[pos_] == 'e' || text_[pos_] == 'E' || text_[pos_] == '+' || text_[pos_] == '-')) {
+    while (pos_ < text_.size() &&
+           (std::isdigit(static_cast<unsigned char>(text_[pos_])) || text_[pos_] == '.' || text_[pos_] == 'e' ||
+            text_[pos_] == 'E' || text_[pos_] == '+' || text_[pos_] == '-')) {
       ++pos_;
     }
     if (pos_ == start) fail("unexpected character");

@@ -71,8 +71,8 @@ class FileWriter {
  public:
   FileWriter(std::string worker, int rank, int64_t skewNs) : worker_(std::move(worker)), rank_(rank), skew_(skewNs) {
     lines_.push_back("{\"distgrad_trace\":1,\"worker\":\"" + worker_ + "\",\"rank\":" + std::to_string(rank_) +
-                     ",\"pid\":" + std::to_string(1000 + rank_) + ",\"clock\":\"steady_ns\",\"start_ns\":" +
-                     std::to_string(ns(0)) + "}");
+                     ",\"pid\":" + std::to_string(1000 + rank_) +
+                     ",\"clock\":\"steady_ns\",\"start_ns\":" + std::to_string(ns(0)) + "}");
   }
   int64_t ns(double ms) const { return kBase + skew_ + static_cast<int64_t>(std::llround(ms * kMs)); }
   // t_peer = t_this + offset.
@@ -168,7 +168,8 @@ void writePipeline(const std::string& dir, bool worker1Closed = true) {
 }
 
 bool contains(const std::vector<std::string>& warnings, const std::string& text) {
-  return std::any_of(warnings.begin(), warnings.end(), [&](const std::string& w) { return w.find(text) != std::string::npos; });
+  return std::any_of(warnings.begin(), warnings.end(),
+                     [&](const std::string& w) { return w.find(text) != std::string::npos; });
 }
 
 struct ToolRun {
@@ -258,7 +259,8 @@ TEST(TraceLoad, MalformedLinesAreErrorsNamingFileAndLine) {
       {"{\"type\":\"span\",\"name\":\"x\",\"cat\":\"user\",\"tid\":1,\"b\":5}", "missing or non-integer field \"e\""},
       {"{\"type\":\"span\",\"name\":\"x\",\"cat\":\"user\",\"tid\":1,\"b\":5,\"e\":6,\"flow\":3,\"flow_phase\":\"up\"}",
        "flow_phase must be"},
-      {"{\"type\":\"span\",\"name\":\"x\",\"cat\":\"user\",\"tid\":1,\"b\":5,\"e\":6,\"flow\":0,\"flow_phase\":\"start\"}",
+      {"{\"type\":\"span\",\"name\":\"x\",\"cat\":\"user\",\"tid\":1,\"b\":5,\"e\":6,\"flow\":0,\"flow_phase\":"
+       "\"start\"}",
        "flow id 0"},
       {"{\"type\":\"instant\",\"name\":\"x\",\"cat\":\"user\",\"tid\":1,\"b\":5,\"e\":6}", "b == e"},
       {"{\"type\":\"span\",\"name\":\"x\",\"args\":[1]}", "not a flat JSON object"},
@@ -285,7 +287,8 @@ TEST(TraceLoad, MalformedLinesAreErrorsNamingFileAndLine) {
           try {
             loadTraceFile(dir.file("worker0.trace.jsonl"), nullptr);
           } catch (const ValueError& e) {
-            EXPECT_NE(std::string(e.what()).find(":1: the first line is not a distgrad trace header"), std::string::npos)
+            EXPECT_NE(std::string(e.what()).find(":1: the first line is not a distgrad trace header"),
+                      std::string::npos)
                 << e.what();
             throw;
           }
@@ -444,7 +447,8 @@ TEST(TraceMerge, OneDocumentWithNamedTracksMatchedAsyncPairsAndEachCallsFlowFrom
   EXPECT_EQ((*execute)["args"].num("call"), 1);
   EXPECT_EQ((*execute)["args"].str("detail"), "stage_forward");
   for (const auto& ev : events) {
-    if (ev.str("ph") == "X" && ev.str("name") == "pipeline.forward" && ev.num("pid") == 1 && ev["args"].num("micro_batch") == 1) {
+    if (ev.str("ph") == "X" && ev.str("name") == "pipeline.forward" && ev.num("pid") == 1 &&
+        ev["args"].num("micro_batch") == 1) {
       EXPECT_NEAR(ev.num("ts"), 6000.0, 1e-6);
       EXPECT_EQ(ev["args"].num("stage"), 1);
       EXPECT_EQ(ev["args"].num("step"), 0);
@@ -496,7 +500,9 @@ TEST(TraceReport, FractionsSumTo100PercentWithExactValuesAndThePipelineVerdictOf
     EXPECT_NEAR(sum, 1.0, 0.005) << w.worker;
     EXPECT_EQ(ns, w.wallNs()) << w.worker;
   }
-  auto ms = [](const WorkerBreakdown& w, Activity a) { return static_cast<double>(w.ns[static_cast<size_t>(a)]) / 1e6; };
+  auto ms = [](const WorkerBreakdown& w, Activity a) {
+    return static_cast<double>(w.ns[static_cast<size_t>(a)]) / 1e6;
+  };
   // worker0 over [0, 20]: compute = stage 0's spans (9 ms); the call is in flight on the driver from the
   // end of its send (3.5) to the reply (8.5), of which 3.5-5 is under stage 0's compute: 3.5 ms; the
   // serialize (3.2-3.4) hides under compute, the reply's deserialize (8.5-8.6) does not: 0.1 ms; send
@@ -546,8 +552,9 @@ TEST(TraceReport, FractionsSumTo100PercentWithExactValuesAndThePipelineVerdictOf
   EXPECT_EQ(p.verdict, "RPC overhead is 25.0% of the step; local pipelining would gain 5.00 ms per step (25.0%)");
 
   const std::string text = formatText(report, set);
-  EXPECT_NE(text.find("VERDICT: RPC overhead is 25.0% of the step; local pipelining would gain 5.00 ms per step (25.0%)"),
-            std::string::npos)
+  EXPECT_NE(
+      text.find("VERDICT: RPC overhead is 25.0% of the step; local pipelining would gain 5.00 ms per step (25.0%)"),
+      std::string::npos)
       << text;
   // The binary, text and JSON.
   ToolRun run = runTool("report " + dir.path());
@@ -623,7 +630,8 @@ std::vector<std::array<double, 3>> svgFills(const std::string& svg) {
 
 int countColour(const std::vector<std::array<double, 3>>& fills, const std::array<double, 3>& colour) {
   return static_cast<int>(std::count_if(fills.begin(), fills.end(), [&](const auto& f) {
-    return std::abs(f[0] - colour[0]) < 0.006 && std::abs(f[1] - colour[1]) < 0.006 && std::abs(f[2] - colour[2]) < 0.006;
+    return std::abs(f[0] - colour[0]) < 0.006 && std::abs(f[1] - colour[1]) < 0.006 &&
+           std::abs(f[2] - colour[2]) < 0.006;
   }));
 }
 
@@ -659,8 +667,9 @@ TEST(TracePlot, ThePipelineStepAsBoxesPerStageInSvgAndPng) {
   ASSERT_EQ(run.status, 0) << run.out;
   const auto fills = svgFills(readFile(dir.file("t.svg")));
   // Every box plus one legend swatch per family (micro-batch 0's colour).
-  EXPECT_EQ(countColour(fills, boxColour(BoxKind::kForward, 0, "")) + countColour(fills, boxColour(BoxKind::kForward, 1, "")),
-            forward + 1);
+  EXPECT_EQ(
+      countColour(fills, boxColour(BoxKind::kForward, 0, "")) + countColour(fills, boxColour(BoxKind::kForward, 1, "")),
+      forward + 1);
   EXPECT_EQ(countColour(fills, boxColour(BoxKind::kBackward, 0, "")) +
                 countColour(fills, boxColour(BoxKind::kBackward, 1, "")),
             backward + 1);

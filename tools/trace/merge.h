@@ -20,8 +20,8 @@ namespace distgrad::tools::trace {
 std::vector<std::string> argNames(const Event& event);
 
 struct MergeStats {
-  size_t events = 0;      // trace events written (metadata excluded)
-  size_t flows = 0;       // flows drawn (a start and an end, or a start and a step)
+  size_t events = 0;        // trace events written (metadata excluded)
+  size_t flows = 0;         // flows drawn (a start and an end, or a start and a step)
   size_t flowsDropped = 0;  // flows with a single event (the other side is in a missing file)
 };
 

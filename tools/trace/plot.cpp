@@ -19,15 +19,17 @@ namespace distgrad::tools::trace {
 std::array<double, 3> boxColour(BoxKind kind, int64_t microBatch, const std::string& category) {
   const bool odd = microBatch >= 0 && microBatch % 2 == 1;
   switch (kind) {
-    case BoxKind::kForward: return odd ? std::array<double, 3>{0.40, 0.62, 0.85} : std::array<double, 3>{0.12, 0.38, 0.70};
-    case BoxKind::kBackward: return odd ? std::array<double, 3>{0.98, 0.70, 0.40} : std::array<double, 3>{0.90, 0.45, 0.10};
+    case BoxKind::kForward:
+      return odd ? std::array<double, 3>{0.40, 0.62, 0.85} : std::array<double, 3>{0.12, 0.38, 0.70};
+    case BoxKind::kBackward:
+      return odd ? std::array<double, 3>{0.98, 0.70, 0.40} : std::array<double, 3>{0.90, 0.45, 0.10};
     case BoxKind::kOptimizer: return {0.20, 0.63, 0.17};
     case BoxKind::kSpan: break;
   }
   static const std::map<std::string, std::array<double, 3>, std::less<>> kByCategory = {
-      {"user", {0.55, 0.34, 0.29}},       {"rpc_client", {0.58, 0.40, 0.74}}, {"rpc_server", {0.84, 0.15, 0.16}},
-      {"transport", {0.50, 0.50, 0.50}},  {"rref", {0.74, 0.74, 0.13}},       {"autograd", {0.09, 0.75, 0.81}},
-      {"optimizer", {0.20, 0.63, 0.17}},  {"pipeline", {0.12, 0.38, 0.70}},
+      {"user", {0.55, 0.34, 0.29}},      {"rpc_client", {0.58, 0.40, 0.74}}, {"rpc_server", {0.84, 0.15, 0.16}},
+      {"transport", {0.50, 0.50, 0.50}}, {"rref", {0.74, 0.74, 0.13}},       {"autograd", {0.09, 0.75, 0.81}},
+      {"optimizer", {0.20, 0.63, 0.17}}, {"pipeline", {0.12, 0.38, 0.70}},
   };
   auto it = kByCategory.find(category);
   return it == kByCategory.end() ? std::array<double, 3>{0.7, 0.7, 0.7} : it->second;
@@ -42,7 +44,8 @@ PlotLayout pipelineLayout(const TraceSet& set, const PipelineAnalysis& p, const 
   std::optional<int64_t> step;
   if (!options.allSteps && !p.steps.empty()) {
     if (options.step) {
-      auto it = std::find_if(p.steps.begin(), p.steps.end(), [&](const StepAnalysis& s) { return s.step == *options.step; });
+      auto it =
+          std::find_if(p.steps.begin(), p.steps.end(), [&](const StepAnalysis& s) { return s.step == *options.step; });
       if (it == p.steps.end()) {
         std::string known;
         for (const auto& s : p.steps) known += (known.empty() ? "" : ", ") + std::to_string(s.step);
@@ -83,7 +86,8 @@ PlotLayout pipelineLayout(const TraceSet& set, const PipelineAnalysis& p, const 
   for (const PipelineOp* op : ops) workerOfStage.emplace(op->stage, set.workers[op->worker].worker);
   for (int64_t s = 0; s < stages; ++s) {
     std::string row = "stage " + std::to_string(s);
-    if (auto it = workerOfStage.find(s); it != workerOfStage.end() && !it->second.empty()) row += " (" + it->second + ")";
+    if (auto it = workerOfStage.find(s); it != workerOfStage.end() && !it->second.empty())
+      row += " (" + it->second + ")";
     layout.rows.push_back(row);
   }
   for (const PipelineOp* op : ops) {
@@ -300,11 +304,13 @@ void renderPlot(const PlotLayout& layout, const std::string& path, int width) {
   const bool svg = path.size() >= 4 && path.compare(path.size() - 4, 4, ".svg") == 0;
   const bool png = path.size() >= 4 && path.compare(path.size() - 4, 4, ".png") == 0;
   if (!svg && !png) throw ValueError(path + ": the output must end in .svg or .png");
-  if (width < 400 || width > 20000) throw ValueError("plot width must be in [400, 20000], got " + std::to_string(width));
+  if (width < 400 || width > 20000)
+    throw ValueError("plot width must be in [400, 20000], got " + std::to_string(width));
   const double w = width;
   const double h = kTop + static_cast<double>(layout.rows.size()) * (kRowHeight + kRowGap) + kAxis + kLegend;
-  cairo_surface_t* surface = svg ? cairo_svg_surface_create(path.c_str(), w, h)
-                                 : cairo_image_surface_create(CAIRO_FORMAT_ARGB32, width, static_cast<int>(std::ceil(h)));
+  cairo_surface_t* surface =
+      svg ? cairo_svg_surface_create(path.c_str(), w, h)
+          : cairo_image_surface_create(CAIRO_FORMAT_ARGB32, width, static_cast<int>(std::ceil(h)));
   if (cairo_surface_status(surface) != CAIRO_STATUS_SUCCESS) {
     const std::string why = cairo_status_to_string(cairo_surface_status(surface));
     cairo_surface_destroy(surface);
@@ -318,7 +324,8 @@ void renderPlot(const PlotLayout& layout, const std::string& path, int width) {
   cairo_surface_finish(surface);  // an SVG surface writes its file here
   if (status == CAIRO_STATUS_SUCCESS) status = cairo_surface_status(surface);
   cairo_surface_destroy(surface);
-  if (status != CAIRO_STATUS_SUCCESS) throw ValueError(path + ": cannot write the picture: " + cairo_status_to_string(status));
+  if (status != CAIRO_STATUS_SUCCESS)
+    throw ValueError(path + ": cannot write the picture: " + cairo_status_to_string(status));
 }
 
 #endif

@@ -97,8 +97,8 @@ WorkerBreakdown analyzeWorker(const WorkerTrace& w) {
     // Async events.
     if (ev.name == "rpc.client.wait") {
       // The flow id of a call is callFlowId(rank, call): a1 is the call id.
-      const uint64_t flow = (static_cast<uint64_t>(w.rank + 1) << 48) |
-                            (static_cast<uint64_t>(ev.arg(1)) & ((uint64_t{1} << 48) - 1));
+      const uint64_t flow =
+          (static_cast<uint64_t>(w.rank + 1) << 48) | (static_cast<uint64_t>(ev.arg(1)) & ((uint64_t{1} << 48) - 1));
       auto it = sendOf.find(flow);
       if (it != sendOf.end()) {
         const int64_t from = std::max(ev.b, it->second.second);
@@ -357,7 +357,8 @@ PipelineAnalysis analyzePipeline(const TraceSet& set, std::vector<std::string>* 
   out.gainPercent = out.meanStepMs > 0 ? 100.0 * out.gainMs / out.meanStepMs : 0.0;
   char buf[256];
   if (out.rpc) {
-    std::snprintf(buf, sizeof buf, "RPC overhead is %.1f%% of the step; local pipelining would gain %.2f ms per step (%.1f%%)",
+    std::snprintf(buf, sizeof buf,
+                  "RPC overhead is %.1f%% of the step; local pipelining would gain %.2f ms per step (%.1f%%)",
                   out.overheadPercent, out.gainMs, out.gainPercent);
   } else {
     std::snprintf(buf, sizeof buf,
@@ -405,21 +406,22 @@ std::string formatText(const Report& report, const TraceSet& set) {
   for (size_t i = 0; i < report.workers.size(); ++i) {
     const auto& w = report.workers[i];
     const auto& wt = set.workers[i];
-    out += "\n" + w.worker + " (rank " + std::to_string(w.rank) + ")" + format(": %.3f ms traced", static_cast<double>(w.wallNs()) / 1e6) +
-           ", " + std::to_string(w.threads) + " thread(s), " + std::to_string(w.events) + " events";
+    out += "\n" + w.worker + " (rank " + std::to_string(w.rank) + ")" +
+           format(": %.3f ms traced", static_cast<double>(w.wallNs()) / 1e6) + ", " + std::to_string(w.threads) +
+           " thread(s), " + std::to_string(w.events) + " events";
     if (!wt.aligned) out += " [clock NOT aligned]";
     if (!wt.closed) out += " [no end line]";
     out += "\n";
     for (int a = 0; a < kActivityCount; ++a) {
       const double f = w.fraction(static_cast<Activity>(a));
       char line[128];
-      std::snprintf(line, sizeof line, "  %-14s %6.1f%%  %10.3f ms\n", activityName(static_cast<Activity>(a)), 100.0 * f,
-                    static_cast<double>(w.ns[static_cast<size_t>(a)]) / 1e6);
+      std::snprintf(line, sizeof line, "  %-14s %6.1f%%  %10.3f ms\n", activityName(static_cast<Activity>(a)),
+                    100.0 * f, static_cast<double>(w.ns[static_cast<size_t>(a)]) / 1e6);
       out += line;
     }
-    out += "  calls made " + std::to_string(w.callsMade) + ", served " + std::to_string(w.callsServed) + "; frames sent " +
-           std::to_string(w.framesSent) + " (" + mib(w.bytesSent) + "), received " + std::to_string(w.framesReceived) +
-           " (" + mib(w.bytesReceived) + ")\n";
+    out += "  calls made " + std::to_string(w.callsMade) + ", served " + std::to_string(w.callsServed) +
+           "; frames sent " + std::to_string(w.framesSent) + " (" + mib(w.bytesSent) + "), received " +
+           std::to_string(w.framesReceived) + " (" + mib(w.bytesReceived) + ")\n";
   }
   const auto& p = report.pipeline;
   if (p.present) {
@@ -430,7 +432,8 @@ std::string formatText(const Report& report, const TraceSet& set) {
     out += "  per stage and step (averaged over steps): compute / bubble / overhead\n";
     for (const auto& s : p.stageSummaries) {
       char line[256];
-      std::snprintf(line, sizeof line, "  stage %-3lld %-12s compute %5.1f%% (%8.3f ms)  bubble %5.1f%%  overhead %5.1f%%\n",
+      std::snprintf(line, sizeof line,
+                    "  stage %-3lld %-12s compute %5.1f%% (%8.3f ms)  bubble %5.1f%%  overhead %5.1f%%\n",
                     static_cast<long long>(s.stage), s.worker.empty() ? "(no spans)" : s.worker.c_str(),
                     100.0 * s.computeShare, s.computeMs, 100.0 * s.bubbleShare, 100.0 * s.overheadShare);
       out += line;
@@ -455,8 +458,9 @@ std::string formatJsonLines(const Report& report, const TraceSet& set) {
     const auto& w = report.workers[i];
     out += "{\"type\":\"worker\",\"worker\":" + jsonString(w.worker) + ",\"rank\":" + std::to_string(w.rank) +
            ",\"aligned\":" + (set.workers[i].aligned ? "true" : "false") +
-           ",\"closed\":" + (set.workers[i].closed ? "true" : "false") + ",\"wall_ms\":" + num(static_cast<double>(w.wallNs()) / 1e6) +
-           ",\"threads\":" + std::to_string(w.threads) + ",\"events\":" + std::to_string(w.events);
+           ",\"closed\":" + (set.workers[i].closed ? "true" : "false") +
+           ",\"wall_ms\":" + num(static_cast<double>(w.wallNs()) / 1e6) + ",\"threads\":" + std::to_string(w.threads) +
+           ",\"events\":" + std::to_string(w.events);
     for (int a = 0; a < kActivityCount; ++a) {
       const std::string name = activityName(static_cast<Activity>(a));
       out += ",\"" + name + "\":" + num(w.fraction(static_cast<Activity>(a))) + ",\"" + name +
@@ -471,19 +475,19 @@ std::string formatJsonLines(const Report& report, const TraceSet& set) {
   if (p.present) {
     for (const auto& s : p.stageSummaries) {
       out += "{\"type\":\"stage\",\"stage\":" + std::to_string(s.stage) + ",\"worker\":" + jsonString(s.worker) +
-             ",\"compute_ms\":" + num(s.computeMs) + ",\"compute\":" + num(s.computeShare) + ",\"bubble\":" +
-             num(s.bubbleShare) + ",\"overhead\":" + num(s.overheadShare) + "}\n";
+             ",\"compute_ms\":" + num(s.computeMs) + ",\"compute\":" + num(s.computeShare) +
+             ",\"bubble\":" + num(s.bubbleShare) + ",\"overhead\":" + num(s.overheadShare) + "}\n";
     }
     for (const auto& st : p.steps) {
       out += "{\"type\":\"step\",\"step\":" + std::to_string(st.step) + ",\"wall_ms\":" + num(st.wallMs) +
              ",\"ideal_ms\":" + num(st.idealMs) + "}\n";
     }
-    out += "{\"type\":\"pipeline\",\"rpc\":" + std::string(p.rpc ? "true" : "false") + ",\"schedule\":" +
-           jsonString(p.schedule) + ",\"stages\":" + std::to_string(p.stages) + ",\"micro_batches\":" +
-           std::to_string(p.microBatches) + ",\"steps\":" + std::to_string(p.steps.size()) + ",\"step_ms\":" +
-           num(p.meanStepMs) + ",\"ideal_ms\":" + num(p.meanIdealMs) + ",\"overhead_percent\":" +
-           num(p.overheadPercent) + ",\"gain_ms\":" + num(p.gainMs) + ",\"gain_percent\":" + num(p.gainPercent) +
-           ",\"verdict\":" + jsonString(p.verdict) + "}\n";
+    out += "{\"type\":\"pipeline\",\"rpc\":" + std::string(p.rpc ? "true" : "false") +
+           ",\"schedule\":" + jsonString(p.schedule) + ",\"stages\":" + std::to_string(p.stages) +
+           ",\"micro_batches\":" + std::to_string(p.microBatches) + ",\"steps\":" + std::to_string(p.steps.size()) +
+           ",\"step_ms\":" + num(p.meanStepMs) + ",\"ideal_ms\":" + num(p.meanIdealMs) +
+           ",\"overhead_percent\":" + num(p.overheadPercent) + ",\"gain_ms\":" + num(p.gainMs) +
+           ",\"gain_percent\":" + num(p.gainPercent) + ",\"verdict\":" + jsonString(p.verdict) + "}\n";
   }
   for (const auto& w : report.warnings) out += "{\"type\":\"warning\",\"message\":" + jsonString(w) + "}\n";
   return out;

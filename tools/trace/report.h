@@ -33,7 +33,7 @@ const char* activityName(Activity activity);
 struct WorkerBreakdown {
   std::string worker;
   int64_t rank = 0;
-  int64_t beginNs = 0, endNs = 0;  // traced wall time: first event begin .. last event end (reference clock)
+  int64_t beginNs = 0, endNs = 0;            // traced wall time: first event begin .. last event end (reference clock)
   std::array<int64_t, kActivityCount> ns{};  // time per activity; sums to endNs - beginNs
   size_t threads = 0, events = 0;
   int64_t framesSent = 0, bytesSent = 0, framesReceived = 0, bytesReceived = 0;
@@ -64,8 +64,8 @@ struct StepAnalysis {
 
 struct StageSummary {
   int64_t stage = 0;
-  std::string worker;  // the worker that ran most of the stage's forwards
-  double computeMs = 0;  // per step, averaged
+  std::string worker;                                           // the worker that ran most of the stage's forwards
+  double computeMs = 0;                                         // per step, averaged
   double computeShare = 0, bubbleShare = 0, overheadShare = 0;  // per step, averaged over steps
 };
 
@@ -76,7 +76,7 @@ struct PipelineAnalysis {
   int64_t stages = 0, microBatches = 0;
   std::vector<StepAnalysis> steps;  // sorted by step
   std::vector<StageSummary> stageSummaries;
-  std::vector<PipelineOp> ops;      // every op, sorted by begin
+  std::vector<PipelineOp> ops;  // every op, sorted by begin
   double meanStepMs = 0, meanIdealMs = 0;
   double overheadPercent = 0;  // X: mean over steps of (wall - ideal) / wall
   double gainMs = 0;           // Y: mean over steps of wall - ideal

@@ -50,8 +50,9 @@ Event parseEvent(const FlatObject& o, EventKind kind, const std::string& path, i
   ev.b = requireInt(o, "b", path, line);
   ev.e = requireInt(o, "e", path, line);
   if (ev.e < ev.b) {
-    fail(path, line, "event \"" + ev.name + "\" ends (e=" + std::to_string(ev.e) + ") before it begins (b=" +
-                         std::to_string(ev.b) + ")");
+    fail(path, line,
+         "event \"" + ev.name + "\" ends (e=" + std::to_string(ev.e) + ") before it begins (b=" + std::to_string(ev.b) +
+             ")");
   }
   if (kind == EventKind::kInstant && ev.e != ev.b) fail(path, line, "an instant must have b == e");
   if (o.has("detail")) ev.detail = requireString(o, "detail", path, line);
@@ -166,8 +167,9 @@ WorkerTrace loadTraceFile(const std::string& path, std::vector<std::string>* war
       trace.closed = true;
       trace.endNs = requireInt(*object, "end_ns", path, lineNo);
       if (auto count = object->integer("events"); count && *count != eventLines) {
-        fail(path, lineNo, "the end line counts " + std::to_string(*count) + " events but the file has " +
-                               std::to_string(eventLines));
+        fail(
+            path, lineNo,
+            "the end line counts " + std::to_string(*count) + " events but the file has " + std::to_string(eventLines));
       }
     } else {
       if (warnings) {
@@ -205,8 +207,8 @@ TraceSet loadTraceDir(const std::string& directory) {
     try {
       WorkerTrace trace = loadTraceFile(path, &set.warnings);
       if (!names.insert(trace.worker).second || !ranks.insert(trace.rank).second) {
-        set.warnings.push_back(path + ": skipped: worker \"" + trace.worker + "\" (rank " +
-                               std::to_string(trace.rank) + ") already comes from another file");
+        set.warnings.push_back(path + ": skipped: worker \"" + trace.worker + "\" (rank " + std::to_string(trace.rank) +
+                               ") already comes from another file");
         continue;
       }
       set.workers.push_back(std::move(trace));

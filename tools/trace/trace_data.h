@@ -58,9 +58,9 @@ struct WorkerTrace {
   int64_t startNs = 0;
   bool closed = false;  // the end line was there
   int64_t endNs = 0;
-  std::map<int64_t, std::string> threads;     // tid -> name (last wins)
-  std::map<std::string, ClockLine> clocks;    // peer -> last line
-  std::vector<Event> events;                  // spans, instants, async; in file order
+  std::map<int64_t, std::string> threads;   // tid -> name (last wins)
+  std::map<std::string, ClockLine> clocks;  // peer -> last line
+  std::vector<Event> events;                // spans, instants, async; in file order
   // After alignClocks(): add to this worker's own times to get the reference clock's.
   int64_t offsetToReferenceNs = 0;
   bool aligned = false;  // reached the reference through clock lines (or is it)
