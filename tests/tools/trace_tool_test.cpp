@@ -722,3 +722,73 @@ TEST(TracePlot, WithoutPipelineEventsEveryThreadIsARowOfItsOutermostSpans) {
 
 }  // namespace
 }  // namespace distgrad::tools::trace
+
+namespace distgrad::tools::trace {
+namespace {
+
+// Damaged files (cut at every line boundary and mid-line, bytes overwritten with JSON-significant
+// characters and digits) never crash the tool: each is loaded or refused with a ValueError, and whatever
+// loads goes through merge, report and plot layout with at most a ValueError.
+TEST(TraceLoad, DamagedFilesAreLoadedOrRefusedWithAValueErrorNeverACrash) {
+  TempDir source;
+  writePipeline(source.path());
+  const std::string original0 = readFile(source.file("worker0.trace.jsonl"));
+  const std::string original1 = readFile(source.file("worker1.trace.jsonl"));
+  uint64_t seed = 12345;
+  auto next = [&seed] {
+    seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+    return seed >> 33;
+  };
+  const std::string alphabet = "{}[]\":,-0123456789e.9x ";
+  int loaded = 0, refused = 0;
+  for (int variant = 0; variant < 400; ++variant) {
+    std::string damaged = original0;
+    if (variant % 4 == 0) {
+      damaged.resize(next() % damaged.size());  // cut anywhere
+    } else {
+      for (int k = 0; k < 1 + variant % 3; ++k) {
+        damaged[next() % damaged.size()] = alphabet[next() % alphabet.size()];
+      }
+    }
+    TempDir dir;
+    std::ofstream(dir.file("worker0.trace.jsonl"), std::ios::binary) << damaged;
+    std::ofstream(dir.file("worker1.trace.jsonl"), std::ios::binary) << original1;
+    bool fileLoads = true;
+    try {
+      loadTraceFile(dir.file("worker0.trace.jsonl"), nullptr);
+    } catch (const ValueError&) {
+      fileLoads = false;
+    }
+    (fileLoads ? loaded : refused) += 1;
+    try {
+      TraceSet set = loadTraceDir(dir.path());  // worker1's intact file keeps the directory usable
+      if (!fileLoads) {
+        EXPECT_EQ(set.workers.size(), 1u) << "variant " << variant;
+      }
+      std::ostringstream merged;
+      writeChromeTrace(set, merged);
+      EXPECT_NO_THROW(parseJson(merged.str())) << "variant " << variant;
+      Report report = analyze(set);
+      for (const auto& w : report.workers) {
+        int64_t sum = 0;
+        for (int64_t ns : w.ns) sum += ns;
+        EXPECT_EQ(sum, w.wallNs()) << "variant " << variant;
+      }
+      formatText(report, set);
+      formatJsonLines(report, set);
+      try {
+        layoutPlot(set, PlotOptions{});
+      } catch (const ValueError&) {
+      }
+    } catch (const ValueError& e) {
+      ADD_FAILURE() << "variant " << variant << ": the directory was refused although worker1's file is intact: "
+                    << e.what();
+    }
+  }
+  // Both outcomes occur.
+  EXPECT_GT(loaded, 0);
+  EXPECT_GT(refused, 0);
+}
+
+}  // namespace
+}  // namespace distgrad::tools::trace

@@ -76,6 +76,14 @@ PlotLayout pipelineLayout(const TraceSet& set, const PipelineAnalysis& p, const 
     }
   }
   int64_t stages = p.stages;
+  // Ops outside the step's shape were reported by the analysis; without a step span the ops say how many
+  // stages there are, within the same bound.
+  ops.erase(std::remove_if(ops.begin(), ops.end(),
+                           [&](const PipelineOp* op) {
+                             return op->stage < 0 || op->stage >= (p.present ? p.stages : kMaxPipelineStages);
+                           }),
+            ops.end());
+  if (ops.empty()) throw ValueError("no pipeline forward/backward spans of a valid stage to draw");
   for (const PipelineOp* op : ops) {
     originNs = std::min(originNs, op->beginNs);
     endNs = std::max(endNs, op->endNs);
@@ -91,7 +99,6 @@ PlotLayout pipelineLayout(const TraceSet& set, const PipelineAnalysis& p, const 
     layout.rows.push_back(row);
   }
   for (const PipelineOp* op : ops) {
-    if (op->stage < 0) continue;
     PlotBox box;
     box.row = static_cast<int>(op->stage);
     box.beginMs = static_cast<double>(op->beginNs - originNs) / 1e6;

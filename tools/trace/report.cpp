@@ -241,9 +241,12 @@ PipelineAnalysis analyzePipeline(const TraceSet& set, std::vector<std::string>* 
     warn("unknown pipeline schedule \"" + out.schedule + "\": analysed as gpipe");
     out.schedule = "gpipe";
   }
-  if (out.stages < 1 || out.microBatches < 1) {
+  if (out.stages < 1 || out.microBatches < 1 || out.stages > kMaxPipelineStages ||
+      out.microBatches > kMaxPipelineMicroBatches || out.stages * out.microBatches > kMaxPipelineCells) {
     warn("pipeline.step gives " + std::to_string(out.stages) + " stages and " + std::to_string(out.microBatches) +
-         " micro-batches: no pipeline figures");
+         " micro-batches (at most " + std::to_string(kMaxPipelineStages) + " and " +
+         std::to_string(kMaxPipelineMicroBatches) + ", and " + std::to_string(kMaxPipelineCells) +
+         " in all, are analysed): no pipeline figures");
     out.present = false;
     return out;
   }

@@ -55,6 +55,12 @@ struct PipelineOp {
   int64_t tid = 0;
 };
 
+// Bounds on a pipeline's shape as a step span states it: beyond them a trace is taken as corrupt rather than
+// allocating stages x micro-batches tables for it.
+inline constexpr int64_t kMaxPipelineStages = 4096;
+inline constexpr int64_t kMaxPipelineMicroBatches = 65536;
+inline constexpr int64_t kMaxPipelineCells = int64_t{1} << 20;  // stages x micro-batches
+
 struct StepAnalysis {
   int64_t step = 0;
   int64_t beginNs = 0, endNs = 0;  // the pipeline.step span (reference clock)

@@ -23,6 +23,10 @@ std::string WorkerTrace::threadName(int64_t tid) const {
 
 namespace {
 
+// Times and offsets beyond 2^60 ns (36 years) are not a steady clock's: refusing them keeps every sum of
+// a time and a chain of offsets far from int64 overflow.
+constexpr int64_t kMaxTimeNs = int64_t{1} << 60;
+
 // Throws "PATH:LINE: what".
 [[noreturn]] void fail(const std::string& path, int64_t line, const std::string& what) {
   throw ValueError(path + ":" + std::to_string(line) + ": " + what);
@@ -49,6 +53,7 @@ Event parseEvent(const FlatObject& o, EventKind kind, const std::string& path, i
   ev.tid = requireInt(o, "tid", path, line);
   ev.b = requireInt(o, "b", path, line);
   ev.e = requireInt(o, "e", path, line);
+  if (ev.b < 0 || ev.e > kMaxTimeNs) fail(path, line, "time outside [0, 2^60] ns");
   if (ev.e < ev.b) {
     fail(path, line,
          "event \"" + ev.name + "\" ends (e=" + std::to_string(ev.e) + ") before it begins (b=" + std::to_string(ev.b) +
@@ -134,6 +139,7 @@ WorkerTrace loadTraceFile(const std::string& path, std::vector<std::string>* war
       trace.rank = requireInt(*object, "rank", path, lineNo);
       trace.pid = object->integer("pid").value_or(0);
       trace.startNs = requireInt(*object, "start_ns", path, lineNo);
+      if (trace.startNs < 0 || trace.startNs > kMaxTimeNs) fail(path, lineNo, "start_ns outside [0, 2^60]");
       if (auto clock = object->string("clock"); clock && *clock != "steady_ns") {
         fail(path, lineNo, "unsupported clock \"" + *clock + "\"");
       }
@@ -158,7 +164,8 @@ WorkerTrace loadTraceFile(const std::string& path, std::vector<std::string>* war
       c.peerRank = object->integer("peer_rank").value_or(-1);
       c.offsetNs = requireInt(*object, "offset_ns", path, lineNo);
       c.rttNs = requireInt(*object, "rtt_ns", path, lineNo);
-      if (c.rttNs < 0) fail(path, lineNo, "negative rtt_ns");
+      if (c.rttNs < 0 || c.rttNs > kMaxTimeNs) fail(path, lineNo, "rtt_ns outside [0, 2^60]");
+      if (c.offsetNs < -kMaxTimeNs || c.offsetNs > kMaxTimeNs) fail(path, lineNo, "offset_ns outside [-2^60, 2^60]");
       c.samples = object->integer("samples").value_or(0);
       if (c.peer == trace.worker) fail(path, lineNo, "a clock line about the worker itself");
       trace.clocks[c.peer] = c;  // the last line per peer wins
@@ -270,10 +277,16 @@ void alignClocks(TraceSet& set) {
     if (c != cost[static_cast<size_t>(n)]) continue;
     // Edges out of n go n -> m with t_m = t_n + offset, so t_ref = t_n + toRef[n] = t_m - offset + toRef[n].
     for (const Edge& edge : edges[static_cast<size_t>(n)]) {
-      const int64_t next = c + edge.rtt;
+      int64_t next = 0, offset = 0;
+      // A chain of extreme (but individually valid) offsets could overflow: such a path is no path.
+      if (__builtin_add_overflow(c, edge.rtt, &next) ||
+          __builtin_sub_overflow(toRef[static_cast<size_t>(n)], edge.offset, &offset) || offset < -4 * kMaxTimeNs ||
+          offset > 4 * kMaxTimeNs) {
+        continue;
+      }
       if (next < cost[static_cast<size_t>(edge.to)]) {
         cost[static_cast<size_t>(edge.to)] = next;
-        toRef[static_cast<size_t>(edge.to)] = toRef[static_cast<size_t>(n)] - edge.offset;
+        toRef[static_cast<size_t>(edge.to)] = offset;
         queue.push({next, edge.to});
       }
     }
