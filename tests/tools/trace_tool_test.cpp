@@ -644,6 +644,9 @@ TEST(TracePlot, ThePipelineStepAsBoxesPerStageInSvgAndPng) {
   EXPECT_EQ(layout.rows, (std::vector<std::string>{"stage 0 (worker0)", "stage 1 (worker1)"}));
   ASSERT_EQ(layout.boxes.size(), 10u);
   EXPECT_NEAR(layout.spanMs, 20.0, 1e-9);
+  ASSERT_EQ(layout.markers.size(), 1u);
+  EXPECT_EQ(layout.markers[0].first, 0.0);
+  EXPECT_EQ(layout.markers[0].second, "step 0");
   int forward = 0, backward = 0, optimizer = 0;
   for (const auto& box : layout.boxes) {
     forward += box.kind == BoxKind::kForward;
@@ -781,8 +784,8 @@ TEST(TraceLoad, DamagedFilesAreLoadedOrRefusedWithAValueErrorNeverACrash) {
       } catch (const ValueError&) {
       }
     } catch (const ValueError& e) {
-      ADD_FAILURE() << "variant " << variant << ": the directory was refused although worker1's file is intact: "
-                    << e.what();
+      ADD_FAILURE() << "variant " << variant
+                    << ": the directory was refused although worker1's file is intact: " << e.what();
     }
   }
   // Both outcomes occur.

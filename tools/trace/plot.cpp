@@ -120,6 +120,11 @@ PlotLayout pipelineLayout(const TraceSet& set, const PipelineAnalysis& p, const 
     }
     layout.boxes.push_back(box);
   }
+  for (const auto& s : p.steps) {
+    if (!step || s.step == *step) {
+      layout.markers.push_back({static_cast<double>(s.beginNs - originNs) / 1e6, "step " + std::to_string(s.step)});
+    }
+  }
   layout.spanMs = static_cast<double>(endNs - originNs) / 1e6;
   layout.title = std::string(p.rpc ? "RPC" : "local") + " pipeline, " + (p.schedule.empty() ? "?" : p.schedule) + ", " +
                  std::to_string(stages) + " stages, " + std::to_string(p.microBatches) + " micro-batches, " +
@@ -258,6 +263,22 @@ void draw(cairo_t* cr, const PlotLayout& layout, double width, double height) {
   }
   cairo_move_to(cr, kLeft + plotWidth / 2 - 20, rowsBottom + 36);
   cairo_show_text(cr, "time (ms)");
+
+  // Step starts: dashed lines across the rows, labelled above them.
+  cairo_set_font_size(cr, 10);
+  for (const auto& [ms, label] : layout.markers) {
+    const double px = x(ms);
+    cairo_set_source_rgb(cr, 0.3, 0.3, 0.3);
+    const double dash[] = {4.0, 3.0};
+    cairo_set_dash(cr, dash, 2, 0);
+    cairo_set_line_width(cr, 1.0);
+    cairo_move_to(cr, px, kTop - 12);
+    cairo_line_to(cr, px, rowsBottom);
+    cairo_stroke(cr);
+    cairo_set_dash(cr, nullptr, 0, 0);
+    cairo_move_to(cr, px + 3, kTop - 6);
+    cairo_show_text(cr, label.c_str());
+  }
 
   // Boxes, labelled when the label fits.
   cairo_set_font_size(cr, 11);

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tools/trace/trace_data.h"
@@ -34,7 +35,8 @@ struct PlotLayout {
   std::string title;
   std::vector<std::string> rows;
   std::vector<PlotBox> boxes;
-  double spanMs = 0;  // the time axis covers [0, spanMs]
+  std::vector<std::pair<double, std::string>> markers;  // labelled vertical lines (each step's start)
+  double spanMs = 0;                                    // the time axis covers [0, spanMs]
   bool pipeline = false;
 };
 

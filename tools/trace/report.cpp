@@ -415,6 +415,10 @@ std::string formatText(const Report& report, const TraceSet& set) {
     if (!wt.aligned) out += " [clock NOT aligned]";
     if (!wt.closed) out += " [no end line]";
     out += "\n";
+    if (w.events == 0) {
+      out += "  (no events: nothing to attribute)\n";
+      continue;
+    }
     for (int a = 0; a < kActivityCount; ++a) {
       const double f = w.fraction(static_cast<Activity>(a));
       char line[128];
