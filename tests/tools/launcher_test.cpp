@@ -1,11 +1,12 @@
 // Runs the real distgrad-run binary on small shell commands.
 #include <fcntl.h>
-#include <gtest/gtest.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <gtest/gtest.h>
 
 #include <chrono>
 #include <cstdio>
@@ -213,8 +214,8 @@ TEST(DistgradRun, SetsTheEnvironmentPerRank) {
 }
 
 TEST(DistgradRun, ExplicitMasterAddressAndPortArePassedThrough) {
-  LauncherProcess p(
-      {"--nproc=2", "--master-addr", "10.1.2.3", "--master-port=4567", "sh", "-c", "echo $MASTER_ADDR:$MASTER_PORT"});
+  LauncherProcess p({"--nproc=2", "--master-addr", "10.1.2.3", "--master-port=4567", "sh", "-c",
+                     "echo $MASTER_ADDR:$MASTER_PORT"});
   ASSERT_EQ(exitCode(p.finish()), 0) << p.err();
   EXPECT_TRUE(contains(p.out(), "[0] 10.1.2.3:4567\n")) << p.out();
   EXPECT_TRUE(contains(p.out(), "[1] 10.1.2.3:4567\n")) << p.out();
@@ -229,8 +230,7 @@ TEST(DistgradRun, PrefixesEveryLineOfStdoutAndStderr) {
   for (int r = 0; r < 2; ++r) {
     const std::string prefix = cat({"[", std::to_string(r), "] "});
     for (const char* line : {"one", "two", "partial", "no-newline"}) {
-      EXPECT_TRUE(contains(p.out(), cat({prefix, line, "\n"}))) << "missing '" << prefix << line << "' in:\n"
-                                                                << p.out();
+      EXPECT_TRUE(contains(p.out(), cat({prefix, line, "\n"}))) << "missing '" << prefix << line << "' in:\n" << p.out();
     }
     EXPECT_TRUE(contains(p.err(), cat({prefix, "oops\n"}))) << p.err();
     EXPECT_FALSE(contains(p.out(), "oops"));
@@ -254,8 +254,8 @@ TEST(DistgradRun, AFailingWorkerStopsTheJobAndIsNamed) {
 }
 
 TEST(DistgradRun, AWorkerKilledBySignalIsReported) {
-  LauncherProcess p(
-      {"--nproc", "2", "--grace-ms", "1000", "--", "sh", "-c", "if [ $RANK = 0 ]; then kill -9 $$; fi; exec sleep 30"});
+  LauncherProcess p({"--nproc", "2", "--grace-ms", "1000", "--", "sh", "-c",
+                     "if [ $RANK = 0 ]; then kill -9 $$; fi; exec sleep 30"});
   const int status = p.finish();
   EXPECT_EQ(exitCode(status), 1);
   EXPECT_LT(p.elapsed(), 10s);
@@ -298,8 +298,8 @@ TEST(DistgradRun, EndToEndRendezvousThroughTheStore) {
   const int status = p.finish(30000ms);
   ASSERT_EQ(exitCode(status), 0) << p.out() << p.err();
   for (int r = 0; r < kWorkers; ++r) {
-    const std::string expected =
-        cat({"[", std::to_string(r), "] rank ", std::to_string(r), " of 4 via torchrun: partial "});
+    const std::string expected = cat({"[", std::to_string(r), "] rank ", std::to_string(r),
+                                      " of 4 via torchrun: partial "});
     EXPECT_TRUE(contains(p.out(), expected)) << "missing '" << expected << "' in:\n" << p.out();
   }
   // Everyone saw the complete sum and every worker's name.
@@ -324,16 +324,16 @@ TEST(DistgradRun, UnrunnableProgramFails) {
 TEST(DistgradRun, BadArgumentsAreUsageErrors) {
   const std::vector<std::vector<std::string>> bad = {
       {},
-      {"true"},  // no --nproc
+      {"true"},                                   // no --nproc
       {"--nproc", "0", "true"},
       {"--nproc", "two", "true"},
-      {"--nproc", "2"},        // no program
-      {"--nproc", "2", "--"},  // no program after --
+      {"--nproc", "2"},                           // no program
+      {"--nproc", "2", "--"},                     // no program after --
       {"--nproc", "2", "--master-port", "70000", "true"},
       {"--nproc", "2", "--master-port", "0", "true"},
       {"--nproc", "2", "--master-addr=", "true"},
       {"--nproc", "2", "--frobnicate", "true"},
-      {"--nproc"},  // missing value
+      {"--nproc"},                                // missing value
   };
   for (const auto& args : bad) {
     LauncherProcess p(args);
