@@ -10,13 +10,14 @@
 # /usr/local/cuda when present. Set DG_SKIP_DEPS=1 to skip all of this (other distros, no root access).
 
 # Every package the build needs, including those later modules use (rpc: capnproto, libuv, ucx; boost
-# headers), so a machine is set up once.
+# headers; cairo for `distgrad-trace plot`), so a machine is set up once.
 DG_DEPS_PACKAGES=(
   build-essential cmake ninja-build pkg-config
   libdnnl-dev zlib1g-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   dataset-fashion-mnist
   capnproto libcapnp-dev libuv1-dev libssl-dev libboost-dev libucx-dev
+  libcairo2-dev
 )
 DG_DEPS_TORCH_PACKAGES=(python3-torch)
 
