@@ -19,10 +19,11 @@
 // every wake-up of the other side is a context switch. Ratios: ratio_vs_raw = ours / raw (time: above 1 is
 // our overhead; bandwidth: below 1 is).
 // JSON lines (bench/bench_util.h). Usage:
-//   bench_rpc [rounds=5000] [calls=20000] [echo_mb=512] [idle_s=2]
+//   bench_rpc [rounds=5000] [calls=20000] [echo_mb=512] [idle_s=2] [sections=all]
 // rounds: ping-pong and rpcSync round trips; calls: rpcAsync calls per window size (5 reps); echo_mb: MB
 // sent per echo size (1 KB and 64 KB stop at 2000 round trips, large sizes do at least 5); idle_s: seconds
-// of each idle stretch.
+// of each idle stretch. sections: "all", or "pinned" (only the one-core ping-pong, rpcSync and rpcAsync
+// figures: a quick check of the per-call CPU cost, where every call's CPU time is on the one core).
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
@@ -46,6 +47,7 @@ struct Config {
   int calls = 20000;
   double echoMegabytes = 512;
   double idleSeconds = 2;
+  bool pinnedOnly = false;
 };
 
 constexpr size_t kEchoSizes[] = {1u << 10, 64u << 10, 1u << 20, 16u << 20, 64u << 20};
@@ -115,9 +117,12 @@ void measureRpcSync(rpc::Agent& agent, int rounds, const Measurement& raw, bool 
                    {"p99_ratio_vs_raw", number(m.p99 / raw.p99)}});
 }
 
-void measureRpcAsync(rpc::Agent& agent, int calls, bool pinned) {
+void measureRpcAsync(AgentPair& pair, int calls, bool pinned) {
+  rpc::Agent& agent = pair.agent();
   for (int window : {1, 8, 64}) {
     std::vector<double> rates;
+    const double cpu0 = processCpuSeconds() + pair.childCpuSeconds();
+    int total = 0;
     for (int rep = 0; rep < 5; ++rep) {
       std::deque<rpc::Future<int64_t>> inFlight;
       const int n = std::max(calls / 5, 1);
@@ -135,9 +140,12 @@ void measureRpcAsync(rpc::Agent& agent, int calls, bool pinned) {
       }
       double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       rates.push_back(n / s);
+      total += n;
     }
+    // CPU of both processes per call: with both pinned to one core this is what bounds the throughput.
+    const double cpuUs = (processCpuSeconds() + pair.childCpuSeconds() - cpu0) * 1e6 / total;
     emitMeasurement("rpc", "rpcasync_throughput_w" + std::to_string(window), "calls/s", measurementOf(rates), pinned,
-                    {{"in_flight", std::to_string(window)}});
+                    {{"in_flight", std::to_string(window)}, {"cpu_us_per_call", number(cpuUs)}});
   }
 }
 
@@ -187,12 +195,17 @@ int main(int argc, char** argv) {
   if (argc > 2) config.calls = std::max(std::atoi(argv[2]), 5);
   if (argc > 3) config.echoMegabytes = std::atof(argv[3]);
   if (argc > 4) config.idleSeconds = std::atof(argv[4]);
+  if (argc > 5) {
+    const std::string sections = argv[5];
+    check(sections == "all" || sections == "pinned", "sections must be 'all' or 'pinned'");
+    config.pinnedOnly = sections == "pinned";
+  }
   const cpu_set_t freeAffinity = currentAffinity();
   std::signal(SIGPIPE, SIG_IGN);  // a dead child shows as a failed write (check() names it), not a silent exit
 
   // Free placement. Every raw figure forks its own child before any agent thread exists in this process
   // (fork and threads do not mix), so the raw references come first.
-  {
+  if (!config.pinnedOnly) {
     const bool pinned = false;
     Measurement rawRtt = rawPingPong(config.rounds, pinned);
     emitMeasurement("raw_socket", "pingpong_rtt_64B", "us", rawRtt, pinned);
@@ -206,7 +219,7 @@ int main(int argc, char** argv) {
     AgentPair pair(pinned, pairOptions, pairRegistry);
     measureIdle(pair, config.idleSeconds, "after_start", pinned);
     measureRpcSync(pair.agent(), config.rounds, rawRtt, pinned);
-    measureRpcAsync(pair.agent(), config.calls, pinned);
+    measureRpcAsync(pair, config.calls, pinned);
     for (size_t i = 0; i < std::size(kEchoSizes); ++i) {
       measureTensorEcho(pair, config, kEchoSizes[i], rawEcho[i], pinned);
     }
@@ -223,7 +236,7 @@ int main(int argc, char** argv) {
     {
       AgentPair pair(pinned, pairOptions, pairRegistry);
       measureRpcSync(pair.agent(), config.rounds, rawRtt, pinned);
-      measureRpcAsync(pair.agent(), config.calls, pinned);
+      measureRpcAsync(pair, config.calls, pinned);
     }
     restoreAffinity(freeAffinity);
   }

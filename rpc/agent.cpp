@@ -254,6 +254,7 @@ struct Agent::Pending {
   std::string function;
   Completion complete;
   TimerId timer = kInvalidTimerId;
+  std::chrono::milliseconds timeout{0};  // the deadline's length, for the timeout error's message
   CancellationRegistration cancelRegistration;
   // Tracing: the function's interned name (nullptr: the call is not traced), the callee's rank and when
   // the call started waiting (after its frame was queued).
@@ -1068,6 +1069,7 @@ void Agent::startCall(const CallOptions& callOptions, const std::string& worker,
       pending->complete = std::move(complete);
       pending->traceName = traceName;
       pending->peerRank = peer.rank;
+      pending->timeout = effectiveTimeout(callOptions);
       pending->waitBeginNs = timing.serializeEndNs;  // until the frame is queued (below)
       peerRank = peer.rank;
       pending_.emplace(id, std::move(pending));
@@ -1086,17 +1088,32 @@ void Agent::startCall(const CallOptions& callOptions, const std::string& worker,
   if (toSelf) {
     deliverToSelf(std::move(frame), id);
   } else {
-    link->connection->send(std::move(frame), [this, id, worker, traced, bytes, peerRank](const Result<void>& sent) {
-      if (!sent.ok()) {
-        Error error = Error::disconnected("sending to " + worker + " failed: " + sent.error().message);
-        error.worker = worker;
-        failPending(id, std::move(error), /*sendCancel=*/false);
-        return;
+    // A failed send finds the worker's name in the call's Pending (if the call is still pending), so the
+    // untraced callback captures 16 bytes and std::function stores it without an allocation.
+    auto failed = [this, id](const Result<void>& sent) {
+      std::string peer;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        auto it = pending_.find(id);
+        if (it == pending_.end()) return;
+        peer = it->second->peer;
       }
-      if (traced && trace::enabled()) {
-        trace::instant("transport.send", trace::Category::kTransport, {static_cast<int64_t>(bytes), peerRank});
-      }
-    });
+      Error error = Error::disconnected("sending to " + peer + " failed: " + sent.error().message);
+      error.worker = peer;
+      failPending(id, std::move(error), /*sendCancel=*/false);
+    };
+    if (traced) {
+      link->connection->send(std::move(frame), [failed, bytes, peerRank](const Result<void>& sent) {
+        if (!sent.ok()) return failed(sent);
+        if (trace::enabled()) {
+          trace::instant("transport.send", trace::Category::kTransport, {static_cast<int64_t>(bytes), peerRank});
+        }
+      });
+    } else {
+      link->connection->send(std::move(frame), [failed](const Result<void>& sent) {
+        if (!sent.ok()) failed(sent);
+      });
+    }
   }
   const int64_t sentNs = traced ? trace::nowNs() : 0;
   if (traced) {
@@ -1109,10 +1126,19 @@ void Agent::startCall(const CallOptions& callOptions, const std::string& worker,
   }
   auto timeout = effectiveTimeout(callOptions);
   if (timeout.count() > 0) {
-    TimerId timer = timers_->scheduleAfter(timeout, [this, id, worker, timeout, fn = fields.functionName] {
-      Error error = Error::timeout("rpc '" + fn + "' exceeded its " + std::to_string(timeout.count()) +
-                                   " ms deadline");
-      error.worker = worker;
+    // The callback captures only the id (stored in place, no allocation per call); the names and the
+    // timeout for its message are in the Pending.
+    TimerId timer = timers_->scheduleAfter(timeout, [this, id] {
+      Error error = Error::timeout("");
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        auto it = pending_.find(id);
+        if (it == pending_.end()) return;  // completed as the timer fired
+        const Pending& pending = *it->second;
+        error.message = "rpc '" + pending.function + "' exceeded its " + std::to_string(pending.timeout.count()) +
+                        " ms deadline";
+        error.worker = pending.peer;
+      }
       failPending(id, std::move(error), /*sendCancel=*/true);
     });
     bool armed = false;
@@ -1273,7 +1299,8 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
   bool duplicateId = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    peerLocked(peerName)->callsReceived.fetch_add(1, std::memory_order_relaxed);
+    Peer* caller = peerLocked(peerName);
+    caller->callsReceived.fetch_add(1, std::memory_order_relaxed);
     if (!accepting_ || closed_) {
       refusal = Error::failed("worker " + name_ + " is shutting down");
     } else {
@@ -1293,8 +1320,11 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
         // Armed under mutex_ so the reply (which takes the Incoming under it) always sees the timer id.
         const auto timeout = std::chrono::microseconds(timeoutMicros);
         const auto grace = std::max<std::chrono::microseconds>(kCalleeDeadlineGrace, timeout / 20);
-        running->timer = timers_->scheduleAfter(
-            timeout + grace, [this, peerName, id, timeoutMicros] { onCallDeadline(peerName, id, timeoutMicros); });
+        // The callback names the caller through its Peer (peers_ is fixed after start), so its captures fit
+        // the timer's callback in place: no allocation per call.
+        running->timer = timers_->scheduleAfter(timeout + grace, [this, name = &caller->name, id, timeoutMicros] {
+          onCallDeadline(*name, id, timeoutMicros);
+        });
       }
     }
   }

@@ -169,18 +169,19 @@ class Agent {
     if (tracing) timing.serializeBeginNs = trace::nowNs();
     auto frame = encodeCallIn(&scope, fields, asParam<Params>(std::forward<A>(args))...);
     if (tracing) timing.serializeEndNs = trace::nowNs();
-    std::string signature = fn.signature();
-    Completion complete = [promise = std::move(promise), signature](Result<DecodedMessage>&& reply) mutable {
+    // The signature text is built only for the error that names it (building it costs allocations).
+    Completion complete = [promise = std::move(promise)](Result<DecodedMessage>&& reply) mutable {
+      const auto signature = [] { return signatureText<R(Params...)>(); };
       if (!reply.ok()) {
         Error error = reply.error();
-        if (error.kind == ErrorKind::kUnimplemented) error.message += " (caller's signature: " + signature + ")";
+        if (error.kind == ErrorKind::kUnimplemented) error.message += " (caller's signature: " + signature() + ")";
         promise.setError(std::move(error));
         return;
       }
       const DecodedMessage& message = reply.value();
       if (message.kind() == MessageKind::kError) {
         Error error = *message.fields().error;
-        if (error.kind == ErrorKind::kUnimplemented) error.message += " (caller's signature: " + signature + ")";
+        if (error.kind == ErrorKind::kUnimplemented) error.message += " (caller's signature: " + signature() + ")";
         promise.setError(std::move(error));
         return;
       }

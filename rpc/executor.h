@@ -12,9 +12,9 @@
 // (Note [Refused continuations] in rpc/future.h), so waiters never hang. A task that throws is reported on
 // stderr and counted; the worker lives on.
 //
-// TODO(perf): one mutex-guarded queue and a condition-variable wake-up per idle worker (~10-25 us
-// round trip on a loaded 2-core box); per-worker queues with stealing and a short spin before sleeping
-// when the agent's latency benchmarks show it matters.
+// One mutex-guarded queue; a post wakes at most one sleeping worker, and only when no wake-up is already
+// on its way; a woken worker that leaves work queued wakes the next one (Note [Wake-up chaining] in
+// executor.cpp), so a burst of posts costs one wake-up, not one per task.
 //
 // Thread-safety: every method may be called from any thread, except shutdown()/the destructor, which must
 // not run on one of the executor's own workers (that would join itself; it throws ValueError instead).
@@ -72,6 +72,8 @@ class Executor {
 
  private:
   void workerLoop(size_t index);
+  // True when the caller must notify one sleeping worker (Note [Wake-up chaining]). Caller holds mutex_.
+  bool wakeOneLocked();
 
   const size_t numThreads_;
   const std::string name_;
@@ -81,6 +83,8 @@ class Executor {
   std::deque<Task> queue_;  // GUARDED_BY(mutex_)
   bool accepting_ = true;   // GUARDED_BY(mutex_)
   bool stopping_ = false;   // GUARDED_BY(mutex_): workers exit once the queue is empty
+  size_t sleeping_ = 0;     // GUARDED_BY(mutex_): workers waiting for work
+  bool waking_ = false;     // GUARDED_BY(mutex_): a notify went out that no worker has answered yet
   std::mutex joinMutex_;    // serialises shutdown() callers around the join
   bool joined_ = false;     // GUARDED_BY(joinMutex_)
   std::vector<std::thread> threads_;

@@ -10,6 +10,7 @@
 #include <kj/io.h>
 
 #include <cstring>
+#include <optional>
 
 namespace distgrad::rpc {
 
@@ -37,9 +38,10 @@ std::string stringOf(capnp::Text::Reader t) { return std::string(t.begin(), t.si
 
 // A Cap'n Proto reader over envelope bytes. FlatArrayMessageReader needs 8-byte aligned words: an
 // unaligned span is copied once into `aligned`.
+// The reader lives in place (no allocation of its own); an EnvelopeReader is never moved once opened.
 struct EnvelopeReader {
   kj::Array<capnp::word> aligned;
-  std::unique_ptr<capnp::FlatArrayMessageReader> reader;
+  std::optional<capnp::FlatArrayMessageReader> reader;
 };
 
 void openEnvelope(EnvelopeReader& out, std::span<const uint8_t> bytes, const DecodeLimits& limits) {
@@ -59,7 +61,7 @@ void openEnvelope(EnvelopeReader& out, std::span<const uint8_t> bytes, const Dec
       std::max<uint64_t>(limits.minTraversalWords, words * limits.traversalWordsPerEnvelopeWord);
   // Two pointer hops per value level (a list, then the struct in it) plus the envelope's own.
   options.nestingLimit = 2 * limits.maxValueDepth + 8;
-  out.reader = std::make_unique<capnp::FlatArrayMessageReader>(kj::arrayPtr(begin, words), options);
+  out.reader.emplace(kj::arrayPtr(begin, words), options);
   if (out.reader->getEnd() != begin + words) {
     throw CodecError("envelope has " + std::to_string((begin + words - out.reader->getEnd()) * 8) +
                      " trailing bytes after the message");
@@ -127,6 +129,28 @@ void setClosure(wire::Envelope::Builder env, bool known, const std::vector<uint6
   for (uint32_t i = 0; i < ids.size(); ++i) closure.set(i, ids[i]);
 }
 
+// The calling thread's first segment for encodeMessage (see there); taken() is false when a caller further
+// up this thread's stack holds it.
+class ScratchSegment {
+ public:
+  ScratchSegment() : taken_(!tInUse) { tInUse = true; }
+  ~ScratchSegment() {
+    if (taken_) tInUse = false;
+  }
+  ScratchSegment(const ScratchSegment&) = delete;
+  ScratchSegment& operator=(const ScratchSegment&) = delete;
+  bool taken() const { return taken_; }
+  kj::ArrayPtr<capnp::word> words() const { return kj::arrayPtr(tWords, kWords); }
+
+ private:
+  static constexpr size_t kWords = 512;  // 4 KiB: a call's envelope is ~100-200 bytes
+  static thread_local bool tInUse;
+  alignas(64) static thread_local capnp::word tWords[kWords];  // zero-initialised, kept zero between uses
+  bool taken_;
+};
+thread_local bool ScratchSegment::tInUse = false;
+alignas(64) thread_local capnp::word ScratchSegment::tWords[ScratchSegment::kWords] = {};
+
 }  // namespace
 
 Result<transport::OutgoingFrame> encodeMessage(const EnvelopeFields& fields, const EncodeValueFn& encodeValue,
@@ -135,7 +159,18 @@ Result<transport::OutgoingFrame> encodeMessage(const EnvelopeFields& fields, con
     DG_CHECK((fields.kind == MessageKind::kError) == fields.error.has_value(),
              "encodeMessage: an error message needs EnvelopeFields::error and no other kind may carry one (kind ",
              messageKindName(fields.kind), ")");
-    capnp::MallocMessageBuilder builder;
+    // Small envelopes (every no-op call and reply) are built in this thread's zeroed scratch segment
+    // instead of a fresh calloc'ed 8 KiB one per message; the builder zeroes what it used when it dies, and
+    // bigger messages continue in heap segments. A nested encode on this thread (a codec encoding another
+    // message) gets a heap segment: the scratch is in use.
+    ScratchSegment scratch;
+    std::optional<capnp::MallocMessageBuilder> storage;
+    if (scratch.taken()) {
+      storage.emplace(scratch.words());
+    } else {
+      storage.emplace();
+    }
+    capnp::MallocMessageBuilder& builder = *storage;
     auto env = builder.initRoot<wire::Envelope>();
     env.setMessageId(fields.messageId);
     env.setKind(static_cast<wire::Envelope::Kind>(fields.kind));
@@ -236,7 +271,7 @@ Result<std::shared_ptr<capnp::MessageReader>> DecodedMessage::openReader() const
     auto reader = std::make_shared<EnvelopeReader>();
     openEnvelope(*reader, state_->envelopeBytes, state_->limits);
     // Aliasing pointer: the reader keeps its aligned copy (if any) alive.
-    return std::shared_ptr<capnp::MessageReader>(reader, reader->reader.get());
+    return std::shared_ptr<capnp::MessageReader>(reader, &*reader->reader);
   });
 }
 

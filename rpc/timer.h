@@ -27,6 +27,7 @@
 #include <thread>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 #include "rpc/clock.h"
 #include "rpc/detail/move_only_function.h"
@@ -70,10 +71,32 @@ class TimerQueue {
   uint64_t listenerId_ = 0;
   mutable std::mutex mutex_;
   std::condition_variable changed_;
-  std::map<std::pair<Clock::TimePoint, TimerId>, Callback> timers_;  // GUARDED_BY(mutex_)
-  std::unordered_map<TimerId, Clock::TimePoint> deadlines_;          // GUARDED_BY(mutex_)
-  TimerId nextId_ = 1;                                               // GUARDED_BY(mutex_)
-  bool stopping_ = false;                                            // GUARDED_BY(mutex_)
+  // Note [Timer slots]: every RPC arms a deadline and nearly always cancels it, so the queue must not
+  // allocate per timer. A timer lives in a reused slot (its id: the slot's generation << 32 | index + 1,
+  // so a stale id never matches a reused slot) and the pending slots form a binary min-heap on (deadline,
+  // sequence), each slot knowing its heap position, so cancel() removes in O(log n) in place.
+  struct Slot {
+    Clock::TimePoint deadline{};
+    uint64_t sequence = 0;  // schedule order: equal deadlines fire first come, first served
+    Callback callback;
+    size_t heapIndex = 0;
+    uint32_t generation = 0;
+    bool active = false;
+  };
+  bool earlierLocked(uint32_t a, uint32_t b) const;
+  void siftUpLocked(size_t index);
+  void siftDownLocked(size_t index);
+  // Removes slot `slot` from the heap and frees it; returns its callback (destroy it outside the lock).
+  Callback releaseLocked(uint32_t slot);
+
+  std::vector<Slot> slots_;         // GUARDED_BY(mutex_)
+  std::vector<uint32_t> freeSlots_;  // GUARDED_BY(mutex_)
+  std::vector<uint32_t> heap_;       // GUARDED_BY(mutex_): active slots, earliest first
+  uint64_t nextSequence_ = 0;        // GUARDED_BY(mutex_)
+  bool stopping_ = false;            // GUARDED_BY(mutex_)
+  // GUARDED_BY(mutex_): when the thread will next look at the queue by itself (max: only when woken; min:
+  // it is awake and will look before it sleeps again).
+  Clock::TimePoint sleepsUntil_ = Clock::TimePoint::min();
   std::mutex joinMutex_;
   bool joined_ = false;  // GUARDED_BY(joinMutex_)
   std::thread::id threadId_;

@@ -63,11 +63,20 @@ void TcpConnection::send(OutgoingFrame frame, SendCallback done) {
     sendFromLoop(std::move(frame), std::move(done));
     return;
   }
-  auto self = shared_from_this();
-  auto shared = std::make_shared<QueuedFrame>(QueuedFrame{std::move(frame), std::move(done)});
-  if (!loop_->post([self, shared] { self->sendFromLoop(std::move(shared->frame), std::move(shared->done)); })) {
+  // One allocation per frame: the task's only capture is one shared_ptr, which std::function stores in
+  // place.
+  struct Posted {
+    std::shared_ptr<TcpConnection> self;
+    QueuedFrame queued;
+  };
+  auto posted = std::make_shared<Posted>(Posted{shared_from_this(), QueuedFrame{std::move(frame), std::move(done)}});
+  if (!loop_->post([posted] {
+        posted->self->sendFromLoop(std::move(posted->queued.frame), std::move(posted->queued.done));
+      })) {
     // The context is closed and its loop thread is gone: complete here, once.
-    if (shared->done) shared->done(Error::disconnected("tcp connection to " + peerAddress_ + ": the context is closed"));
+    if (posted->queued.done) {
+      posted->queued.done(Error::disconnected("tcp connection to " + peerAddress_ + ": the context is closed"));
+    }
   }
 }
 

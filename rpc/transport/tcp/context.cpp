@@ -69,13 +69,20 @@ TcpLoop::~TcpLoop() {
 }
 
 bool TcpLoop::post(std::function<void()> fn) {
-  std::lock_guard lock(mutex_);
-  if (stopping_ && !inLoop()) return false;
-  const bool wasEmpty = tasks_.empty();
-  tasks_.push_back(std::move(fn));
-  // A non-empty queue means a wake-up is already on its way (or the loop runs the queue before it next
-  // blocks). Written under the mutex so it never races with closing the wake-up handle.
-  if (wasEmpty && wakeOpen_) wake();
+  bool wakeLoop = false;
+  {
+    std::lock_guard lock(mutex_);
+    if (stopping_ && !inLoop()) return false;
+    // A non-empty queue means a wake-up is already on its way (or the loop runs the queue before it next
+    // blocks).
+    wakeLoop = tasks_.empty() && wakeOpen_;
+    tasks_.push_back(std::move(fn));
+  }
+  // Written after unlocking: on a busy core the write wakes the loop thread, which may preempt us at once
+  // and would then block on the mutex we held (two more context switches). The eventfd stays open until
+  // the destructor, and our caller holds the loop alive; a write that lands after the wake-up handle
+  // closed only leaves the counter set.
+  if (wakeLoop) wake();
   return true;
 }
 
@@ -94,12 +101,26 @@ void TcpLoop::onWakeFromLoop() {
 }
 
 void TcpLoop::runTasks() {
-  std::deque<std::function<void()>> batch;
+  // Swapped with a vector kept for the purpose, so neither side allocates per batch once warm (a task
+  // that re-enters runTasks gets a fresh vector).
+  std::vector<std::function<void()>> batch;
+  batch.swap(spareTasks_);
   {
     std::lock_guard lock(mutex_);
-    if (tasks_.empty()) return;
+    if (tasks_.empty()) {
+      spareTasks_.swap(batch);
+      return;
+    }
     batch.swap(tasks_);
   }
+  struct Recycle {
+    std::vector<std::function<void()>>& batch;
+    std::vector<std::function<void()>>& spare;
+    ~Recycle() {
+      batch.clear();
+      if (spare.capacity() < batch.capacity()) spare.swap(batch);
+    }
+  } recycle{batch, spareTasks_};
   for (auto& task : batch) {
     // One task's exception must neither reach libuv nor skip the tasks after it.
     try {
@@ -165,8 +186,18 @@ void TcpLoop::markDirtyFromLoop(std::shared_ptr<TcpConnection> connection) {
 
 void TcpLoop::flushDirtyFromLoop() {
   while (!dirty_.empty()) {
+    // Swapped with a kept vector so that marking connections dirty allocates nothing once warm.
     std::vector<std::shared_ptr<TcpConnection>> dirty;
+    dirty.swap(spareDirty_);
     dirty.swap(dirty_);
+    struct Recycle {
+      std::vector<std::shared_ptr<TcpConnection>>& dirty;
+      std::vector<std::shared_ptr<TcpConnection>>& spare;
+      ~Recycle() {
+        dirty.clear();
+        if (spare.capacity() < dirty.capacity()) spare.swap(dirty);
+      }
+    } recycle{dirty, spareDirty_};
     for (auto& connection : dirty) {
       try {
         connection->flushFromLoop();

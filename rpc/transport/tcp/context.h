@@ -65,7 +65,7 @@ class TcpLoop {
  private:
   void run();
   void runTasks();
-  void wake();  // under mutex_
+  void wake();
   void onWakeFromLoop();
   void closeAllFromLoop();
   void flushDirtyFromLoop();
@@ -79,7 +79,8 @@ class TcpLoop {
   uv_prepare_t prepare_{};  // runs queued tasks and flushes before the loop blocks in poll
   uv_check_t check_{};      // flushes right after the I/O callbacks of an iteration
   std::mutex mutex_;
-  std::deque<std::function<void()>> tasks_;  // GUARDED_BY(mutex_)
+  std::vector<std::function<void()>> tasks_;  // GUARDED_BY(mutex_)
+  std::vector<std::function<void()>> spareTasks_;  // loop: runTasks' batch storage, kept between batches
   bool stopping_ = false;                    // GUARDED_BY(mutex_)
   bool wakeOpen_ = true;                     // GUARDED_BY(mutex_): wakeFd_ may be written
   std::mutex joinMutex_;  // concurrent close() calls join the thread once
@@ -90,6 +91,7 @@ class TcpLoop {
   std::unordered_set<TcpConnection*> connections_;
   std::unordered_set<TcpListenerImpl*> listeners_;
   std::vector<std::shared_ptr<TcpConnection>> dirty_;
+  std::vector<std::shared_ptr<TcpConnection>> spareDirty_;  // flushDirtyFromLoop's storage, kept
 };
 
 class TcpContext final : public Context {
