@@ -33,6 +33,9 @@
 //
 // Errors of any stage (a bad shape, a dead worker, a timeout) make step() throw an RpcError naming the
 // worker, after every call of the step has settled (nothing is left running, every context is released).
+// Every call has the agent's default deadline (rpc::Options::defaultTimeout, 60 s unless configured),
+// counted from when the driver issues it: a micro-batch whose whole forward takes longer (GPipe issues all
+// forwards at once) fails the step with a timeout; raise the deadline for very long steps.
 //
 // Thread-safety: an RpcPipeline is driven by one thread at a time (step/predict block: never call them on
 // an agent's executor thread). PipelineStage's methods are called by the agent on executor threads and are
