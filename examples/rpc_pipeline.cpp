@@ -65,12 +65,15 @@ double processCpuSeconds() {
 // CPU seconds the training steps cost: each stage's process (from its own measurements) and the driver.
 struct CpuTotals {
   std::vector<double> stages;
+  std::vector<double> stagesCompute;  // the part the forwards and backwards took
   double driver = 0;
-  double stagesTotal() const {
-    double sum = 0;
-    for (double c : stages) sum += c;
-    return sum;
+  static double sum(const std::vector<double>& values) {
+    double out = 0;
+    for (double v : values) out += v;
+    return out;
   }
+  double stagesTotal() const { return sum(stages); }
+  double computeTotal() const { return sum(stagesCompute); }
 };
 
 // Per stage: the share of the steps' wall time it computed, idled for the schedule (its bubble), and lost
@@ -88,10 +91,10 @@ void printOverheadSummary(const pipeline::StepStats& total, const CpuTotals& cpu
     const double bubble = std::max(0.0, total.idealSeconds - total.busySeconds[s]) / total.wallSeconds;
     const double overhead = std::max(0.0, total.wallSeconds - total.idealSeconds) / total.wallSeconds;
     const double stageCpu = cpu.stages[s];
+    const double notCompute = stageCpu > 0 ? std::max(0.0, stageCpu - cpu.stagesCompute[s]) / stageCpu : 0.0;
     std::printf("  %-6lld %-9s %8s %7s %9s %10lld %14.1f %16s\n", static_cast<long long>(s), workers[s].c_str(),
                 percent(compute).c_str(), percent(bubble).c_str(), percent(overhead).c_str(),
-                static_cast<long long>(total.maxInFlight[s]), 1e3 * stageCpu / steps,
-                percent(stageCpu > 0 ? std::max(0.0, stageCpu - total.busySeconds[s]) / stageCpu : 0.0).c_str());
+                static_cast<long long>(total.maxInFlight[s]), 1e3 * stageCpu / steps, percent(notCompute).c_str());
   }
   std::printf("  driver CPU %.1f ms/step (data, loss, schedule)\n", 1e3 * cpu.driver / steps);
   std::printf(
@@ -133,6 +136,7 @@ int runDriver(rpc::Agent& agent, const examples::PipelineFlags& opt) {
   pipeline::StepStats total;
   CpuTotals cpu;
   cpu.stages.assign(static_cast<size_t>(pipe.numStages()), 0.0);
+  cpu.stagesCompute.assign(static_cast<size_t>(pipe.numStages()), 0.0);
   int64_t trainImages = 0;
   double accuracy = 0;
   for (int64_t epoch = 1; epoch <= opt.epochs; ++epoch) {
@@ -146,7 +150,10 @@ int runDriver(rpc::Agent& agent, const examples::PipelineFlags& opt) {
     for (const auto& batch : loader) {
       const pipeline::StepResult r = pipe.step(batch.inputs, batch.labels);
       epochStats.accumulate(r.stats);
-      for (size_t s = 0; s < cpu.stages.size(); ++s) cpu.stages[s] += pipe.lastStageStats()[s].cpuSeconds;
+      for (size_t s = 0; s < cpu.stages.size(); ++s) {
+        cpu.stages[s] += pipe.lastStageStats()[s].cpuSeconds;
+        cpu.stagesCompute[s] += pipe.lastStageStats()[s].computeCpuSeconds;
+      }
       images += r.samples;
       const double smoothed = runningLoss.add(r.loss, label + " batch " + std::to_string(done + 1));
       progress.update(++done, images, smoothed);
@@ -185,16 +192,8 @@ int runDriver(rpc::Agent& agent, const examples::PipelineFlags& opt) {
       .add("overhead_share", total.overheadShare())
       .add("rpc_overhead_share", total.overheadShare())
       .add("stage_cpu_ms_per_step", 1e3 * cpu.stagesTotal() / static_cast<double>(std::max<int64_t>(total.steps, 1)))
-      .add("stage_cpu_noncompute_share", cpu.stagesTotal() > 0 ? std::max(
-                                                                     0.0, cpu.stagesTotal() -
-                                                                              [&] {
-                                                                                double busy = 0;
-                                                                                for (double b : total.busySeconds)
-                                                                                  busy += b;
-                                                                                return busy;
-                                                                              }()) /
-                                                                     cpu.stagesTotal()
-                                                               : 0.0)
+      .add("stage_cpu_noncompute_share",
+           cpu.stagesTotal() > 0 ? std::max(0.0, 1.0 - cpu.computeTotal() / cpu.stagesTotal()) : 0.0)
       .add("driver_cpu_ms_per_step", 1e3 * cpu.driver / static_cast<double>(std::max<int64_t>(total.steps, 1)))
       .add("images_per_s", static_cast<double>(trainImages) / total.wallSeconds)
       .add("test_accuracy", accuracy)

@@ -1,6 +1,7 @@
 #include "models/pipeline/rpc_pipeline.h"
 
 #include <sys/resource.h>
+#include <time.h>
 
 #include <algorithm>
 #include <condition_variable>
@@ -8,6 +9,7 @@
 #include <functional>
 #include <optional>
 #include <sstream>
+#include <thread>
 #include <unordered_set>
 #include <utility>
 
@@ -32,6 +34,13 @@ double processCpuSeconds() {
   getrusage(RUSAGE_SELF, &usage);
   auto seconds = [](const timeval& t) { return static_cast<double>(t.tv_sec) + 1e-6 * static_cast<double>(t.tv_usec); };
   return seconds(usage.ru_utime) + seconds(usage.ru_stime);
+}
+
+// CPU time of the calling thread.
+double threadCpuSeconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
 }
 
 double processPeakRssMiB() {
@@ -151,9 +160,10 @@ struct PipelineStage::Meter {
     std::lock_guard<std::mutex> lock(mutex);
     if (baselineBytes < 0 && inFlight == 0) baselineBytes = static_cast<int64_t>(tensor::cpuBytesInUse());
   }
-  void forwardDone(int64_t microBatch, double seconds) {
+  void forwardDone(int64_t microBatch, double seconds, double cpuSeconds) {
     std::lock_guard<std::mutex> lock(mutex);
     slot(stats.forwardSeconds, microBatch) += seconds;
+    stats.computeCpuSeconds += cpuSeconds;
     ++stats.forwards;
     ++inFlight;
     stats.maxInFlight = std::max(stats.maxInFlight, inFlight);
@@ -166,13 +176,14 @@ struct PipelineStage::Meter {
   }
   // A micro-batch's graph here is done: its backward ran (`backwardRan`), or the graph went away without one
   // (a failed step). Either frees its in-flight slot.
-  void flightEnded(int64_t microBatch, bool backwardRan) {
+  void flightEnded(int64_t microBatch, bool backwardRan, double backwardCpuSeconds) {
     const auto now = Clock::now();
     std::function<void()> wake;
     {
       std::lock_guard<std::mutex> lock(mutex);
       if (backwardRan) {
         slot(stats.backwardSeconds, microBatch) += secondsBetween(slot(backwardStarted, microBatch), now);
+        stats.computeCpuSeconds += backwardCpuSeconds;
         ++stats.backwards;
       }
       inFlight = std::max<int64_t>(inFlight - 1, 0);
@@ -221,18 +232,22 @@ class PipelineStage::Flight {
   Flight& operator=(const Flight&) = delete;
 
   // The forward finished: from now on the micro-batch occupies an in-flight slot here.
-  void forwardDone(double seconds) {
+  void forwardDone(double seconds, double cpuSeconds) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       counted_ = true;
     }
-    meter_->forwardDone(microBatch_, seconds);
+    meter_->forwardDone(microBatch_, seconds, cpuSeconds);
   }
   void backwardStarts() {
     meter_->token->acquireBlocking();
     {
       std::lock_guard<std::mutex> lock(mutex_);
       holdsToken_ = true;
+      // The stage's backward drains on this thread from here to its end (no node of it waits for another
+      // worker), so this thread's CPU clock times its compute.
+      backwardThread_ = std::this_thread::get_id();
+      backwardCpuStart_ = threadCpuSeconds();
     }
     meter_->backwardStarting(microBatch_);
   }
@@ -252,26 +267,30 @@ class PipelineStage::Flight {
   void end(bool backwardRan) {
     bool release = false;
     bool counted = false;
+    double cpu = 0;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (ended_) return;
       ended_ = true;
       release = std::exchange(holdsToken_, false);
       counted = counted_;
+      if (backwardRan && backwardThread_ == std::this_thread::get_id()) cpu = threadCpuSeconds() - backwardCpuStart_;
     }
     if (release) meter_->token->release();
     // A forward that threw never took a slot.
-    if (counted) meter_->flightEnded(microBatch_, backwardRan);
+    if (counted) meter_->flightEnded(microBatch_, backwardRan, cpu);
   }
 
  private:
   std::shared_ptr<Meter> meter_;
   const int64_t microBatch_;
   std::mutex mutex_;
-  bool counted_ = false;     // GUARDED_BY(mutex_): the forward finished (the slot is taken)
-  int64_t pendingEnds_ = 0;  // GUARDED_BY(mutex_): see endAfter
-  bool holdsToken_ = false;  // GUARDED_BY(mutex_)
-  bool ended_ = false;       // GUARDED_BY(mutex_)
+  bool counted_ = false;            // GUARDED_BY(mutex_): the forward finished (the slot is taken)
+  int64_t pendingEnds_ = 0;         // GUARDED_BY(mutex_): see endAfter
+  std::thread::id backwardThread_;  // GUARDED_BY(mutex_)
+  double backwardCpuStart_ = 0;     // GUARDED_BY(mutex_)
+  bool holdsToken_ = false;         // GUARDED_BY(mutex_)
+  bool ended_ = false;              // GUARDED_BY(mutex_)
 };
 
 // Note [Stage backward bracket]
@@ -417,6 +436,7 @@ Tensor PipelineStage::runForward(const Tensor& input, int64_t microBatch) {
   }
   meter_->forwardStarting();
   const auto start = Clock::now();
+  const double cpuStart = threadCpuSeconds();
   // The backward is bracketed (Note [Stage backward bracket]): an identity op at the output starts it (and
   // takes the compute token), the end of the stage's last backward node ends it. The Flight, shared by
   // them, also ends when the graph goes without a backward.
@@ -437,7 +457,7 @@ Tensor PipelineStage::runForward(const Tensor& input, int64_t microBatch) {
                                     flight->backwardStarts();
                                     return std::vector<Tensor>{grads[0]};
                                   });
-  flight->forwardDone(secondsBetween(start, Clock::now()));
+  flight->forwardDone(secondsBetween(start, Clock::now()), threadCpuSeconds() - cpuStart);
   return out;
 }
 

@@ -86,9 +86,13 @@ struct StageStats {
   int64_t peakActivationBytes = -1;
   double peakRssMiB = 0;  // of the stage's process (ru_maxrss)
   // CPU seconds (user + system) the stage's whole process used since the last reset: its compute plus all
-  // else it ran (messages, serialisation, the optimizer step, other stages of the process). cpuSeconds minus
-  // the compute seconds is what the RPC machinery cost in CPU, a figure the machine's load hardly moves.
+  // else it ran (messages, serialisation, the optimizer step, other stages of the process).
   double cpuSeconds = 0;
+  // CPU seconds of the threads while they ran this stage's forwards and backwards (what forwardSeconds and
+  // backwardSeconds time in wall-clock, which on a loaded machine includes waiting for a core).
+  // cpuSeconds - computeCpuSeconds is what everything but the compute cost in CPU (the RPC machinery, the
+  // optimizer step): a figure the machine's load hardly moves.
+  double computeCpuSeconds = 0;
 
   template <class V>
   void visitFields(V& v) {
@@ -102,6 +106,7 @@ struct StageStats {
     v("peakActivationBytes", peakActivationBytes);
     v("peakRssMiB", peakRssMiB);
     v("cpuSeconds", cpuSeconds);
+    v("computeCpuSeconds", computeCpuSeconds);
   }
 };
 

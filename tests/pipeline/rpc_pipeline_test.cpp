@@ -174,6 +174,9 @@ TEST_P(RpcPipelineTest, MlpMatchesLocalFullBatchTrainingForEverySchedule) {
         for (const StageStats& st : pipe.lastStageStats()) {
           EXPECT_EQ(st.forwards, microBatches) << st.worker;
           EXPECT_EQ(st.backwards, microBatches) << st.worker;
+          // CPU: the compute's share of the process's (one process here: all three agents).
+          EXPECT_GT(st.computeCpuSeconds, 0.0) << st.worker;
+          EXPECT_GE(st.cpuSeconds, st.computeCpuSeconds) << st.worker;
           for (int64_t m = 0; m < microBatches; ++m) {
             EXPECT_GT(st.forwardSeconds[m], 0.0) << st.worker << " micro-batch " << m;
             EXPECT_GT(st.backwardSeconds[m], 0.0) << st.worker << " micro-batch " << m;
