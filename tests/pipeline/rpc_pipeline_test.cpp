@@ -176,7 +176,7 @@ TEST_P(RpcPipelineTest, MlpMatchesLocalFullBatchTrainingForEverySchedule) {
           EXPECT_EQ(st.backwards, microBatches) << st.worker;
           // CPU: the compute's share of the process's (one process here: all three agents).
           EXPECT_GT(st.computeCpuSeconds, 0.0) << st.worker;
-          EXPECT_GE(st.cpuSeconds, st.computeCpuSeconds) << st.worker;
+          EXPECT_GE(st.cpuSeconds + 0.01, st.computeCpuSeconds) << st.worker;  // (clock granularities)
           for (int64_t m = 0; m < microBatches; ++m) {
             EXPECT_GT(st.forwardSeconds[m], 0.0) << st.worker << " micro-batch " << m;
             EXPECT_GT(st.backwardSeconds[m], 0.0) << st.worker << " micro-batch " << m;
