@@ -6,8 +6,7 @@
 // error (a wrong input shape) comes back from step() naming the stage's worker under both schedules, a 1F1B
 // step failing mid-way returns at once, and the pipeline works again afterwards; predict() equals the local
 // model; every context, RRef and optimizer is released. Then, across processes: a killed stage worker fails
-// step() with an error naming it, within the heartbeat bound. And (DISABLED) the rref bug the stage works
-// around.
+// step() with an error naming it, within the heartbeat bound.
 #include "models/pipeline/rpc_pipeline.h"
 
 #include <gtest/gtest.h>
