@@ -17,7 +17,7 @@
 // the overhead of running it over RPC (messages, serialisation, thread hand-offs), then one verdict line.
 // The final JSON line has mode "rpc_pipeline", images_per_s, test_accuracy, compute/bubble/overhead shares
 // (rpc_overhead_share = overhead_share), peak_rss_mib (driver), peak_rss_mib_max (all processes) and each
-// stage's peak activation bytes.
+// stage's peak activation bytes (training) and peak RSS (its process's, evaluation included).
 //
 //   rpc_pipeline [--stage-workers N] [--micro-batches N] [--schedule gpipe|1f1b] [--balance time|params]
 //                [--model resnet18|resnet50|mlp|lenet5] [--width N] [--epochs N] [--batch-size N]
@@ -172,7 +172,8 @@ int runDriver(rpc::Agent& agent, const examples::PipelineFlags& opt) {
 
   // Every process's peak RSS: the stages report theirs.
   double peakMax = examples::peakRssMiB();
-  for (const auto& st : pipe.stageStats()) peakMax = std::max(peakMax, st.peakRssMiB);
+  const std::vector<pipeline::StageStats> finalStats = pipe.stageStats();
+  for (const auto& st : finalStats) peakMax = std::max(peakMax, st.peakRssMiB);
   examples::JsonLine json("rpc_pipeline");
   json.add("mode", "rpc_pipeline")
       .add("workers", static_cast<int64_t>(agent.worldSize()))
@@ -201,6 +202,7 @@ int runDriver(rpc::Agent& agent, const examples::PipelineFlags& opt) {
       .add("peak_rss_mib_max", peakMax);
   for (int64_t s = 0; s < total.numStages(); ++s) {
     json.add("peak_activation_bytes_stage" + std::to_string(s), total.peakActivationBytes[s]);
+    json.add("peak_rss_mib_stage" + std::to_string(s), finalStats[static_cast<size_t>(s)].peakRssMiB);
   }
   json.print();
   return 0;

@@ -355,15 +355,31 @@ void PipelineStage::recordSource(int64_t microBatch, const std::string& from) {
   slot(meter_->stats.inputFrom, microBatch) = from;
 }
 
-rpc::Future<Tensor> PipelineStage::forwardFirst(const rpc::CallContext& ctx, Tensor input, int64_t microBatch) {
+// Note [Stage gradient folding]
+// Each micro-batch has its own distributed autograd context, and the optimizer steps once on the sum of
+// their gradients. Left alone, each context would keep its own gradients of this stage's parameters until
+// that step: M copies of them. Instead every micro-batch's context folds its gradients here into the
+// step's first context (autograd::distributed::foldGradients; the driver names it in every forward call), so
+// the stage holds one copy whatever M, and the optimizer's sum over the contexts is unchanged. The fold is
+// made before the micro-batch's forward, so its backward adds straight into the shared gradients.
+void PipelineStage::foldGradients(const rpc::CallContext& ctx, uint64_t gradientContext) {
+  if (gradientContext == 0 || ctx.autogradContext == 0 || ctx.autogradContext == gradientContext) return;
+  if (!training_.load()) return;
+  autograd::distributed::foldGradients(*ctx.agent, ctx.autogradContext, gradientContext);
+}
+
+rpc::Future<Tensor> PipelineStage::forwardFirst(const rpc::CallContext& ctx, Tensor input, int64_t microBatch,
+                                                uint64_t gradientContext) {
   recordSource(microBatch, ctx.caller);
+  foldGradients(ctx, gradientContext);
   return enqueue(ctx.agent->executor(), std::move(input), microBatch);
 }
 
 rpc::Future<Tensor> PipelineStage::forward(const rpc::CallContext& ctx, rref::RRef<Tensor> previous,
-                                           int64_t microBatch) {
+                                           int64_t microBatch, uint64_t gradientContext) {
   DG_CHECK(previous.valid(), what_, ": forward got an empty RRef");
   recordSource(microBatch, previous.isOwner() ? worker_ : previous.owner());
+  foldGradients(ctx, gradientContext);
   // The fetch joins the micro-batch's context, so the previous stage records where the gradient goes and
   // the received input hangs from a RecvBackward here. On the owner this is the local value itself, no
   // message.
@@ -678,6 +694,9 @@ StepResult RpcPipeline::step(const Tensor& inputs, const Tensor& labels) {
     }
   }
 
+  // Every stage folds each micro-batch's gradients into the first micro-batch's context (Note [Stage
+  // gradient folding]).
+  const uint64_t gradientContext = batches.empty() ? 0 : batches.front().context->id();
   auto events = std::make_shared<EventQueue>();
   int64_t outstanding = 0;
   std::optional<rpc::Error> failure;
@@ -689,9 +708,11 @@ StepResult RpcPipeline::step(const Tensor& inputs, const Tensor& labels) {
     auto active = mb.context->activate();
     // The chain is issued at once: each stage's call carries the previous stage's result RRef, which its
     // owner resolves when that forward finishes (promise pipelining); activations never come here.
-    rref::RRef<Tensor> out = stages_[0].moduleRRef().remote(&PipelineStage::forwardFirst, mb.inputs, mb.index);
+    rref::RRef<Tensor> out =
+        stages_[0].moduleRRef().remote(&PipelineStage::forwardFirst, mb.inputs, mb.index, gradientContext);
     for (int64_t s = 1; s < numStages; ++s) {
-      out = stages_[static_cast<size_t>(s)].moduleRRef().remote(&PipelineStage::forward, out, mb.index);
+      out = stages_[static_cast<size_t>(s)].moduleRRef().remote(&PipelineStage::forward, out, mb.index,
+                                                                 gradientContext);
     }
     ++outstanding;
     (void)out.toHereAsync().then(rpc::kInlineSafe, [events, m = mb.index](rpc::Result<Tensor>&& logits) {
@@ -858,9 +879,10 @@ Tensor RpcPipeline::predict(const Tensor& inputs) {
   std::vector<rpc::Future<Tensor>> chunks;
   for (size_t m = 0; m + 1 < bounds.size(); ++m) {
     Tensor x = bounds.size() == 2 ? inputs : narrow(inputs, 0, bounds[m], bounds[m + 1] - bounds[m]);
-    rref::RRef<Tensor> out = stages_[0].moduleRRef().remote(&PipelineStage::forwardFirst, x, static_cast<int64_t>(m));
+    rref::RRef<Tensor> out =
+        stages_[0].moduleRRef().remote(&PipelineStage::forwardFirst, x, static_cast<int64_t>(m), uint64_t{0});
     for (size_t s = 1; s < stages_.size(); ++s) {
-      out = stages_[s].moduleRRef().remote(&PipelineStage::forward, out, static_cast<int64_t>(m));
+      out = stages_[s].moduleRRef().remote(&PipelineStage::forward, out, static_cast<int64_t>(m), uint64_t{0});
     }
     chunks.push_back(out.toHereAsync());
   }

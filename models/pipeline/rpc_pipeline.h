@@ -24,7 +24,9 @@
 // in flight, a bound the stage enforces itself so its next forward starts right after a backward, without a
 // round trip to the driver: Note [Stage in-flight limit] in the .cpp), then ONE
 // DistributedOptimizer step over all the micro-batch contexts (each owner sums its parameters' gradients
-// over them: the step of the whole batch), then the contexts end.
+// over them: the step of the whole batch), then the contexts end. A stage never holds more than one copy
+// of its parameters' gradients: each micro-batch's context folds its gradients there into the first one's
+// (Note [Stage gradient folding]), which leaves the sum the optimizer takes unchanged.
 //
 // PipelineStage is the object each stage worker holds (a RemoteModule<PipelineStage>): the stage's module
 // (buildStage), its forwards serialised (BatchNorm statistics; a forward waiting for its turn holds no
@@ -120,12 +122,18 @@ class PipelineStage : public std::enable_shared_from_this<PipelineStage> {
   PipelineStage& operator=(const PipelineStage&) = delete;
 
   // Stage 0: the module on `input` (sent by the driver). Queued behind this stage's running forward.
-  rpc::Future<Tensor> forwardFirst(const rpc::CallContext& ctx, Tensor input, int64_t microBatch);
+  // `gradientContext`: the distributed autograd context this stage's gradients of the call's context fold
+  // into (the step's first micro-batch's, Note [Stage gradient folding] in the .cpp; 0: none, as in
+  // predict).
+  rpc::Future<Tensor> forwardFirst(const rpc::CallContext& ctx, Tensor input, int64_t microBatch,
+                                   uint64_t gradientContext);
   // Later stages: the module on the value of `previous` (the previous stage's output): its local value when
   // this worker owns it, else fetched from its owner by this call, inside the call's distributed autograd
   // context, so the gradient flows back there directly. Completes with this stage's output, which the
-  // caller keeps here as an RRef (remote()) for the next stage or the driver to fetch.
-  rpc::Future<Tensor> forward(const rpc::CallContext& ctx, rref::RRef<Tensor> previous, int64_t microBatch);
+  // caller keeps here as an RRef (remote()) for the next stage or the driver to fetch. `gradientContext`
+  // as for forwardFirst.
+  rpc::Future<Tensor> forward(const rpc::CallContext& ctx, rref::RRef<Tensor> previous, int64_t microBatch,
+                              uint64_t gradientContext);
   // At most `limit` micro-batches in flight here (forwarded, backward not done; 0: no limit): a training
   // forward waits (holding no thread) until a backward frees a slot (Note [Stage in-flight limit]).
   void setMaxInFlight(int64_t limit);
@@ -156,6 +164,7 @@ class PipelineStage : public std::enable_shared_from_this<PipelineStage> {
   // Ends `flight` when the backward has run the first ops of the graph of `y` (Note [Stage backward bracket]).
   static void endAtFirstOps(const Tensor& y, const std::shared_ptr<Flight>& flight);
   void recordSource(int64_t microBatch, const std::string& from);
+  void foldGradients(const rpc::CallContext& ctx, uint64_t gradientContext);
 
   const std::string worker_;
   const StageSpec spec_;
