@@ -17,7 +17,7 @@
 // the overhead of running it over RPC (messages, serialisation, thread hand-offs), then one verdict line.
 // The final JSON line has mode "rpc_pipeline", images_per_s, test_accuracy, compute/bubble/overhead shares
 // (rpc_overhead_share = overhead_share), peak_rss_mib (driver), peak_rss_mib_max (all processes) and each
-// stage's peak activation bytes.
+// stage's peak activation bytes (training) and peak RSS (its process's, evaluation included).
 //
 //   rpc_pipeline [--stage-workers N] [--micro-batches N] [--schedule gpipe|1f1b] [--balance time|params]
 //                [--model resnet18|resnet50|mlp|lenet5] [--width N] [--epochs N] [--batch-size N]
@@ -70,12 +70,15 @@ double processCpuSeconds() {
 // CPU seconds the training steps cost: each stage's process (from its own measurements) and the driver.
 struct CpuTotals {
   std::vector<double> stages;
+  std::vector<double> stagesCompute;  // the part the forwards and backwards took
   double driver = 0;
-  double stagesTotal() const {
-    double sum = 0;
-    for (double c : stages) sum += c;
-    return sum;
+  static double sum(const std::vector<double>& values) {
+    double out = 0;
+    for (double v : values) out += v;
+    return out;
   }
+  double stagesTotal() const { return sum(stages); }
+  double computeTotal() const { return sum(stagesCompute); }
 };
 
 // Per stage: the share of the steps' wall time it computed, idled for the schedule (its bubble), and lost
@@ -93,10 +96,10 @@ void printOverheadSummary(const pipeline::StepStats& total, const CpuTotals& cpu
     const double bubble = std::max(0.0, total.idealSeconds - total.busySeconds[s]) / total.wallSeconds;
     const double overhead = std::max(0.0, total.wallSeconds - total.idealSeconds) / total.wallSeconds;
     const double stageCpu = cpu.stages[s];
+    const double notCompute = stageCpu > 0 ? std::max(0.0, stageCpu - cpu.stagesCompute[s]) / stageCpu : 0.0;
     std::printf("  %-6lld %-9s %8s %7s %9s %10lld %14.1f %16s\n", static_cast<long long>(s), workers[s].c_str(),
                 percent(compute).c_str(), percent(bubble).c_str(), percent(overhead).c_str(),
-                static_cast<long long>(total.maxInFlight[s]), 1e3 * stageCpu / steps,
-                percent(stageCpu > 0 ? std::max(0.0, stageCpu - total.busySeconds[s]) / stageCpu : 0.0).c_str());
+                static_cast<long long>(total.maxInFlight[s]), 1e3 * stageCpu / steps, percent(notCompute).c_str());
   }
   std::printf("  driver CPU %.1f ms/step (data, loss, schedule)\n", 1e3 * cpu.driver / steps);
   std::printf(
@@ -138,6 +141,7 @@ int runDriver(rpc::Agent& agent, const examples::PipelineFlags& opt) {
   pipeline::StepStats total;
   CpuTotals cpu;
   cpu.stages.assign(static_cast<size_t>(pipe.numStages()), 0.0);
+  cpu.stagesCompute.assign(static_cast<size_t>(pipe.numStages()), 0.0);
   int64_t trainImages = 0;
   double accuracy = 0;
   for (int64_t epoch = 1; epoch <= opt.epochs; ++epoch) {
@@ -151,7 +155,10 @@ int runDriver(rpc::Agent& agent, const examples::PipelineFlags& opt) {
     for (const auto& batch : loader) {
       const pipeline::StepResult r = pipe.step(batch.inputs, batch.labels);
       epochStats.accumulate(r.stats);
-      for (size_t s = 0; s < cpu.stages.size(); ++s) cpu.stages[s] += pipe.lastStageStats()[s].cpuSeconds;
+      for (size_t s = 0; s < cpu.stages.size(); ++s) {
+        cpu.stages[s] += pipe.lastStageStats()[s].cpuSeconds;
+        cpu.stagesCompute[s] += pipe.lastStageStats()[s].computeCpuSeconds;
+      }
       images += r.samples;
       const double smoothed = runningLoss.add(r.loss, label + " batch " + std::to_string(done + 1));
       progress.update(++done, images, smoothed);
@@ -170,7 +177,8 @@ int runDriver(rpc::Agent& agent, const examples::PipelineFlags& opt) {
 
   // Every process's peak RSS: the stages report theirs.
   double peakMax = examples::peakRssMiB();
-  for (const auto& st : pipe.stageStats()) peakMax = std::max(peakMax, st.peakRssMiB);
+  const std::vector<pipeline::StageStats> finalStats = pipe.stageStats();
+  for (const auto& st : finalStats) peakMax = std::max(peakMax, st.peakRssMiB);
   examples::JsonLine json("rpc_pipeline");
   json.add("mode", "rpc_pipeline")
       .add("workers", static_cast<int64_t>(agent.worldSize()))
@@ -190,16 +198,8 @@ int runDriver(rpc::Agent& agent, const examples::PipelineFlags& opt) {
       .add("overhead_share", total.overheadShare())
       .add("rpc_overhead_share", total.overheadShare())
       .add("stage_cpu_ms_per_step", 1e3 * cpu.stagesTotal() / static_cast<double>(std::max<int64_t>(total.steps, 1)))
-      .add("stage_cpu_noncompute_share", cpu.stagesTotal() > 0 ? std::max(
-                                                                     0.0, cpu.stagesTotal() -
-                                                                              [&] {
-                                                                                double busy = 0;
-                                                                                for (double b : total.busySeconds)
-                                                                                  busy += b;
-                                                                                return busy;
-                                                                              }()) /
-                                                                     cpu.stagesTotal()
-                                                               : 0.0)
+      .add("stage_cpu_noncompute_share",
+           cpu.stagesTotal() > 0 ? std::max(0.0, 1.0 - cpu.computeTotal() / cpu.stagesTotal()) : 0.0)
       .add("driver_cpu_ms_per_step", 1e3 * cpu.driver / static_cast<double>(std::max<int64_t>(total.steps, 1)))
       .add("images_per_s", static_cast<double>(trainImages) / total.wallSeconds)
       .add("test_accuracy", accuracy)
@@ -207,6 +207,7 @@ int runDriver(rpc::Agent& agent, const examples::PipelineFlags& opt) {
       .add("peak_rss_mib_max", peakMax);
   for (int64_t s = 0; s < total.numStages(); ++s) {
     json.add("peak_activation_bytes_stage" + std::to_string(s), total.peakActivationBytes[s]);
+    json.add("peak_rss_mib_stage" + std::to_string(s), finalStats[static_cast<size_t>(s)].peakRssMiB);
   }
   json.print();
   return 0;

@@ -183,8 +183,14 @@ class RRefContext : public rpc::AgentExtension, public std::enable_shared_from_t
   // Note [Fork on receive]: the handle for a received wire form, sent by `from`.
   std::shared_ptr<detail::RRefState> receive(const detail::WireRRef& wire, const std::string& from);
   void release(detail::RRefState& state);
-  // Owner: calls `callback` (on the executor) with the value of `id` once it is resolved.
+  // Owner: calls `callback` (on the executor) with the value of `id` once it is resolved (Note [Resolve
+  // wake-ups] in the .cpp: when the value is already there and the caller is an executor thread, on that
+  // thread before returning).
   void whenResolved(RRefId id, std::function<void(rpc::Result<detail::OwnedValue>)> callback);
+  // The same for a callback marked inline-safe (as then(kInlineSafe, f): short and thread-agnostic, e.g. it
+  // completes a promise): it runs on whichever thread resolves the value, or inside this call if it is
+  // resolved already.
+  void whenResolved(RRefId id, std::function<void(rpc::Result<detail::OwnedValue>)> callback, rpc::InlineSafe);
   // Sends a "dg.rref.call" to `owner`; `done` gets the reply message or an error (OwnerLost when the owner
   // died).
   void callOwner(const std::string& owner, const detail::CallHeader& header, rpc::EncodeValueFn args,
@@ -214,10 +220,18 @@ class RRefContext : public rpc::AgentExtension, public std::enable_shared_from_t
                                                const rpc::CallContext& ctx);
   rpc::Result<detail::OwnedValue> construct(const detail::CallHeader& header, const rpc::DecodedMessage& args,
                                             const rpc::CallContext& ctx);
+  struct Waiter {
+    std::function<void(rpc::Result<detail::OwnedValue>)> callback;
+    bool inlineSafe = false;
+  };
+  void addWaiter(RRefId id, Waiter waiter);
+  // Runs `waiter` with `value` (Note [Resolve wake-ups]): here when it is inline-safe, or when `onExecutor`
+  // allows a plain one here; else posted. Inline runs nest at most rpc::detail::kMaxInlineDepth deep.
+  void runWaiter(Waiter waiter, rpc::Result<detail::OwnedValue> value, bool onExecutor);
   struct OwnerEntry {
     bool created = false;  // the creating call arrived (before: a placeholder made by an early message)
     std::optional<rpc::Result<detail::OwnedValue>> value;  // set once resolved
-    std::vector<std::function<void(rpc::Result<detail::OwnedValue>)>> waiters;
+    std::vector<Waiter> waiters;
     std::map<ForkId, std::string> forks;  // user forks the owner knows, and the worker holding each
     int64_t localRefs = 0;
   };

@@ -142,16 +142,22 @@ rpc::Future<T> RRef<T>::toHereAsync(std::chrono::milliseconds timeout) const {
   auto promise = std::make_shared<rpc::Promise<T>>(context->executor());
   rpc::Future<T> future = promise->getFuture();
   if (state.isOwner) {
-    context->whenResolved(state.id, [promise, keep = state_](rpc::Result<detail::OwnedValue> owned) {
-      if (!owned.ok()) return promise->setError(owned.error());
-      auto typed = detail::typedValue<T>(owned.value());
-      if (!typed) return promise->setError(rpc::Error::failed("RRef::toHere: the owned value is not of the RRef's type"));
-      if constexpr (std::is_copy_constructible_v<T>) {
-        promise->setValue(T(*typed));
-      } else {
-        promise->setError(rpc::Error::failed("RRef::toHere: the value's type is not copyable (use localValue)"));
-      }
-    });
+    // Only completes the promise (its continuations run where they belong): inline-safe.
+    context->whenResolved(
+        state.id,
+        [promise, keep = state_](rpc::Result<detail::OwnedValue> owned) {
+          if (!owned.ok()) return promise->setError(owned.error());
+          auto typed = detail::typedValue<T>(owned.value());
+          if (!typed) {
+            return promise->setError(rpc::Error::failed("RRef::toHere: the owned value is not of the RRef's type"));
+          }
+          if constexpr (std::is_copy_constructible_v<T>) {
+            promise->setValue(T(*typed));
+          } else {
+            promise->setError(rpc::Error::failed("RRef::toHere: the value's type is not copyable (use localValue)"));
+          }
+        },
+        rpc::kInlineSafe);
     return future;
   }
   context->fetch(state.owner, state.id, timeout,

@@ -101,6 +101,10 @@ Gradients gradientsOf(rpc::Agent& agent, uint64_t contextId) {
   return DistAutogradState::of(agent)->gradients(contextId);
 }
 
+void foldGradients(rpc::Agent& agent, uint64_t from, uint64_t into) {
+  DistAutogradState::of(agent)->foldGradients(from, into);
+}
+
 size_t liveContexts(rpc::Agent& agent) { return DistAutogradState::of(agent)->liveContexts(); }
 
 }  // namespace distgrad::autograd::distributed

@@ -136,6 +136,19 @@ class DistContext {
 // or released).
 Gradients gradientsOf(rpc::Agent& agent, uint64_t contextId);
 
+// Folds this worker's gradients of context `from` into context `into` (Note [Gradient folding] in
+// state.cpp): what `from` holds here moves into `into` (added to its gradients), and every gradient `from`
+// accumulates here later goes there too. For code that steps on the SUM of several contexts' gradients
+// (DistributedOptimizer::step(contextIds), e.g. a pipeline's one context per micro-batch): the sum is
+// unchanged, but the worker holds one gradient per leaf instead of one per context. From then on
+// gradientsOf(from) here has nothing that `into` did not take; once `into` is released here, `from` keeps
+// its later gradients itself. Folding again into the same context does nothing; a context created elsewhere
+// and not yet seen here is joined (as its first message would: fold only into a context this worker takes
+// part in, or it stays until the agent closes). Throws ValueError when a context is unknown here or
+// released, when from == into, when `from` already folds into another context, or when `into` folds into
+// another one itself (fold into that one: no cycles).
+void foldGradients(rpc::Agent& agent, uint64_t from, uint64_t into);
+
 // Contexts this worker currently holds (created or joined, not yet released): a gauge for leak checks.
 size_t liveContexts(rpc::Agent& agent);
 

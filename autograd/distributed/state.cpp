@@ -1,6 +1,7 @@
 #include "autograd/distributed/state.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <map>
 
@@ -162,19 +163,59 @@ struct DistAutogradState::Context {
 
   std::mutex gradMutex;
   std::unordered_map<const tensor::TensorImpl*, std::pair<Tensor, Tensor>> grads;  // GUARDED_BY(gradMutex)
+  // Note [Gradient folding]: the context this one's gradients go to instead (foldGradients), or null.
+  std::shared_ptr<Context> sink;  // GUARDED_BY(gradMutex)
+  // Set by releaseContext: a context folding into this one keeps its gradients itself from then on.
+  std::atomic<bool> dropped{false};
 
   void accumulate(const Tensor& leaf, Tensor grad) {
-    std::lock_guard<std::mutex> lock(gradMutex);
+    std::shared_ptr<Context> target;
+    {
+      std::lock_guard<std::mutex> lock(gradMutex);
+      if (sink && sink->dropped.load()) sink.reset();
+      target = sink;
+      if (!target) return accumulateLocked(leaf, std::move(grad));
+    }
+    // Outside this context's lock: the sink takes its own (a chain of sinks ends: foldGradients refuses
+    // any fold that would close a cycle).
+    target->accumulate(leaf, std::move(grad));
+  }
+
+  void accumulateLocked(const Tensor& leaf, Tensor grad) {
     auto [it, fresh] = grads.try_emplace(leaf.implPtr().get(), leaf, Tensor());
     if (fresh) {
       // Keep the incoming buffer when nobody else can see it; otherwise a private copy, so an optimizer
       // that updates gradients in place never writes into another tensor (as AccumulateGrad does).
       const bool exclusive = grad.implPtr().use_count() == 1 && grad.storage().useCount() == 1 && grad.isContiguous();
       it->second.second = exclusive ? std::move(grad) : grad.cloneData();
-    } else {
+    } else if (!addInPlace(it->second.second, grad)) {
       NoGradGuard noGrad;
       it->second.second = add(it->second.second, grad).detach();
     }
+  }
+
+  // Adds `grad` into `sum` in place when `sum` is this context's private buffer (no Gradients snapshot, no
+  // view holds it: they would see it change) and both are contiguous CPU floats of one shape. Saves a
+  // buffer per addition: with folded contexts (Note [Gradient folding]) every micro-batch adds here, and
+  // an out-of-place sum would briefly hold two copies of the layer.
+  static bool addInPlace(Tensor& sum, const Tensor& grad) {
+    if (sum.implPtr().use_count() != 1 || sum.storage().useCount() != 1) return false;
+    if (!sum.isContiguous() || !grad.isContiguous() || sum.shape() != grad.shape() || sum.dtype() != grad.dtype() ||
+        !sum.device().isCpu() || !grad.device().isCpu()) {
+      return false;
+    }
+    auto run = [&](auto* out, const auto* in) {
+      const int64_t n = sum.numel();
+      for (int64_t i = 0; i < n; ++i) out[i] += in[i];
+    };
+    if (sum.dtype() == DType::kFloat32) {
+      run(sum.data<float>(), grad.data<float>());
+    } else if (sum.dtype() == DType::kFloat64) {
+      run(sum.data<double>(), grad.data<double>());
+    } else {
+      return false;
+    }
+    return true;
   }
 };
 
@@ -261,6 +302,7 @@ void DistAutogradState::releaseContext(uint64_t contextId, const std::string& fr
   std::unordered_map<uint64_t, std::shared_ptr<SendBackward>> sends;
   std::unordered_map<uint64_t, std::shared_ptr<RecvBackward>> recvs;
   std::shared_ptr<Pass> pass;
+  ctx->dropped.store(true);  // Note [Gradient folding]
   {
     std::lock_guard<std::mutex> lock(ctx->mutex);
     ctx->released = true;
@@ -287,6 +329,39 @@ void DistAutogradState::releaseContext(uint64_t contextId, const std::string& fr
     }
     broadcast(peers, from, request);
   }
+}
+
+// Note [Gradient folding]
+// A step over the sum of several contexts' gradients (DistributedOptimizer::step(contextIds): a pipeline
+// runs one context per micro-batch) would otherwise keep one gradient per leaf per context on every worker
+// until the step: M copies of a stage's parameters at M micro-batches. foldGradients(from, into) makes
+// `from` a forwarder: what it holds moves into `into` (added), and whatever it accumulates later goes there
+// too, so the sum over the contexts is unchanged and the worker holds one gradient per leaf (plus, for the
+// moment of an addition, the one being added). A chain (a into b, b into c) is followed; a fold that would
+// close a cycle is refused (the target must not fold itself at the moment of the fold, checked under both
+// contexts' locks, so no cycle can form). Once `into` is released here (a failed step), `from` keeps its
+// later gradients itself.
+void DistAutogradState::foldGradients(uint64_t from, uint64_t into) {
+  DG_CHECK(from != into, "foldGradients on worker ", name_, ": context ", from, " cannot fold into itself");
+  std::shared_ptr<Context> source = find(from, /*join=*/true);
+  std::shared_ptr<Context> target = find(into, /*join=*/true);
+  std::unordered_map<const tensor::TensorImpl*, std::pair<Tensor, Tensor>> moved;
+  bool targetReleased = false;
+  {
+    std::scoped_lock lock(source->gradMutex, target->gradMutex);
+    if (source->sink == target) return;  // folded before: idempotent
+    DG_CHECK(source->sink == nullptr, "foldGradients on worker ", name_, ": context ", from,
+             " already folds its gradients into context ", source->sink->id, ", not ", into);
+    DG_CHECK(target->sink == nullptr, "foldGradients on worker ", name_, ": context ", into,
+             " folds its own gradients into context ", target->sink->id, " (fold into that one)");
+    targetReleased = target->dropped.load();
+    if (!targetReleased) {
+      source->sink = target;
+      moved.swap(source->grads);
+    }
+  }
+  if (targetReleased) throwReleased(into);
+  for (auto& [impl, entry] : moved) target->accumulate(entry.first, std::move(entry.second));
 }
 
 Gradients DistAutogradState::gradients(uint64_t contextId) {

@@ -131,6 +131,8 @@ class DistAutogradState final : public rpc::AgentExtension,
   // Drops the context here and (forward) tells every worker it exchanged messages with, except `from`.
   void releaseContext(uint64_t contextId, const std::string& from, std::optional<rpc::Error> reason, bool forward);
   Gradients gradients(uint64_t contextId);
+  // Note [Gradient folding] in the .cpp.
+  void foldGradients(uint64_t from, uint64_t into);
   size_t liveContexts() const;
 
   // The root's side of DistContext::backward. With `drainHere`, the discovery is awaited and the local

@@ -1,6 +1,7 @@
 #include "models/pipeline/rpc_pipeline.h"
 
 #include <sys/resource.h>
+#include <time.h>
 
 #include <algorithm>
 #include <condition_variable>
@@ -34,6 +35,13 @@ double processCpuSeconds() {
   getrusage(RUSAGE_SELF, &usage);
   auto seconds = [](const timeval& t) { return static_cast<double>(t.tv_sec) + 1e-6 * static_cast<double>(t.tv_usec); };
   return seconds(usage.ru_utime) + seconds(usage.ru_stime);
+}
+
+// CPU time of the calling thread.
+double threadCpuSeconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
 }
 
 double processPeakRssMiB() {
@@ -153,9 +161,10 @@ struct PipelineStage::Meter {
     std::lock_guard<std::mutex> lock(mutex);
     if (baselineBytes < 0 && inFlight == 0) baselineBytes = static_cast<int64_t>(tensor::cpuBytesInUse());
   }
-  void forwardDone(int64_t microBatch, double seconds) {
+  void forwardDone(int64_t microBatch, double seconds, double cpuSeconds) {
     std::lock_guard<std::mutex> lock(mutex);
     slot(stats.forwardSeconds, microBatch) += seconds;
+    stats.computeCpuSeconds += cpuSeconds;
     ++stats.forwards;
     ++inFlight;
     stats.maxInFlight = std::max(stats.maxInFlight, inFlight);
@@ -168,13 +177,14 @@ struct PipelineStage::Meter {
   }
   // A micro-batch's graph here is done: its backward ran (`backwardRan`), or the graph went away without one
   // (a failed step). Either frees its in-flight slot.
-  void flightEnded(int64_t microBatch, bool backwardRan) {
+  void flightEnded(int64_t microBatch, bool backwardRan, double backwardCpuSeconds) {
     const auto now = Clock::now();
     std::function<void()> wake;
     {
       std::lock_guard<std::mutex> lock(mutex);
       if (backwardRan) {
         slot(stats.backwardSeconds, microBatch) += secondsBetween(slot(backwardStarted, microBatch), now);
+        stats.computeCpuSeconds += backwardCpuSeconds;
         ++stats.backwards;
       }
       inFlight = std::max<int64_t>(inFlight - 1, 0);
@@ -224,19 +234,22 @@ class PipelineStage::Flight {
   Flight& operator=(const Flight&) = delete;
 
   // The forward finished: from now on the micro-batch occupies an in-flight slot here.
-  void forwardDone(double seconds) {
+  void forwardDone(double seconds, double cpuSeconds) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       counted_ = true;
     }
-    meter_->forwardDone(microBatch_, seconds);
+    meter_->forwardDone(microBatch_, seconds, cpuSeconds);
   }
   void backwardStarts() {
     meter_->token->acquireBlocking();
     {
       std::lock_guard<std::mutex> lock(mutex_);
       holdsToken_ = true;
+      // The stage's backward drains on this thread from here to its end (no node of it waits for another
+      // worker), so this thread's CPU clock times its compute.
       backwardThread_ = std::this_thread::get_id();
+      backwardCpuStart_ = threadCpuSeconds();
       if (trace::enabled()) traceBeginNs_ = trace::nowNs();
     }
     meter_->backwardStarting(microBatch_);
@@ -259,6 +272,7 @@ class PipelineStage::Flight {
     bool counted = false;
     int64_t traceBeginNs = 0;
     std::thread::id traceThread;
+    double cpu = 0;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (ended_) return;
@@ -267,11 +281,12 @@ class PipelineStage::Flight {
       counted = counted_;
       traceBeginNs = traceBeginNs_;
       traceThread = backwardThread_;
+      if (backwardRan && backwardThread_ == std::this_thread::get_id()) cpu = threadCpuSeconds() - backwardCpuStart_;
     }
     if (backwardRan && traceBeginNs != 0 && trace::enabled()) traceBackward(traceBeginNs, traceThread);
     if (release) meter_->token->release();
     // A forward that threw never took a slot.
-    if (counted) meter_->flightEnded(microBatch_, backwardRan);
+    if (counted) meter_->flightEnded(microBatch_, backwardRan, cpu);
   }
 
  private:
@@ -293,13 +308,13 @@ class PipelineStage::Flight {
   const int64_t microBatch_;
   const int64_t step_;
   std::mutex mutex_;
-  bool counted_ = false;     // GUARDED_BY(mutex_): the forward finished (the slot is taken)
-  int64_t pendingEnds_ = 0;  // GUARDED_BY(mutex_): see endAfter
-  bool holdsToken_ = false;  // GUARDED_BY(mutex_)
-  bool ended_ = false;       // GUARDED_BY(mutex_)
-
-  int64_t traceBeginNs_ = 0;        // GUARDED_BY(mutex_): when the backward started, if traced
+  bool counted_ = false;            // GUARDED_BY(mutex_): the forward finished (the slot is taken)
+  int64_t pendingEnds_ = 0;         // GUARDED_BY(mutex_): see endAfter
   std::thread::id backwardThread_;  // GUARDED_BY(mutex_): where the backward started
+  double backwardCpuStart_ = 0;     // GUARDED_BY(mutex_)
+  int64_t traceBeginNs_ = 0;        // GUARDED_BY(mutex_): when the backward started, if traced
+  bool holdsToken_ = false;         // GUARDED_BY(mutex_)
+  bool ended_ = false;              // GUARDED_BY(mutex_)
 };
 
 // Note [Stage backward bracket]
@@ -364,9 +379,23 @@ void PipelineStage::recordSource(int64_t microBatch, const std::string& from) {
   slot(meter_->stats.inputFrom, microBatch) = from;
 }
 
+// Note [Stage gradient folding]
+// Each micro-batch has its own distributed autograd context, and the optimizer steps once on the sum of
+// their gradients. Left alone, each context would keep its own gradients of this stage's parameters until
+// that step: M copies of them. Instead every micro-batch's context folds its gradients here into the
+// step's first context (autograd::distributed::foldGradients; the driver names it in every forward call), so
+// the stage holds one copy whatever M, and the optimizer's sum over the contexts is unchanged. The fold is
+// made before the micro-batch's forward, so its backward adds straight into the shared gradients.
+void PipelineStage::foldGradients(const rpc::CallContext& ctx, uint64_t gradientContext) {
+  if (gradientContext == 0 || ctx.autogradContext == 0 || ctx.autogradContext == gradientContext) return;
+  if (!training_.load()) return;
+  autograd::distributed::foldGradients(*ctx.agent, ctx.autogradContext, gradientContext);
+}
+
 rpc::Future<Tensor> PipelineStage::forwardFirst(const rpc::CallContext& ctx, Tensor input, int64_t microBatch,
-                                                int64_t step) {
+                                                int64_t step, uint64_t gradientContext) {
   recordSource(microBatch, ctx.caller);
+  foldGradients(ctx, gradientContext);
   return enqueue(ctx.agent->executor(), std::move(input), microBatch, step);
 }
 
@@ -375,10 +404,11 @@ void PipelineStage::setIndex(int64_t index) {
   index_.store(index, std::memory_order_relaxed);
 }
 
-rpc::Future<Tensor> PipelineStage::forward(const rpc::CallContext& ctx, rref::RRef<Tensor> previous, int64_t microBatch,
-                                           int64_t step) {
+rpc::Future<Tensor> PipelineStage::forward(const rpc::CallContext& ctx, rref::RRef<Tensor> previous,
+                                           int64_t microBatch, int64_t step, uint64_t gradientContext) {
   DG_CHECK(previous.valid(), what_, ": forward got an empty RRef");
   recordSource(microBatch, previous.isOwner() ? worker_ : previous.owner());
+  foldGradients(ctx, gradientContext);
   // The fetch joins the micro-batch's context, so the previous stage records where the gradient goes and
   // the received input hangs from a RecvBackward here. On the owner this is the local value itself, no
   // message.
@@ -454,6 +484,7 @@ Tensor PipelineStage::runForward(const Tensor& input, int64_t microBatch, int64_
   const int64_t index = index_.load(std::memory_order_relaxed);
   trace::Scope span("pipeline.forward", trace::Category::kPipeline, index, microBatch, step);  // docs/tracing.md
   span.setDetail("rpc");
+  const double cpuStart = threadCpuSeconds();
   // The backward is bracketed (Note [Stage backward bracket]): an identity op at the output starts it (and
   // takes the compute token), the end of the stage's last backward node ends it. The Flight, shared by
   // them, also ends when the graph goes without a backward.
@@ -474,7 +505,7 @@ Tensor PipelineStage::runForward(const Tensor& input, int64_t microBatch, int64_
                                     flight->backwardStarts();
                                     return std::vector<Tensor>{grads[0]};
                                   });
-  flight->forwardDone(secondsBetween(start, Clock::now()));
+  flight->forwardDone(secondsBetween(start, Clock::now()), threadCpuSeconds() - cpuStart);
   span.end();
   return out;
 }
@@ -702,6 +733,9 @@ StepResult RpcPipeline::step(const Tensor& inputs, const Tensor& labels) {
     }
   }
 
+  // Every stage folds each micro-batch's gradients into the first micro-batch's context (Note [Stage
+  // gradient folding]).
+  const uint64_t gradientContext = batches.empty() ? 0 : batches.front().context->id();
   auto events = std::make_shared<EventQueue>();
   int64_t outstanding = 0;
   std::optional<rpc::Error> failure;
@@ -714,9 +748,10 @@ StepResult RpcPipeline::step(const Tensor& inputs, const Tensor& labels) {
     // The chain is issued at once: each stage's call carries the previous stage's result RRef, which its
     // owner resolves when that forward finishes (promise pipelining); activations never come here.
     rref::RRef<Tensor> out =
-        stages_[0].moduleRRef().remote(&PipelineStage::forwardFirst, mb.inputs, mb.index, stepIndex);
+        stages_[0].moduleRRef().remote(&PipelineStage::forwardFirst, mb.inputs, mb.index, stepIndex, gradientContext);
     for (int64_t s = 1; s < numStages; ++s) {
-      out = stages_[static_cast<size_t>(s)].moduleRRef().remote(&PipelineStage::forward, out, mb.index, stepIndex);
+      out = stages_[static_cast<size_t>(s)].moduleRRef().remote(&PipelineStage::forward, out, mb.index, stepIndex,
+                                                                 gradientContext);
     }
     ++outstanding;
     (void)out.toHereAsync().then(rpc::kInlineSafe, [events, m = mb.index](rpc::Result<Tensor>&& logits) {
@@ -888,9 +923,10 @@ Tensor RpcPipeline::predict(const Tensor& inputs) {
   for (size_t m = 0; m + 1 < bounds.size(); ++m) {
     Tensor x = bounds.size() == 2 ? inputs : narrow(inputs, 0, bounds[m], bounds[m + 1] - bounds[m]);
     rref::RRef<Tensor> out =
-        stages_[0].moduleRRef().remote(&PipelineStage::forwardFirst, x, static_cast<int64_t>(m), int64_t{-1});
+        stages_[0].moduleRRef().remote(&PipelineStage::forwardFirst, x, static_cast<int64_t>(m), int64_t{-1}, uint64_t{0});
     for (size_t s = 1; s < stages_.size(); ++s) {
-      out = stages_[s].moduleRRef().remote(&PipelineStage::forward, out, static_cast<int64_t>(m), int64_t{-1});
+      out = stages_[s].moduleRRef().remote(&PipelineStage::forward, out, static_cast<int64_t>(m), int64_t{-1},
+                                           uint64_t{0});
     }
     chunks.push_back(out.toHereAsync());
   }

@@ -24,7 +24,9 @@
 // in flight, a bound the stage enforces itself so its next forward starts right after a backward, without a
 // round trip to the driver: Note [Stage in-flight limit] in the .cpp), then ONE
 // DistributedOptimizer step over all the micro-batch contexts (each owner sums its parameters' gradients
-// over them: the step of the whole batch), then the contexts end.
+// over them: the step of the whole batch), then the contexts end. A stage never holds more than one copy
+// of its parameters' gradients: each micro-batch's context folds its gradients there into the first one's
+// (Note [Stage gradient folding]), which leaves the sum the optimizer takes unchanged.
 //
 // PipelineStage is the object each stage worker holds (a RemoteModule<PipelineStage>): the stage's module
 // (buildStage), its forwards serialised (BatchNorm statistics; a forward waiting for its turn holds no
@@ -37,6 +39,9 @@
 //
 // Errors of any stage (a bad shape, a dead worker, a timeout) make step() throw an RpcError naming the
 // worker, after every call of the step has settled (nothing is left running, every context is released).
+// Every call has the agent's default deadline (rpc::Options::defaultTimeout, 60 s unless configured),
+// counted from when the driver issues it: a micro-batch whose whole forward takes longer (GPipe issues all
+// forwards at once) fails the step with a timeout; raise the deadline for very long steps.
 //
 // Thread-safety: an RpcPipeline is driven by one thread at a time (step/predict block: never call them on
 // an agent's executor thread). PipelineStage's methods are called by the agent on executor threads and are
@@ -87,9 +92,13 @@ struct StageStats {
   int64_t peakActivationBytes = -1;
   double peakRssMiB = 0;  // of the stage's process (ru_maxrss)
   // CPU seconds (user + system) the stage's whole process used since the last reset: its compute plus all
-  // else it ran (messages, serialisation, the optimizer step, other stages of the process). cpuSeconds minus
-  // the compute seconds is what the RPC machinery cost in CPU, a figure the machine's load hardly moves.
+  // else it ran (messages, serialisation, the optimizer step, other stages of the process).
   double cpuSeconds = 0;
+  // CPU seconds of the threads while they ran this stage's forwards and backwards (what forwardSeconds and
+  // backwardSeconds time in wall-clock, which on a loaded machine includes waiting for a core).
+  // cpuSeconds - computeCpuSeconds is what everything but the compute cost in CPU (the RPC machinery, the
+  // optimizer step): a figure the machine's load hardly moves.
+  double computeCpuSeconds = 0;
 
   template <class V>
   void visitFields(V& v) {
@@ -103,6 +112,7 @@ struct StageStats {
     v("peakActivationBytes", peakActivationBytes);
     v("peakRssMiB", peakRssMiB);
     v("cpuSeconds", cpuSeconds);
+    v("computeCpuSeconds", computeCpuSeconds);
   }
 };
 
@@ -116,14 +126,18 @@ class PipelineStage : public std::enable_shared_from_this<PipelineStage> {
   PipelineStage& operator=(const PipelineStage&) = delete;
 
   // Stage 0: the module on `input` (sent by the driver). Queued behind this stage's running forward.
-  // `step` is the driver's step number (trace events; -1 outside training).
-  rpc::Future<Tensor> forwardFirst(const rpc::CallContext& ctx, Tensor input, int64_t microBatch, int64_t step);
+  // `step` is the driver's step number (trace events; -1 outside training). `gradientContext`: the
+  // distributed autograd context this stage's gradients of the call's context fold into (the step's first
+  // micro-batch's, Note [Stage gradient folding] in the .cpp; 0: none, as in predict).
+  rpc::Future<Tensor> forwardFirst(const rpc::CallContext& ctx, Tensor input, int64_t microBatch, int64_t step,
+                                   uint64_t gradientContext);
   // Later stages: the module on the value of `previous` (the previous stage's output): its local value when
   // this worker owns it, else fetched from its owner by this call, inside the call's distributed autograd
   // context, so the gradient flows back there directly. Completes with this stage's output, which the
-  // caller keeps here as an RRef (remote()) for the next stage or the driver to fetch.
+  // caller keeps here as an RRef (remote()) for the next stage or the driver to fetch. `step` and
+  // `gradientContext` as for forwardFirst.
   rpc::Future<Tensor> forward(const rpc::CallContext& ctx, rref::RRef<Tensor> previous, int64_t microBatch,
-                              int64_t step);
+                              int64_t step, uint64_t gradientContext);
   // The stage's index in its pipeline (a0 of its trace events); set by the driver before the first step.
   void setIndex(int64_t index);
   // At most `limit` micro-batches in flight here (forwarded, backward not done; 0: no limit): a training
@@ -157,6 +171,7 @@ class PipelineStage : public std::enable_shared_from_this<PipelineStage> {
   // Ends `flight` when the backward has run the first ops of the graph of `y` (Note [Stage backward bracket]).
   static void endAtFirstOps(const Tensor& y, const std::shared_ptr<Flight>& flight);
   void recordSource(int64_t microBatch, const std::string& from);
+  void foldGradients(const rpc::CallContext& ctx, uint64_t gradientContext);
 
   const std::string worker_;
   const StageSpec spec_;

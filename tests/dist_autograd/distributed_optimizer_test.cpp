@@ -560,6 +560,87 @@ TEST_P(DistributedOptimizerTest, StepOverSeveralContextsEqualsTheStepOnTheSummed
   for (size_t i = 0; i < trained.size(); ++i) EXPECT_GT(maxAbsDiff(trained[i], initial[i]), 1e-3) << i;
 }
 
+// Note [Gradient folding]: contexts folded into the first one on every worker (two before their backward,
+// one after it, so both the redirect and the move are used) step exactly like the unfolded contexts (Adam:
+// a step on the sum), while every worker holds one gradient per parameter: the folded contexts hold none.
+TEST_P(DistributedOptimizerTest, FoldedContextsStepLikeTheSumAndHoldOneGradientPerParameter) {
+  start();
+  SplitModel m{std::make_shared<Stage>(4, 8, 11, true), stage(1, 8, 6, 12, true), stage(2, 6, 3, 13, false), {}, {}};
+  m.bParams = m.b.remoteParameters();
+  m.cParams = m.c.remoteParameters();
+  const OptimizerSpec spec = OptimizerSpec::adam({.learningRate = 0.01, .weightDecay = 1e-3});
+  DistributedOptimizer opt(agent(0), spec, m.remoteParams(), m.a->parameters());
+  std::unique_ptr<Optimizer> reference = spec.make(m.refParams());
+  constexpr int kMicroBatches = 4;
+  for (int step = 0; step < 3; ++step) {
+    auto contexts = makeContexts(agent(0), kMicroBatches);
+    const std::vector<uint64_t> ids = idsOf(contexts);
+    auto foldEverywhere = [&](int k) {
+      for (int w = 0; w < 3; ++w) autograd::distributed::foldGradients(agent(w), ids[k], ids[0]);
+    };
+    for (int k = 0; k < kMicroBatches; ++k) {
+      if (k == 1 || k == 2) foldEverywhere(k);  // before: its gradients go straight to context 0
+      auto active = contexts[k]->activate();
+      contexts[k]->backward(m.distributedLoss(10 * step + k));
+    }
+    foldEverywhere(3);  // after: what context 3 holds moves into context 0
+    foldEverywhere(3);  // again: nothing happens
+    for (int w = 0; w < 3; ++w) {
+      const size_t parametersHere = w == 0 ? m.a->parameters().size() : 2;
+      EXPECT_EQ(autograd::distributed::gradientsOf(agent(w), ids[0]).size(), parametersHere) << name(w);
+      for (int k = 1; k < kMicroBatches; ++k) {
+        EXPECT_EQ(autograd::distributed::gradientsOf(agent(w), ids[k]).size(), 0u) << name(w) << " context " << k;
+      }
+    }
+    // A fold that would make a cycle, a second target, a context into itself, one this worker never had:
+    // refused, naming the problem; nothing moves.
+    EXPECT_THROW(autograd::distributed::foldGradients(agent(1), ids[0], ids[1]), ValueError);
+    EXPECT_THROW(autograd::distributed::foldGradients(agent(1), ids[1], ids[2]), ValueError);
+    EXPECT_THROW(autograd::distributed::foldGradients(agent(1), ids[0], ids[0]), ValueError);
+    EXPECT_THROW(autograd::distributed::foldGradients(agent(0), ids[0] + 1000, ids[0]), ValueError);
+    opt.step(ids);
+    contexts.clear();
+
+    reference->zeroGrad();
+    Tensor total = m.referenceLoss(10 * step);
+    for (int k = 1; k < kMicroBatches; ++k) total = total + m.referenceLoss(10 * step + k);
+    distgrad::backward(total);
+    reference->step();
+  }
+  m.expectMatchesReference(1e-9, "step over " + std::to_string(kMicroBatches) + " folded contexts");
+}
+
+// Once the context folded into is released, a folding context keeps its own later gradients (they are not
+// lost into a context nobody can step any more), and folding into a released context is refused.
+TEST_P(DistributedOptimizerTest, AContextFoldingIntoAReleasedOneKeepsItsGradients) {
+  start();
+  auto b = stage(1, 3, 2, 81, false);
+  auto contexts = makeContexts(agent(0), 3);
+  const std::vector<uint64_t> ids = idsOf(contexts);
+  {
+    auto active = contexts[1]->activate();
+    contexts[1]->backward(sum(b.forward(data({2, 3}, 82))));
+  }
+  {
+    auto active = contexts[2]->activate();
+    (void)b.forward(data({2, 3}, 83));  // worker1 joins context 2
+  }
+  {
+    auto active = contexts[0]->activate();
+    (void)b.forward(data({2, 3}, 84));  // worker1 joins context 0
+  }
+  autograd::distributed::foldGradients(agent(1), ids[1], ids[0]);
+  EXPECT_EQ(autograd::distributed::gradientsOf(agent(1), ids[0]).size(), 2u);
+  contexts[0]->end();  // released everywhere, with what context 1 folded into it
+  {
+    auto active = contexts[1]->activate();
+    contexts[1]->backward(sum(b.forward(data({2, 3}, 85))));
+  }
+  EXPECT_EQ(autograd::distributed::gradientsOf(agent(1), ids[1]).size(), 2u);
+  EXPECT_ANY_THROW(autograd::distributed::foldGradients(agent(1), ids[2], ids[0]));
+  contexts.clear();  // TearDown checks that every context and RRef is released
+}
+
 TEST_P(DistributedOptimizerTest, StepOverContextsWithAnUnknownOneUpdatesNothingAndNamesIt) {
   start();
   auto b = stage(1, 3, 2, 73, false);

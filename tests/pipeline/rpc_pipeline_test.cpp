@@ -2,10 +2,12 @@
 // process. An MLP pipeline with GPipe and 1F1B and 1..4 micro-batches (uneven ones included) ends where
 // plain full-batch training of the same ModelSpec ends; the activations travel stage to stage, never through
 // the driver (its byte counters and the stages' own record of where their inputs came from); GPipe holds all
-// micro-batches in flight at every stage, 1F1B at most the number of stages; a small ResNet trains; a stage
-// error (a wrong input shape) comes back from step() naming the stage's worker, and the pipeline works
-// again afterwards; predict() equals the local model; every context, RRef and optimizer is released. Then,
-// across processes: a killed stage worker fails step() with an error naming it, within the heartbeat bound.
+// micro-batches in flight at every stage, 1F1B exactly stages - s at stage s; with 8 micro-batches the stages
+// hold one copy of their gradients, not 8 (folded contexts); a small ResNet trains; a stage
+// error (a wrong input shape) comes back from step() naming the stage's worker under both schedules, a 1F1B
+// step failing mid-way returns at once, and the pipeline works again afterwards; predict() equals the local
+// model; every context, RRef and optimizer is released. Then, across processes: a killed stage worker fails
+// step() with an error naming it, within the heartbeat bound.
 #include "models/pipeline/rpc_pipeline.h"
 
 #include <gtest/gtest.h>
@@ -178,6 +180,9 @@ TEST_P(RpcPipelineTest, MlpMatchesLocalFullBatchTrainingForEverySchedule) {
         for (const StageStats& st : pipe.lastStageStats()) {
           EXPECT_EQ(st.forwards, microBatches) << st.worker;
           EXPECT_EQ(st.backwards, microBatches) << st.worker;
+          // CPU: the compute's share of the process's (one process here: all three agents).
+          EXPECT_GT(st.computeCpuSeconds, 0.0) << st.worker;
+          EXPECT_GE(st.cpuSeconds + 0.01, st.computeCpuSeconds) << st.worker;  // (clock granularities)
           for (int64_t m = 0; m < microBatches; ++m) {
             EXPECT_GT(st.forwardSeconds[m], 0.0) << st.worker << " micro-batch " << m;
             EXPECT_GT(st.backwardSeconds[m], 0.0) << st.worker << " micro-batch " << m;
@@ -252,6 +257,38 @@ TEST_P(RpcPipelineTest, GPipeHoldsEveryMicroBatchAnd1F1BAtMostStagesMinusStageIn
         }
         EXPECT_GE(r.stats.peakActivationBytes[s], 0) << "stage " << s;
       }
+    }
+  }
+}
+
+// Note [Stage gradient folding]: with 8 micro-batches (8 contexts) the stages hold ONE copy of their
+// parameters' gradients, not 8. An MLP whose parameters dwarf its activations (batch 8, one row per
+// micro-batch): the stages' peak tensor bytes above the step's start stay under three copies of all the
+// parameters, where one context per micro-batch holding its own would reach seven or eight. (Process-wide
+// here: all three agents share this process, so both stages' gradients count, and with them what is in
+// flight when a sample is taken: a layer's incoming gradient on each stage, the activations.)
+TEST_P(RpcPipelineTest, StagesHoldOneGradientCopyWhateverTheMicroBatches) {
+  ModelSpec model = mlpSpec();
+  model.imageSize = 16;
+  model.hidden = {256, 256};
+  model.numClasses = 8;
+  int64_t parameterBytes = 0;
+  for (const Tensor& p : buildModel(model)->parameters()) parameterBytes += static_cast<int64_t>(p.nbytes());
+  constexpr int64_t kMicroBatches = 8;
+  for (Schedule schedule : {Schedule::kGPipe, Schedule::k1F1B}) {
+    SCOPED_TRACE(scheduleName(schedule));
+    RpcPipeline pipe(agent(0), twoStages(model, 1),
+                     {.microBatches = kMicroBatches, .schedule = schedule, .optimizer = OptimizerSpec::sgd({})});
+    for (int step = 0; step < 2; ++step) {
+      // The previous step's contexts are released asynchronously: wait, so they are not in the baseline.
+      for (auto& a : cluster_.agents) ASSERT_TRUE(eventually([&] { return liveContexts(*a) == 0; })) << a->name();
+      StepResult r = pipe.step(images(8, model, 40 + step), classes(8, 8, 50 + step));
+      int64_t peak = 0;
+      for (int64_t bytes : r.stats.peakActivationBytes) peak = std::max(peak, bytes);
+      EXPECT_LT(peak, 3 * parameterBytes) << "step " << step << ": peak " << peak << " B, parameters "
+                                          << parameterBytes << " B";
+      // The samples do see the gradients (at the last backward's start most of them exist).
+      EXPECT_GT(peak, parameterBytes / 4) << "step " << step;
     }
   }
 }
