@@ -142,16 +142,17 @@ double loadAverage() {
   return getloadavg(load, 1) == 1 ? load[0] : 0.0;
 }
 
-std::string machine() {
+std::string machine(double load) {
   utsname u{};
   uname(&u);
   std::ostringstream out;
   out << u.machine << ", " << sysconf(_SC_NPROCESSORS_ONLN) << " cores, Linux " << u.release << ", load "
-      << fixed(loadAverage(), 2);
+      << fixed(load, 2) << " before the run";
   return out.str();
 }
 
-void writeTable(const Settings& s, const std::vector<Row>& rows, const std::string& when, const std::string& where) {
+void writeTable(const Settings& s, const std::vector<Row>& rows, const std::string& when, const std::string& where,
+                double loadBefore) {
   std::ofstream out(s.out);
   DG_CHECK(out.good(), "bench_modes: cannot write ", s.out);
   std::optional<double> single;
@@ -188,10 +189,12 @@ void writeTable(const Settings& s, const std::vector<Row>& rows, const std::stri
       << "give the ideal step; overhead = (measured - ideal) / measured): RPC for the multi-process modes, thread\n"
       << "hand-overs and core sharing for the local ones. Parameter server: the trainers' step time not spent\n"
       << "computing.\n";
-  if (loadAverage() > static_cast<double>(sysconf(_SC_NPROCESSORS_ONLN)) - 0.5) {
-    out << "\nThe load average was above the core count: the processes shared the cores with other jobs, so the\n"
-        << "multi-stage modes could not get a core each and their speed-ups over `single` are not shown here; the\n"
-        << "ratios between modes of the same kind (RPC pipeline vs local pipeline) are the comparable figures.\n";
+  // Measured before the first mode started, so it is other jobs' load, not ours.
+  if (loadBefore > 0.5) {
+    out << "\nOther jobs kept the machine busy (load average " << fixed(loadBefore, 2) << " before the run): the\n"
+        << "multi-process and multi-thread modes could not count on a free core each, so their speed-ups over\n"
+        << "`single` are lower bounds; the ratios between modes of the same kind (RPC pipeline vs local pipeline)\n"
+        << "are the comparable figures.\n";
   }
 }
 
@@ -227,7 +230,8 @@ int main(int argc, char** argv) {
   const std::time_t now = std::time(nullptr);
   char when[32];
   std::strftime(when, sizeof(when), "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
-  const std::string where = machine();
+  const double loadBefore = loadAverage();
+  const std::string where = machine(loadBefore);
   std::vector<Row> rows;
   bool failed = false;
   for (const Mode& m : selected) {
@@ -257,7 +261,7 @@ int main(int argc, char** argv) {
     fs::path out = s.out;
     if (out.is_relative()) out = fs::path(DG_SOURCE_DIR) / out;
     s.out = out.string();
-    writeTable(s, rows, when, where);
+    writeTable(s, rows, when, where, loadBefore);
     std::cerr << "bench_modes: wrote " << s.out << "\n";
   }
   return failed ? 1 : 0;

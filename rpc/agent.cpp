@@ -1690,19 +1690,24 @@ void Agent::shutdown(bool graceful) {
   std::lock_guard<std::mutex> shutdownLock(shutdownMutex_);
   if (shutDown_) return;
   shutDown_ = true;
+  shutdownStarted_.store(true, std::memory_order_release);
   std::exception_ptr failure;
   if (graceful) {
     try {
+      // 0. Everyone's program is done: a worker that finished first (a parameter server, a pipeline stage)
+      // waits here while the others work (unbounded by default; a death ends it), and keeps serving them
+      // as a fully open agent: its own calls (RRef deletions when a handler drops an RRef, replies'
+      // follow-ups) must not be refused while others still drive work through it.
+      storeBarrier("done", config_.shutdownBarrierTimeout);
       // Layers above (rref/) finish their own traffic first, while this agent may still call out.
       for (auto& extension : extensionList()) extension->onShutdown(SteadyTime::now() + config_.shutdownTimeout);
       {
         std::lock_guard<std::mutex> lock(mutex_);
         callsOpen_ = false;  // handlers may still call out so that in-flight work can finish
       }
-      // 1. Everyone stopped issuing new calls: a worker that is done waits here while the others work
-      // (unbounded by default; a death ends it). 2. Our own calls got their answers (peers keep serving
+      // 1. Everyone stopped issuing new calls. 2. Our own calls got their answers (peers keep serving
       // until they pass barrier 3). 3. Everyone's calls are answered: nobody needs a connection any more.
-      storeBarrier("shutdown", config_.shutdownBarrierTimeout);
+      storeBarrier("shutdown", config_.shutdownTimeout);
       const auto deadline = SteadyTime::now() + config_.shutdownTimeout;
       waitQuiet(/*outgoing=*/true, deadline);
       storeBarrier("drained", config_.shutdownTimeout);

@@ -213,15 +213,18 @@ class Agent {
     return rpcAsyncWith(callOptions, worker, fn, std::forward<A>(args)...).get();
   }
 
-  // Graceful (default): refuse new calls, meet every worker at a store barrier (waiting while the others
-  // are alive, AgentConfig::shutdownBarrierTimeout; RpcError naming the workers that died before arriving),
-  // drain in-flight calls both ways (bounded by AgentConfig::shutdownTimeout), then close connections and
-  // stop threads. Non-graceful: fail pending calls and stop at once.
+  // Graceful (default): meet every worker at a store barrier, serving and calling as usual meanwhile
+  // (waiting while the others are alive, AgentConfig::shutdownBarrierTimeout; RpcError naming the workers
+  // that died before arriving), then let the RRef layer release what it holds, refuse new calls, meet
+  // again, drain in-flight calls both ways (bounded by AgentConfig::shutdownTimeout), then close
+  // connections and stop threads. Non-graceful: fail pending calls and stop at once.
   // The agent is always torn down when shutdown returns or throws. Idempotent and safe to call
   // concurrently: a call made while another is in progress waits until that teardown is complete, then
   // returns quietly (the first caller alone reports the outcome); a later call returns at once. Throws
   // ValueError, touching nothing, on the agent's own threads (see the thread-safety note above).
   void shutdown(bool graceful = true);
+  // Whether shutdown() was called (it may still be waiting for the other workers, serving them).
+  bool shutdownStarted() const { return shutdownStarted_.load(std::memory_order_acquire); }
 
   // Untyped call, for layers above rpc/ that build their own call values (rref/): calls `functionName` on
   // `worker` with `signatureHash` and the value `encodeValue` writes (encoded with this agent's CodecScope),
@@ -395,6 +398,7 @@ class Agent {
   // Held for the whole of shutdown(), so a concurrent caller waits for the teardown to complete.
   std::mutex shutdownMutex_;
   bool shutDown_ = false;  // GUARDED_BY(shutdownMutex_)
+  std::atomic<bool> shutdownStarted_{false};  // set with shutDown_, readable without the mutex
   std::mutex extensionsMutex_;
   std::map<std::string, std::shared_ptr<AgentExtension>> extensions_;  // GUARDED_BY(extensionsMutex_)
   bool extensionsClosed_ = false;                                      // GUARDED_BY(extensionsMutex_)

@@ -63,13 +63,14 @@ TEST_P(AgentRobustnessTest, ConcurrentShutdownWaitsUntilTheTeardownIsComplete) {
   std::exception_ptr firstError;
   std::thread first([&] {
     try {
-      a0.shutdown();  // graceful: waits at the 'shutdown' barrier until worker1 shuts down too
+      a0.shutdown();  // graceful: waits at the first barrier until worker1 shuts down too
     } catch (...) {
       firstError = std::current_exception();
     }
   });
-  // The first shutdown has begun once the agent refuses new calls from outside.
-  ASSERT_TRUE(eventually([&] { return !a0.rpcAsync("worker1", kAddInt, int64_t{1}, int64_t{1}).result().ok(); }));
+  ASSERT_TRUE(eventually([&] { return a0.shutdownStarted(); }));
+  // While it waits for worker1 at the first barrier, worker0 still serves and calls as usual.
+  EXPECT_EQ(a0.rpcSync("worker1", kAddInt, int64_t{1}, int64_t{1}), 2);
   Event secondReturned;
   std::atomic<bool> executorDownWhenSecondReturned{false};
   std::thread second([&] {
