@@ -84,16 +84,8 @@ inline int runLocalPipeline(const std::string& name, const std::string& mode, co
     }
 
     trace.finish();
-    JsonLine(name)
-        .add("mode", mode)
-        .add("workers", 1)
-        .add("model", spec.name)
-        .add("width", opt.width)
-        .add("epochs", opt.epochs)
-        .add("batch_size", opt.batchSize)
-        .add("optimizer", opt.optimizer)
-        .add("threads", opt.threads)
-        .add("train_images", data.train.size())
+    JsonLine json(name);
+    addRunFields(json, mode, 1, opt, spec.name, data.train.size())
         .add("stages", opt.stages)
         .add("micro_batches", opt.microBatches)
         .add("schedule", threaded ? opt.schedule : std::string("sequential"))

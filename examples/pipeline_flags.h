@@ -83,6 +83,21 @@ inline void parsePipelineFlags(Flags& flags, PipelineFlags& o, int argc, char** 
   flags.require(o.optimizer == "sgd" || o.optimizer == "adam", "--optimizer must be sgd or adam");
 }
 
+// The first fields of the pipeline family's result line, the same in every program so bench_modes and
+// readers compare them: which program and mode, how many workers, the model and the training settings.
+inline JsonLine& addRunFields(JsonLine& json, const std::string& mode, int64_t workers, const PipelineFlags& opt,
+                              const std::string& model, int64_t trainImages) {
+  return json.add("mode", mode)
+      .add("workers", workers)
+      .add("model", model)
+      .add("width", opt.width)
+      .add("epochs", opt.epochs)
+      .add("batch_size", opt.batchSize)
+      .add("optimizer", opt.optimizer)
+      .add("threads", opt.threads)
+      .add("train_images", trainImages);
+}
+
 // --trace for a program without an agent (single_worker, local_model_parallel, local_pipeline): the process
 // registers itself as trace worker `name` (rank 0), so everything it records (the pipeline's events, from
 // every thread) goes to DIR/<name>.trace.jsonl (rpc/trace.h, "A process without an agent"). finish() (or

@@ -180,15 +180,7 @@ int runDriver(rpc::Agent& agent, const examples::PipelineFlags& opt) {
   const std::vector<pipeline::StageStats> finalStats = pipe.stageStats();
   for (const auto& st : finalStats) peakMax = std::max(peakMax, st.peakRssMiB);
   examples::JsonLine json("rpc_pipeline");
-  json.add("mode", "rpc_pipeline")
-      .add("workers", static_cast<int64_t>(agent.worldSize()))
-      .add("model", spec.name)
-      .add("width", opt.width)
-      .add("epochs", opt.epochs)
-      .add("batch_size", opt.batchSize)
-      .add("optimizer", opt.optimizer)
-      .add("threads", opt.threads)
-      .add("train_images", data.train.size())
+  examples::addRunFields(json, "rpc_pipeline", agent.worldSize(), opt, spec.name, data.train.size())
       .add("stages", pipe.numStages())
       .add("micro_batches", opt.microBatches)
       .add("schedule", opt.schedule)

@@ -111,16 +111,8 @@ int main(int argc, char** argv) {
     }
 
     trace.finish();
-    examples::JsonLine("single_worker")
-        .add("mode", "single")
-        .add("workers", 1)
-        .add("model", spec.name)
-        .add("width", opt.width)
-        .add("epochs", opt.epochs)
-        .add("batch_size", opt.batchSize)
-        .add("optimizer", opt.optimizer)
-        .add("threads", opt.threads)
-        .add("train_images", data.train.size())
+    examples::JsonLine json("single_worker");
+    examples::addRunFields(json, "single", 1, opt, spec.name, data.train.size())
         .add("stages", 1)
         .add("micro_batches", 1)
         .add("schedule", "none")

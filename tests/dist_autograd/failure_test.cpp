@@ -323,22 +323,8 @@ class WorkerDeathTest : public ::testing::Test {
 
     for (const char* worker : {"worker0", "worker2"}) world_.layers[worker] = makeLayers(worker);
     bindStages(registry_, world_);
-    std::exception_ptr errors[2];
-    std::thread second([&] {
-      try {
-        agent2_ = rpc::Agent::start(rpc::testing::processOptions(2, 3, port, kSecret), registry_);
-      } catch (...) {
-        errors[1] = std::current_exception();
-      }
-    });
-    try {
-      agent0_ = rpc::Agent::start(rpc::testing::processOptions(0, 3, port, kSecret), registry_);
-    } catch (...) {
-      errors[0] = std::current_exception();
-    }
-    second.join();
-    ASSERT_FALSE(errors[0]) << "worker0 failed to start";
-    ASSERT_FALSE(errors[1]) << "worker2 failed to start";
+    rpc::testing::startProcessAgentPair(0, agent0_, 2, agent2_, 3, port, kSecret, registry_);
+    if (HasFatalFailure()) return;
     std::lock_guard<std::mutex> lock(world_.mutex);
     world_.agents["worker0"] = agent0_.get();
     world_.agents["worker2"] = agent2_.get();

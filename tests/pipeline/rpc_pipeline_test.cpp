@@ -442,22 +442,7 @@ class StageWorkerDeathTest : public ::testing::Test {
     close(portPipe[0]);
     close(portPipe[1]);
     bindPipelineWorker(registry_);
-    std::exception_ptr errors[2];
-    std::thread second([&] {
-      try {
-        agent1_ = rpc::Agent::start(rpc::testing::processOptions(1, 3, port, kSecret), registry_);
-      } catch (...) {
-        errors[1] = std::current_exception();
-      }
-    });
-    try {
-      agent0_ = rpc::Agent::start(rpc::testing::processOptions(0, 3, port, kSecret), registry_);
-    } catch (...) {
-      errors[0] = std::current_exception();
-    }
-    second.join();
-    ASSERT_FALSE(errors[0]) << "worker0 failed to start";
-    ASSERT_FALSE(errors[1]) << "worker1 failed to start";
+    rpc::testing::startProcessAgentPair(0, agent0_, 1, agent1_, 3, port, kSecret, registry_);
   }
   void TearDown() override {
     if (child_ > 0) {

@@ -44,6 +44,29 @@ inline Options processOptions(int rank, int worldSize, int storePort, const std:
   options.defaultTimeout = 30s;
   return options;
 }
+
+// Starts this process's two agents of a processOptions job together (rendezvous needs every rank, so each
+// starts on its own thread). Either failing fails the test, naming the rank.
+inline void startProcessAgentPair(int rankA, std::unique_ptr<Agent>& a, int rankB, std::unique_ptr<Agent>& b,
+                                  int worldSize, int storePort, const std::string& secret, const Registry& registry) {
+  std::exception_ptr errorB;
+  std::thread second([&] {
+    try {
+      b = Agent::start(processOptions(rankB, worldSize, storePort, secret), registry);
+    } catch (...) {
+      errorB = std::current_exception();
+    }
+  });
+  std::exception_ptr errorA;
+  try {
+    a = Agent::start(processOptions(rankA, worldSize, storePort, secret), registry);
+  } catch (...) {
+    errorA = std::current_exception();
+  }
+  second.join();
+  ASSERT_FALSE(errorA) << "rank " << rankA << " failed to start";
+  ASSERT_FALSE(errorB) << "rank " << rankB << " failed to start";
+}
 using SteadyTime = std::chrono::steady_clock;
 
 inline const Function<Tensor(Tensor, Tensor)> kAdd{"add"};
