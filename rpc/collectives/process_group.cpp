@@ -162,8 +162,7 @@ const ProcessGroupOptions& ProcessGroup::options() const { return state_->option
 Agent& ProcessGroup::agent() const { return *state_->agent; }
 
 uint64_t ProcessGroup::collectivesStarted() const {
-  // nextSeq is only advanced under the context's lock; a racy read is fine for this gauge.
-  return state_->nextSeq;
+  return state_->nextSeq.load(std::memory_order_relaxed);
 }
 
 Future<void> ProcessGroup::allReduce(Tensor tensor, AllReduceOptions options) {

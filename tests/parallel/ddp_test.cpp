@@ -17,7 +17,9 @@
 #include "models/nn/linear.h"
 #include "models/nn/sequential.h"
 #include "models/optim/sgd.h"
+#include "models/optim/adam.h"
 #include "models/parallel/ddp.h"
+#include "models/parallel/zero.h"
 #include "tensor/random.h"
 
 namespace distgrad::models {
@@ -211,6 +213,63 @@ TEST(DdpSetup, UnusedParameterOnOneRankStillAverages) {
     Tensor half = (params[i].grad() * 0.5).detach();
     expectClose(grads[0][i], half, 1e-7, "rank 0 parameter " + std::to_string(i));
     expectClose(grads[1][i], half, 1e-7, "rank 1 parameter " + std::to_string(i));
+  }
+}
+
+
+TEST(Zero, ShardedAdamMatchesSingleProcessAdamWithAFractionOfTheState) {
+  // DDP averages the gradients; ZeRO-1 steps each rank's shard with Adam and broadcasts it back. Three
+  // steps equal single-process Adam on the concatenated batch, and each rank keeps only its shard's moments.
+  for (int n : {2, 3}) {
+    constexpr int64_t kPerRank = 4;
+    auto job = startJob("inproc", n);
+    const Data data = makeData(n * kPerRank);
+    auto reference = makeModel(100);
+    optim::Adam referenceAdam(reference->parameters(), optim::AdamOptions{.learningRate = 0.01});
+    for (int step = 0; step < 3; ++step) {
+      reference->zeroGrad();
+      autograd::backward(std::vector<Tensor>{distgrad::mseLoss(reference->forward(data.x), data.y)});
+      referenceAdam.step();
+    }
+    size_t fullState = 0;
+    for (const auto& [name, value] : referenceAdam.stateDict()) {
+      if (name.find('.') != std::string::npos) fullState += value.nbytes();
+    }
+    std::vector<std::shared_ptr<Sequential>> models(static_cast<size_t>(n));
+    std::vector<size_t> stateBytes(static_cast<size_t>(n));
+    std::vector<std::vector<int>> owners(static_cast<size_t>(n));
+    onEveryRank(n, [&](int rank) {
+      auto model = makeModel(100 + static_cast<uint64_t>(rank));
+      models[static_cast<size_t>(rank)] = model;
+      ProcessGroup& group = *job->groups[static_cast<size_t>(rank)];
+      DistributedDataParallel ddp(*model, group);
+      ZeroRedundancyOptimizer zero(model->parameters(), group, [](std::vector<Tensor> shard) {
+        return std::make_unique<optim::Adam>(std::move(shard), optim::AdamOptions{.learningRate = 0.01});
+      });
+      const Tensor x = distgrad::narrow(data.x, 0, rank * kPerRank, kPerRank).cloneData();
+      const Tensor y = distgrad::narrow(data.y, 0, rank * kPerRank, kPerRank).cloneData();
+      for (int step = 0; step < 3; ++step) {
+        zero.zeroGrad();
+        ddp.backward(distgrad::mseLoss(ddp.forward(x), y));
+        zero.step();
+      }
+      stateBytes[static_cast<size_t>(rank)] = zero.stateBytes();
+      for (size_t i = 0; i < model->parameters().size(); ++i) owners[static_cast<size_t>(rank)].push_back(zero.ownerOf(i));
+    });
+    size_t total = 0;
+    for (int r = 0; r < n; ++r) {
+      EXPECT_EQ(owners[static_cast<size_t>(r)], owners[0]) << "ranks disagree on the shards";
+      EXPECT_LT(stateBytes[static_cast<size_t>(r)], fullState) << "rank " << r;
+      total += stateBytes[static_cast<size_t>(r)];
+      auto params = models[static_cast<size_t>(r)]->parameters();
+      auto want = reference->parameters();
+      for (size_t i = 0; i < params.size(); ++i) {
+        expectClose(params[i].detach(), want[i].detach(), 1e-5, "n=" + std::to_string(n) + " rank " + std::to_string(r) +
+                                                                    " parameter " + std::to_string(i));
+      }
+    }
+    // The shards partition the state: together exactly one full Adam's worth.
+    EXPECT_EQ(total, fullState);
   }
 }
 

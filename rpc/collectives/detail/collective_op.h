@@ -8,6 +8,7 @@
 // run concurrently; an operation's counters and send window are guarded by its own mutex.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -91,9 +92,9 @@ struct GroupState {
   Agent* agent = nullptr;
   std::shared_ptr<CollectivesContext> context;
   std::string membersText;  // "[worker0, worker1]" for messages
-  // GUARDED_BY(context->mutex_)
-  uint64_t nextSeq = 0;
-  std::optional<Error> broken;
+  // Advanced under the context's mutex; atomic so that collectivesStarted() may read it from anywhere.
+  std::atomic<uint64_t> nextSeq{0};
+  std::optional<Error> broken;  // GUARDED_BY(context->mutex_)
 
   int rankOf(const std::string& worker) const;
   std::chrono::milliseconds timeout() const;
