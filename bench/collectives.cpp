@@ -5,6 +5,8 @@
 //                                    thread and the reading main thread); GB/s per link = SIZE / time. This
 //                                    is what the transport can move per link when every link is busy at
 //                                    once, which is exactly the load a ring all-reduce puts on it.
+//   collectives raw_stream_64MB      one link alone: 2 processes, 64 MB one way, 1-byte ack (GB/s), as in
+//                                    bench_rpc; printed once, for context
 //   collectives allreduce_SIZE       ProcessGroup::allReduce (sum, float32, kAuto: recursive doubling up to
 //                                    64 KB, ring above) of a SIZE-byte tensor: busbw = 2(N-1)/N x SIZE / time
 //                                    (nccl-tests' definition: the bytes each link carries in a ring), with
@@ -12,8 +14,9 @@
 //                                    algbw = SIZE / time.
 //   collectives allreduce_fp16_64MB  the same at 64 MB with float16 on the wire (busbw counted in float32
 //                                    bytes, i.e. the rate of the job's data, not of the wire)
-// Times are rank 0's, from the end of a barrier to the end of the all-reduce. Every line carries the load
-// average (loadavg_1m) at its start: the machine is shared.
+// Times are rank 0's, from the end of a barrier to the end of the all-reduce. The raw rounds and the
+// all-reduces of one size run in the same processes, interleaved in 3 blocks, so both see the same load
+// (the machine is shared); every line carries the load average at the start and end of its world size.
 // JSON lines (bench/bench_util.h). Usage:
 //   bench_collectives [procs=2,4] [max_mb=256] [segment_kb=1024] [window=8] [seconds=1.5]
 // procs: world sizes to run; max_mb: the largest size (sizes are 4 KB, 64 KB, 1 MB, 16 MB, 64 MB, 256 MB up
@@ -22,6 +25,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
+#include <condition_variable>
+#include <mutex>
 #include <thread>
 
 #include "bench/socket_bench_util.h"
@@ -73,55 +78,82 @@ double loadAverage() {
 
 // ---- raw ring ----
 
-// Rank r of a raw ring: connect to the successor's listener, accept the predecessor, then per size and
-// repetition write SIZE to the successor (thread) while reading SIZE from the predecessor. Rank 0 returns
-// per-size GB/s samples.
-std::vector<std::vector<double>> rawRingRank(int rank, int n, std::vector<int>& listeners, const std::vector<int>& ports,
-                                             const Config& config) {
-  const int next = (rank + 1) % n;
-  int out = connectLoopback(ports[static_cast<size_t>(next)]);
-  int in = ::accept(listeners[static_cast<size_t>(rank)], nullptr, nullptr);
-  check(in >= 0, "accept");
-  setNoDelay(in);
-  std::vector<std::vector<double>> samples;
-  std::vector<uint8_t> sendBuffer(config.maxBytes, 1);
-  std::vector<uint8_t> receiveBuffer(config.maxBytes);
-  for (size_t bytes : sizes(config)) {
-    std::vector<double> rates;
-    const int reps = repetitions(config, bytes);
-    for (int i = 0; i < reps + 1; ++i) {
-      auto t0 = std::chrono::steady_clock::now();
-      std::thread writer([&] { writeFully(out, sendBuffer.data(), bytes); });
-      readFully(in, receiveBuffer.data(), bytes);
-      writer.join();
-      // A one-byte token around the ring keeps the ranks in step (the next round starts together).
-      char token = 0;
-      writeFully(out, &token, 1);
-      readFully(in, &token, 1);
-      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (i > 0) rates.push_back(static_cast<double>(bytes) / s / 1e9);
+// This process's place in a raw socket ring: a connection to the successor (written by a writer thread
+// that lives as long as the ring) and one from the predecessor.
+class RawRing {
+ public:
+  RawRing(int rank, int n, const std::vector<int>& listeners, const std::vector<int>& ports, size_t maxBytes)
+      : rank_(rank), sendBuffer_(maxBytes, 1), receiveBuffer_(maxBytes) {
+    out_ = connectLoopback(ports[static_cast<size_t>((rank + 1) % n)]);
+    in_ = ::accept(listeners[static_cast<size_t>(rank)], nullptr, nullptr);
+    check(in_ >= 0, "accept");
+    setNoDelay(in_);
+    writer_ = std::thread([this] { writerLoop(); });
+  }
+  ~RawRing() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      quit_ = true;
     }
-    samples.push_back(std::move(rates));
+    changed_.notify_all();
+    writer_.join();
+    ::close(out_);
+    ::close(in_);
   }
-  ::close(out);
-  ::close(in);
-  return samples;
-}
 
-std::vector<Stats> rawRing(int n, const Config& config) {
-  std::vector<int> listeners(static_cast<size_t>(n)), ports(static_cast<size_t>(n));
-  for (int r = 0; r < n; ++r) listeners[static_cast<size_t>(r)] = listenEphemeral(ports[static_cast<size_t>(r)]);
-  std::vector<pid_t> children;
-  for (int r = 1; r < n; ++r) {
-    children.push_back(forkChild(false, [&, r] { rawRingRank(r, n, listeners, ports, config); }));
+  // One round: send `bytes` to the successor while receiving as many from the predecessor, then pass a
+  // one-byte token around so the next round starts together on every rank. Returns this rank's seconds
+  // for the transfer (the token excluded).
+  double round(size_t bytes) {
+    auto t0 = std::chrono::steady_clock::now();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      toWrite_ = bytes;
+      written_ = false;
+    }
+    changed_.notify_all();
+    readFully(in_, receiveBuffer_.data(), bytes);
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      changed_.wait(lock, [&] { return written_; });
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    char token = 0;
+    if (rank_ == 0) {
+      writeFully(out_, &token, 1);
+      readFully(in_, &token, 1);
+    } else {
+      readFully(in_, &token, 1);
+      writeFully(out_, &token, 1);
+    }
+    return seconds;
   }
-  auto samples = rawRingRank(0, n, listeners, ports, config);
-  for (pid_t child : children) reap(child);
-  for (int fd : listeners) ::close(fd);
-  std::vector<Stats> out;
-  for (auto& s : samples) out.push_back(statsOf(std::move(s)));
-  return out;
-}
+
+ private:
+  void writerLoop() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (true) {
+      changed_.wait(lock, [&] { return quit_ || toWrite_ > 0; });
+      if (quit_) return;
+      const size_t bytes = toWrite_;
+      lock.unlock();
+      writeFully(out_, sendBuffer_.data(), bytes);
+      lock.lock();
+      toWrite_ = 0;
+      written_ = true;
+      changed_.notify_all();
+    }
+  }
+
+  int rank_;
+  int out_ = -1, in_ = -1;
+  std::vector<uint8_t> sendBuffer_, receiveBuffer_;
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  size_t toWrite_ = 0;  // GUARDED_BY(mutex_): bytes of the current round, 0 when idle
+  bool written_ = false, quit_ = false;
+  std::thread writer_;
+};
 
 // ---- collectives ----
 
@@ -143,57 +175,67 @@ rpc::Options options(int rank, int n, int storePort) {
   return o;
 }
 
-struct Timing {
-  std::vector<double> seconds;
+struct Samples {
+  std::vector<double> raw;        // seconds per raw ring round
+  std::vector<double> allReduce;  // seconds per all-reduce
 };
 
-// One all-reduce pass over the sizes on every rank (same calls everywhere); rank 0 keeps the times.
-std::vector<std::pair<std::string, Timing>> runCollectives(rpc::Agent& agent, const Config& config) {
+// The measurement every rank runs in the same order: per size, kBlocks blocks, each of `reps` raw ring
+// rounds followed by `reps` all-reduces, so the raw limit and our figure see the same machine load
+// (the machine is shared: load moves on the scale of seconds). Rank 0's times are kept.
+constexpr int kBlocks = 3;
+
+std::vector<std::pair<std::string, Samples>> measure(rpc::Agent& agent, RawRing& ring, const Config& config) {
   ProcessGroupOptions groupOptions;
   groupOptions.segmentBytes = config.segmentBytes;
   groupOptions.maxSegmentsInFlight = config.window;
   ProcessGroup group = ProcessGroup::world(agent, groupOptions);
-  std::vector<std::pair<std::string, Timing>> out;
-  auto measure = [&](const std::string& name, size_t bytes, AllReduceOptions options) {
+  std::vector<std::pair<std::string, Samples>> out;
+  auto run = [&](const std::string& name, size_t bytes, AllReduceOptions options) {
     Tensor t = Tensor::zeros({static_cast<int64_t>(bytes / 4)});
     group.allReduceSync(t, options);  // warm-up
-    Timing timing;
-    const int reps = repetitions(config, bytes);
-    // Every rank must run the same number of collectives, so the count is fixed up front from the size.
-    for (int i = 0; i < reps; ++i) {
-      group.barrierSync();
-      auto t0 = std::chrono::steady_clock::now();
-      group.allReduceSync(t, options);
-      timing.seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    ring.round(bytes);
+    Samples samples;
+    const int reps = std::max(1, repetitions(config, bytes) / kBlocks);
+    for (int block = 0; block < kBlocks; ++block) {
+      for (int i = 0; i < reps; ++i) samples.raw.push_back(ring.round(bytes));
+      for (int i = 0; i < reps; ++i) {
+        group.barrierSync();
+        auto t0 = std::chrono::steady_clock::now();
+        group.allReduceSync(t, options);
+        samples.allReduce.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      }
     }
-    out.emplace_back(name, std::move(timing));
+    out.emplace_back(name, std::move(samples));
   };
-  for (size_t bytes : sizes(config)) measure("allreduce_" + sizeName(bytes), bytes, {});
+  for (size_t bytes : sizes(config)) run("allreduce_" + sizeName(bytes), bytes, {});
   if (config.maxBytes >= (size_t{64} << 20)) {
-    measure("allreduce_fp16_64MB", size_t{64} << 20, {rpc::collectives::ReduceOp::kSum, WireCompression::kFloat16});
+    run("allreduce_fp16_64MB", size_t{64} << 20, {rpc::collectives::ReduceOp::kSum, WireCompression::kFloat16});
   }
   group.barrierSync();
   return out;
 }
 
-void collectivesChild(int rank, int n, int portPipe, const Config& config) {
+void child(int rank, int n, int portPipe, const std::vector<int>& listeners, const std::vector<int>& ports,
+           const Config& config) {
+  RawRing ring(rank, n, listeners, ports, config.maxBytes);
   int storePort = 0;
   check(::read(portPipe, &storePort, sizeof storePort) == sizeof storePort, "read store port");
   auto agent = rpc::Agent::start(options(rank, n, storePort), registry());
-  runCollectives(*agent, config);
+  measure(*agent, ring, config);
   agent->shutdown();
 }
 
 void runWorld(int n, const Config& config) {
-  const double rawLoad = loadAverage();
-  std::vector<Stats> raw = rawRing(n, config);
-  std::vector<size_t> sizeList = sizes(config);
-  for (size_t i = 0; i < sizeList.size(); ++i) {
-    emit("collectives", "raw_ring_link_" + sizeName(sizeList[i]), "GB/s", raw[i],
-         {{"procs", std::to_string(n)}, {"size_bytes", std::to_string(sizeList[i])}, {"impl", quoted("raw_socket")},
-          {"loadavg_1m", number(rawLoad)}});
+  const double startLoad = loadAverage();
+  if (n == config.procs.front() && config.maxBytes >= kStreamBytes) {
+    // A second reference: one link alone (2 processes, one direction, 64 MB messages), bench_rpc's figure.
+    emit("collectives", "raw_stream_64MB", "GB/s", rawStream(5, false).stats,
+         {{"procs", "2"}, {"impl", quoted("raw_socket")}, {"loadavg_1m", number(startLoad)}});
   }
-  // Children are forked before this process starts any thread (the store, the agent).
+  std::vector<int> listeners(static_cast<size_t>(n)), ports(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) listeners[static_cast<size_t>(r)] = listenEphemeral(ports[static_cast<size_t>(r)]);
+  // Children are forked before this process starts any thread (the ring's writer, the store, the agent).
   std::vector<int> pipes;
   std::vector<pid_t> children;
   for (int r = 1; r < n; ++r) {
@@ -201,55 +243,65 @@ void runWorld(int n, const Config& config) {
     check(pipe(fds) == 0, "pipe");
     children.push_back(forkChild(false, [&, r, fds] {
       ::close(fds[1]);
-      collectivesChild(r, n, fds[0], config);
+      child(r, n, fds[0], listeners, ports, config);
     }));
     ::close(fds[0]);
     pipes.push_back(fds[1]);
   }
-  auto store = rpc::StoreServer::start("127.0.0.1:0");
-  const int storePort = store->port();
-  for (int fd : pipes) {
-    check(::write(fd, &storePort, sizeof storePort) == sizeof storePort, "write store port");
-    ::close(fd);
-  }
-  const double load = loadAverage();
-  auto agent = rpc::Agent::start(options(0, n, storePort), registry());
-  auto timings = runCollectives(*agent, config);
-  agent->shutdown();
-  agent.reset();
-  store.reset();
-  for (pid_t child : children) reap(child);
-  for (auto& [name, timing] : timings) {
-    size_t bytes = 0;
-    Stats rawStats{};
-    for (size_t i = 0; i < sizeList.size(); ++i) {
-      if (name == "allreduce_" + sizeName(sizeList[i]) ||
-          (name == "allreduce_fp16_64MB" && sizeList[i] == (size_t{64} << 20))) {
-        bytes = sizeList[i];
-        rawStats = raw[i];
-      }
+  std::vector<std::pair<std::string, Samples>> results;
+  {
+    RawRing ring(0, n, listeners, ports, config.maxBytes);
+    auto store = rpc::StoreServer::start("127.0.0.1:0");
+    const int storePort = store->port();
+    for (int fd : pipes) {
+      check(::write(fd, &storePort, sizeof storePort) == sizeof storePort, "write store port");
+      ::close(fd);
     }
+    auto agent = rpc::Agent::start(options(0, n, storePort), registry());
+    results = measure(*agent, ring, config);
+    agent->shutdown();
+    agent.reset();
+    // The children finish their own shutdown against the store: it goes last.
+    for (pid_t c : children) reap(c);
+  }
+  for (int fd : listeners) ::close(fd);
+  const double endLoad = loadAverage();
+  for (auto& [name, samples] : results) {
+    size_t bytes = 0;
+    for (size_t b : sizes(config)) {
+      if (name == "allreduce_" + sizeName(b)) bytes = b;
+    }
+    if (name == "allreduce_fp16_64MB") bytes = size_t{64} << 20;
     const double factor = 2.0 * (n - 1) / n;
-    std::vector<double> busbw, algbw;
-    for (double s : timing.seconds) {
+    std::vector<double> busbw, algbw, raw;
+    for (double s : samples.allReduce) {
       busbw.push_back(factor * static_cast<double>(bytes) / s / 1e9);
       algbw.push_back(static_cast<double>(bytes) / s / 1e9);
     }
+    for (double s : samples.raw) raw.push_back(static_cast<double>(bytes) / s / 1e9);
     Stats bus = statsOf(busbw);
     Stats alg = statsOf(algbw);
-    Stats time = statsOf(timing.seconds);
-    emit("collectives", name, "GB/s", bus,
-         {{"procs", std::to_string(n)},
-          {"size_bytes", std::to_string(bytes)},
-          {"impl", quoted("distgrad")},
-          {"metric_kind", quoted("busbw")},
-          {"algbw_median", number(alg.median)},
-          {"time_ms_median", number(time.median * 1e3)},
-          {"raw_ring_link_median", number(rawStats.median)},
-          {"ratio_vs_raw", number(bus.median / rawStats.median)},
-          {"segment_bytes", std::to_string(config.segmentBytes)},
-          {"window", std::to_string(config.window)},
-          {"loadavg_1m", number(load)}});
+    Stats rawStats = statsOf(raw);
+    Stats time = statsOf(samples.allReduce);
+    const std::map<std::string, std::string> common{{"procs", std::to_string(n)},
+                                                     {"size_bytes", std::to_string(bytes)},
+                                                     {"loadavg_1m_start", number(startLoad)},
+                                                     {"loadavg_1m_end", number(endLoad)}};
+    if (name.rfind("allreduce_fp16", 0) != 0) {
+      auto extra = common;
+      extra["impl"] = quoted("raw_socket");
+      emit("collectives", "raw_ring_link_" + sizeName(bytes), "GB/s", rawStats, extra);
+    }
+    auto extra = common;
+    extra["impl"] = quoted("distgrad");
+    extra["metric_kind"] = quoted("busbw");
+    extra["algbw_median"] = number(alg.median);
+    extra["time_ms_median"] = number(time.median * 1e3);
+    extra["raw_ring_link_median"] = number(rawStats.median);
+    extra["ratio_vs_raw"] = number(bus.median / rawStats.median);
+    extra["segment_bytes"] = std::to_string(config.segmentBytes);
+    extra["window"] = std::to_string(config.window);
+    emit("collectives", name, "GB/s", bus, extra);
   }
 }
 
