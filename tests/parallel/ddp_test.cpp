@@ -19,6 +19,7 @@
 #include "models/optim/sgd.h"
 #include "models/optim/adam.h"
 #include "models/parallel/ddp.h"
+#include "models/parallel/horovod.h"
 #include "models/parallel/zero.h"
 #include "tensor/random.h"
 
@@ -270,6 +271,59 @@ TEST(Zero, ShardedAdamMatchesSingleProcessAdamWithAFractionOfTheState) {
     }
     // The shards partition the state: together exactly one full Adam's worth.
     EXPECT_EQ(total, fullState);
+  }
+}
+
+
+TEST(HorovodStyle, ConvertedLoopMatchesSingleProcessTraining) {
+  // The conversion checklist's loop: broadcastParameters, HorovodOptimizer (fused gradient average, then
+  // SGD), metricAverage. Three steps equal single-process SGD on the concatenated batch.
+  constexpr int n = 2;
+  constexpr int64_t kPerRank = 3;
+  auto job = startJob("tcp", n);
+  const Data data = makeData(n * kPerRank);
+  auto reference = makeModel(100);
+  SGD referenceSgd(reference->parameters(), SgdOptions{0.1, 0.9});
+  double referenceLoss = 0;
+  for (int step = 0; step < 3; ++step) {
+    reference->zeroGrad();
+    Tensor loss = distgrad::mseLoss(reference->forward(data.x), data.y);
+    autograd::backward(std::vector<Tensor>{loss});
+    referenceSgd.step();
+    referenceLoss = loss.item();
+  }
+  std::vector<std::shared_ptr<Sequential>> models(n);
+  std::vector<double> averagedLoss(n);
+  std::vector<double> localLoss(n);
+  onEveryRank(n, [&](int rank) {
+    Horovod hvd(*job->cluster.agents[static_cast<size_t>(rank)]);
+    EXPECT_EQ(hvd.rank(), rank);
+    EXPECT_EQ(hvd.size(), n);
+    auto model = makeModel(100 + static_cast<uint64_t>(rank));
+    models[static_cast<size_t>(rank)] = model;
+    SGD inner(model->parameters(), SgdOptions{0.1, 0.9});
+    HorovodOptimizer optimizer(inner, hvd);
+    hvd.broadcastParameters(*model);
+    const Tensor x = distgrad::narrow(data.x, 0, rank * kPerRank, kPerRank).cloneData();
+    const Tensor y = distgrad::narrow(data.y, 0, rank * kPerRank, kPerRank).cloneData();
+    for (int step = 0; step < 3; ++step) {
+      optimizer.zeroGrad();
+      Tensor loss = distgrad::mseLoss(model->forward(x), y);
+      autograd::backward(std::vector<Tensor>{loss});
+      optimizer.step();
+      localLoss[static_cast<size_t>(rank)] = loss.item();
+      averagedLoss[static_cast<size_t>(rank)] = hvd.metricAverage(loss.item());
+    }
+  });
+  // Equal shards: the mean of the ranks' mean losses is the loss of the whole batch.
+  for (int r = 0; r < n; ++r) {
+    EXPECT_NEAR(averagedLoss[static_cast<size_t>(r)], (localLoss[0] + localLoss[1]) / 2, 1e-12);
+    EXPECT_NEAR(averagedLoss[static_cast<size_t>(r)], referenceLoss, 1e-5);
+    auto params = models[static_cast<size_t>(r)]->parameters();
+    auto want = reference->parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      expectClose(params[i].detach(), want[i].detach(), 1e-5, "rank " + std::to_string(r) + " parameter " + std::to_string(i));
+    }
   }
 }
 
