@@ -316,6 +316,13 @@ std::string Op::what() const {
 bool Op::involves(const std::string& worker) const { return group_->rankOf(worker) >= 0; }
 
 void Op::begin() {
+  try {
+    start();
+  } catch (const std::exception& e) {
+    fail(Error::failed(what() + ": " + e.what()), true);
+    return;
+  }
+  // The deadline is armed once start() set the expectations its message reads (onTimeout).
   const auto timeout = group_->timeout();
   if (timeout.count() > 0) {
     const TimerId timer = group_->context->timers().scheduleAfter(
@@ -323,13 +330,11 @@ void Op::begin() {
           if (auto op = weak.lock()) op->onTimeout();
         });
     std::lock_guard<std::mutex> lock(mutex_);
-    timer_ = timer;
-  }
-  try {
-    start();
-  } catch (const std::exception& e) {
-    fail(Error::failed(what() + ": " + e.what()), true);
-    return;
+    if (done_) {
+      group_->context->timers().cancel(timer);
+    } else {
+      timer_ = timer;
+    }
   }
   bool done;
   {
