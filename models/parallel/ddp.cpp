@@ -146,6 +146,13 @@ Tensor DistributedDataParallel::forward(const Tensor& input) {
              "DistributedDataParallel::forward: the previous backward's gradients were not synchronized yet");
     state_->armLocked();
   }
+  if (state_->options.broadcastBuffers) {
+    std::vector<rpc::Future<void>> futures;
+    for (const Tensor& b : module_->buffers()) {
+      if (b.defined() && b.numel() > 0) futures.push_back(state_->group->broadcast(b.detach(), 0));
+    }
+    for (auto& f : futures) f.get();
+  }
   return module_->forward(input);
 }
 

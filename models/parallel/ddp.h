@@ -43,6 +43,9 @@ struct DdpOptions {
   size_t bucketBytes = size_t{25} << 20;
   // Make every rank start from rank 0's parameters and buffers.
   bool broadcastParameters = true;
+  // Overwrite the buffers (BatchNorm's running statistics) with rank 0's at every forward(), as PyTorch's
+  // broadcast_buffers does, so replicas that update buffers in forward stay identical.
+  bool broadcastBuffers = true;
   // Element type of gradients on the wire (float32 models only).
   rpc::collectives::WireCompression compression = rpc::collectives::WireCompression::kNone;
 };
@@ -61,8 +64,9 @@ class DistributedDataParallel {
   DistributedDataParallel(const DistributedDataParallel&) = delete;
   DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
 
-  // The module's forward; also notes the gradients the parameters hold now (in .grad, or in the active
-  // distributed autograd context) as the base synchronize() adds the mean to.
+  // The module's forward, after rank 0's buffers were broadcast (broadcastBuffers; a collective); also
+  // notes the gradients the parameters hold now (in .grad, or in the active distributed autograd context)
+  // as the base synchronize() adds the mean to.
   Tensor forward(const Tensor& input);
   // loss.backward() (resp. ctx.backward({loss})) then synchronize().
   void backward(const Tensor& loss);

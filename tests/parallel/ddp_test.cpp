@@ -218,6 +218,51 @@ TEST(DdpSetup, UnusedParameterOnOneRankStillAverages) {
 }
 
 
+// A module that updates a buffer in forward (as BatchNorm's running statistics do), by a per-rank amount.
+class Drifting : public Module {
+ public:
+  explicit Drifting(float delta) : Module("Drifting"), delta_(delta) {
+    weight_ = Tensor::ones({3});
+    registerParameter("weight", weight_);
+    state_ = Tensor::zeros({2});
+    registerBuffer("state", state_);
+  }
+  Tensor forward(const Tensor& x) override {
+    float* d = state_.data<float>();
+    for (int i = 0; i < 2; ++i) d[i] += delta_;
+    return x * weight_;
+  }
+  float state() const { return state_.data<float>()[0]; }
+
+ private:
+  float delta_;
+  Tensor weight_;
+  Tensor state_;
+};
+
+TEST(DdpSetup, BuffersFollowRankZeroAtEveryForward) {
+  for (bool broadcastBuffers : {true, false}) {
+    auto job = startJob("inproc", 2);
+    std::vector<float> states(2);
+    onEveryRank(2, [&](int rank) {
+      Drifting module(static_cast<float>(rank + 1));
+      DdpOptions options;
+      options.broadcastBuffers = broadcastBuffers;
+      DistributedDataParallel ddp(module, *job->groups[static_cast<size_t>(rank)], options);
+      for (int step = 0; step < 3; ++step) ddp.backward(distgrad::sum(ddp.forward(Tensor::ones({3}))));
+      states[static_cast<size_t>(rank)] = module.state();
+    });
+    if (broadcastBuffers) {
+      // Each forward starts from rank 0's buffer (2 after two steps) and adds the rank's own delta.
+      EXPECT_EQ(states[0], 3.0f);
+      EXPECT_EQ(states[1], 4.0f);
+    } else {
+      EXPECT_EQ(states[0], 3.0f);
+      EXPECT_EQ(states[1], 6.0f);
+    }
+  }
+}
+
 TEST(Zero, ShardedAdamMatchesSingleProcessAdamWithAFractionOfTheState) {
   // DDP averages the gradients; ZeRO-1 steps each rank's shard with Adam and broadcasts it back. Three
   // steps equal single-process Adam on the concatenated batch, and each rank keeps only its shard's moments.
