@@ -12,6 +12,9 @@
 //                                    (nccl-tests' definition: the bytes each link carries in a ring), with
 //                                    ratio_vs_raw = busbw / raw_ring_link of the same SIZE and N, and
 //                                    algbw = SIZE / time.
+//                                    The largest size adds peak_extra_mib_rank0: the most tensor memory
+//                                    rank 0's process held beyond the tensor during those all-reduces
+//                                    (tensor::cpuBytesInUse sampled every ms), bounded by the segment window.
 //   collectives allreduce_fp16_64MB  the same at 64 MB with float16 on the wire (busbw counted in float32
 //                                    bytes, i.e. the rate of the job's data, not of the wire)
 // Times are rank 0's, from the end of a barrier to the end of the all-reduce. The raw rounds and the
@@ -25,6 +28,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
+#include <atomic>
 #include <condition_variable>
 #include <mutex>
 #include <thread>
@@ -178,6 +182,7 @@ rpc::Options options(int rank, int n, int storePort) {
 struct Samples {
   std::vector<double> raw;        // seconds per raw ring round
   std::vector<double> allReduce;  // seconds per all-reduce
+  double peakExtraBytes = -1;     // largest size only: tensor bytes in use beyond the tensor, sampled
 };
 
 // The measurement every rank runs in the same order: per size, kBlocks blocks, each of `reps` raw ring
@@ -197,14 +202,38 @@ std::vector<std::pair<std::string, Samples>> measure(rpc::Agent& agent, RawRing&
     ring.round(bytes);
     Samples samples;
     const int reps = std::max(1, repetitions(config, bytes) / kBlocks);
+    // For the largest size, rank 0 samples the tensor bytes its process holds (tensor::cpuBytesInUse: the
+    // tensor, received segments, compressed copies) every millisecond while it all-reduces: the memory a
+    // collective costs beyond the tensor itself.
+    const bool sampleMemory = agent.rank() == 0 && bytes == sizes(config).back();
+    const size_t baseline = tensor::cpuBytesInUse();
+    std::atomic<size_t> peak{baseline};
+    std::atomic<bool> sampling{false};
+    std::atomic<bool> stop{false};
+    std::thread sampler;
+    if (sampleMemory) {
+      sampler = std::thread([&] {
+        while (!stop.load()) {
+          if (sampling.load()) peak.store(std::max(peak.load(), tensor::cpuBytesInUse()));
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+      });
+    }
     for (int block = 0; block < kBlocks; ++block) {
       for (int i = 0; i < reps; ++i) samples.raw.push_back(ring.round(bytes));
       for (int i = 0; i < reps; ++i) {
         group.barrierSync();
+        sampling.store(true);
         auto t0 = std::chrono::steady_clock::now();
         group.allReduceSync(t, options);
         samples.allReduce.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        sampling.store(false);
       }
+    }
+    if (sampleMemory) {
+      stop.store(true);
+      sampler.join();
+      samples.peakExtraBytes = static_cast<double>(peak.load() - baseline);
     }
     out.emplace_back(name, std::move(samples));
   };
@@ -301,6 +330,7 @@ void runWorld(int n, const Config& config) {
     extra["ratio_vs_raw"] = number(bus.median / rawStats.median);
     extra["segment_bytes"] = std::to_string(config.segmentBytes);
     extra["window"] = std::to_string(config.window);
+    if (samples.peakExtraBytes >= 0) extra["peak_extra_mib_rank0"] = number(samples.peakExtraBytes / 1048576.0);
     emit("collectives", name, "GB/s", bus, extra);
   }
 }
