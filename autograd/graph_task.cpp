@@ -127,7 +127,20 @@ std::vector<Tensor> GraphTask::run(Node& node, std::vector<Tensor>&& grads) cons
   for (const auto& g : grads) anyDefined = anyDefined || g.defined();
   std::vector<Tensor> gradInputs;
   if (leaf && options_.leafSink) {
-    if (anyDefined) options_.leafSink(*leaf, std::move(grads[0]));
+    if (anyDefined) {
+      // The leaf's hooks (Tensor::registerHook) run as AccumulateGrad::apply runs them, so they see every
+      // gradient whichever engine computed it (DistributedDataParallel inside distributed autograd).
+      Tensor g = std::move(grads[0]);
+      Tensor variable = leaf->variable();
+      {
+        std::lock_guard<std::mutex> lock(variable.ensureAutogradMeta().mutex);
+        for (auto& hook : variable.ensureAutogradMeta().hooks) {
+          Tensor replaced = hook(g);
+          if (replaced.defined()) g = replaced;
+        }
+      }
+      options_.leafSink(*leaf, std::move(g));
+    }
   } else if (anyDefined && !(leaf && !options_.accumulateLeaves)) {
     for (size_t i = 0; i < grads.size(); ++i) {
       if (!grads[i].defined()) grads[i] = node.outputMeta()[i].zeros();
