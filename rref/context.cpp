@@ -65,6 +65,8 @@ std::shared_ptr<RRefContext> RRefContext::of(rpc::Agent& agent) {
 }
 
 void RRefContext::install(rpc::Registry& registry) {
+  // Note [Unclaimed references]: forks carried by messages nobody decodes come back here.
+  registry.setReferenceSink([](rpc::Agent& agent) -> std::shared_ptr<rpc::ReferenceSink> { return of(agent); });
   registry.bind(kForkRequest, [](const rpc::CallContext& ctx, RRefId id, uint64_t fork) {
     RRefContext::of(*ctx.agent)->serveForkRequest(id, fork, ctx.caller);
   });
@@ -378,15 +380,80 @@ void RRefContext::confirmUser(ForkId fork, bool ownerKnowsIt) {
 //  - Sent by a user: the sender keeps its own reference alive as a pending child (Note [Parent kept])
 //    until the receiver says the owner knows the new fork (child accept). So the owner's count never
 //    drops to zero while a reference is in flight between users (G1).
+// A message to an unknown worker is refused here (a CodecError fails its encoding, nothing registered);
+// one to a worker known dead registers nothing: the agent refuses the send, and the death already settled
+// that worker's forks (Note [Worker death]), so a fork registered now would never be dropped.
 detail::WireRRef RRefContext::fork(const std::shared_ptr<detail::RRefState>& state, const std::string& peer) {
+  if (peer != name_ && std::find(workers_.begin(), workers_.end(), peer) == workers_.end()) {
+    throw rpc::CodecError("cannot send an RRef to unknown worker '" + peer + "'");
+  }
   const ForkId child = nextId();
   std::lock_guard<std::mutex> lock(mutex_);
+  if (deadPeers_.count(peer) != 0) return detail::WireRRef{state->id, child};
   if (state->isOwner) {
     entryLocked(state->id).forks[child] = peer;
   } else {
     children_[child] = PendingChild{state, peer};
   }
   return detail::WireRRef{state->id, child};
+}
+
+void RRefContext::unfork(const std::shared_ptr<detail::RRefState>& state, ForkId fork) {
+  std::unique_ptr<OwnerEntry> freed;
+  PendingChild child;  // released after the lock (it may hold this process's last handle)
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (state->isOwner) {
+    auto it = owned_.find(keyOf(state->id));
+    if (it == owned_.end()) return;
+    it->second->forks.erase(fork);
+    freed = maybeFreeLocked(state->id);
+  } else {
+    auto it = children_.find(fork);
+    if (it == children_.end()) return;
+    child = std::move(it->second);
+    children_.erase(it);
+  }
+  // `freed` and `child` are declared before the guard: they die after it is released.
+}
+
+// Note [Unclaimed references]: every message lists the forks its value carries (rpc: the envelope's
+// `references`, Note [Carried references] in rpc/agent.cpp). A received message dropped before a codec
+// decoded one of them (a call of an unknown function or with a mismatched signature, refused because the
+// worker is shutting down or overloaded, cancelled or expired before it ran, whose arguments failed to
+// decode, a pipelined call whose receiver failed, a reply that came after its caller stopped waiting)
+// hands the unclaimed forks here when its last view goes. Each is settled as if it had been received and
+// its handle dropped at once, with the fewest messages:
+//  - this worker owns it: from itself (a self call), the fork registered on send is removed; from a user,
+//    child accept to that parent (Note [Phantom fork]: the owner's table never held it);
+//  - sent by its owner, which registered it for us: a user deletion;
+//  - sent by another user: the owner never heard of the fork, so child accept to the parent is all (it
+//    lets go of the reference it kept for the child, Note [Parent kept]); no fork request is needed.
+void RRefContext::onUnclaimedReferences(const std::string& from, std::vector<rpc::CarriedReference> refs) {
+  for (const rpc::CarriedReference& ref : refs) {
+    if (ref.id.ownerWorkerId >= workers_.size()) continue;  // not a reference of this job: nothing to settle
+    const std::string& owner = workers_[ref.id.ownerWorkerId];
+    if (from == name_) {
+      // From this worker to itself: undo the send's registration directly.
+      std::unique_ptr<OwnerEntry> freed;
+      PendingChild child;
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (owner == name_) {
+        auto it = owned_.find(keyOf(ref.id));
+        if (it == owned_.end()) continue;
+        it->second->forks.erase(ref.fork);
+        freed = maybeFreeLocked(ref.id);
+      } else if (auto it = children_.find(ref.fork); it != children_.end()) {
+        child = std::move(it->second);
+        children_.erase(it);
+      }
+      continue;  // `freed` and `child` die after the lock
+    }
+    if (owner != name_ && from == owner) {
+      sendDelete(owner, ref.id, ref.fork);
+    } else {
+      sendChildAccept(from, ref.fork);
+    }
+  }
 }
 
 // Note [Fork on receive]: the receiver of a fork, sent by `from` (the parent):

@@ -124,7 +124,9 @@ inline constexpr uint64_t kFetchHash = rpc::detail::fnv1a64("dg.rref.fetch(rref)
 template <typename T>
 class RRef;
 
-class RRefContext : public rpc::AgentExtension, public std::enable_shared_from_this<RRefContext> {
+class RRefContext : public rpc::AgentExtension,
+                    public rpc::ReferenceSink,
+                    public std::enable_shared_from_this<RRefContext> {
  public:
   // The context of `agent`, created on first use. Throws ValueError after the agent closed.
   static std::shared_ptr<RRefContext> of(rpc::Agent& agent);
@@ -167,6 +169,9 @@ class RRefContext : public rpc::AgentExtension, public std::enable_shared_from_t
   void onPeerDown(const std::string& peer, const rpc::Error& error) override;
   void onShutdown(std::chrono::steady_clock::time_point deadline) override;
   void onAgentClosed() override;
+  // rpc::ReferenceSink: forks carried by a message from `peer` that was dropped without decoding them
+  // (Note [Unclaimed references]).
+  void onUnclaimedReferences(const std::string& peer, std::vector<rpc::CarriedReference> refs) override;
 
   // ---- internals used by RRef<T> and Codec<RRef<T>> ----
   std::string workerOfRank(uint32_t rank) const;
@@ -180,6 +185,8 @@ class RRefContext : public rpc::AgentExtension, public std::enable_shared_from_t
   std::shared_ptr<detail::RRefState> makeOwned(detail::OwnedValue value);
   // Note [Fork on send]: the wire form of `state` sent to `peer`.
   detail::WireRRef fork(const std::shared_ptr<detail::RRefState>& state, const std::string& peer);
+  // Undoes fork() for a message that was not sent (it failed to encode).
+  void unfork(const std::shared_ptr<detail::RRefState>& state, ForkId fork);
   // Note [Fork on receive]: the handle for a received wire form, sent by `from`.
   std::shared_ptr<detail::RRefState> receive(const detail::WireRRef& wire, const std::string& from);
   void release(detail::RRefState& state);

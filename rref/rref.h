@@ -301,14 +301,21 @@ struct Codec<rref::RRef<T>> {
   static void encode(wire::Value::Builder out, const rref::RRef<T>& value, EncodeContext& ctx) {
     if (!value.valid()) throw CodecError("cannot send an empty RRef");
     if (ctx.scope().agent == nullptr) throw CodecError("an RRef can only be sent by an agent");
-    rref::detail::WireRRef wire = value.state()->context->fork(value.state(), ctx.scope().peer);
+    const auto& context = value.state()->context;
+    rref::detail::WireRRef wire = context->fork(value.state(), ctx.scope().peer);
+    // Listed in the envelope (Note [Unclaimed references]); undone if the message fails to encode.
+    ctx.addReference(CarriedReference{wire.id, wire.fork},
+                     [context, state = value.state(), fork = wire.fork] { context->unfork(state, fork); });
     Codec<rref::detail::WireRRef>::encode(out, wire, ctx);
   }
   static rref::RRef<T> decode(wire::Value::Reader in, DecodeContext& ctx) {
     if (ctx.scope().agent == nullptr) throw CodecError("an RRef can only be received by an agent");
     auto wire = Codec<rref::detail::WireRRef>::decode(in, ctx);
     auto context = rref::RRefContext::of(*ctx.scope().agent);
-    return rref::RRef<T>(context->receive(wire, ctx.scope().peer));
+    auto handle = context->receive(wire, ctx.scope().peer);
+    // This fork has a handle now (whose release settles it): no longer the message's to settle.
+    if (ctx.scope().references) ctx.scope().references->claim(wire.fork);
+    return rref::RRef<T>(std::move(handle));
   }
 
  private:
