@@ -85,6 +85,13 @@ void checkEnvelope(wire::Envelope::Reader env, std::span<const uint64_t> payload
     throw CodecError("autograd closure of " + std::to_string(closure.size()) + " message ids exceeds the limit of " +
                      std::to_string(kMaxAutogradClosure));
   }
+  // The carried references (Note [Carried references] in rpc/agent.cpp): read whole here, so the allocator
+  // and decodeMessage agree on them.
+  for (auto ref : env.getReferences()) {
+    (void)ref.getId().getOwnerWorkerId();
+    (void)ref.getId().getLocalId();
+    (void)ref.getFork();
+  }
   if (env.getKind() == wire::Envelope::Kind::ERROR) {
     auto error = env.getError();
     if (static_cast<unsigned>(error.getKind()) >= kNumErrorKinds) {

@@ -163,6 +163,15 @@ ClassBinder<T> Registry::bindClass(const Class<T>& cls) {
   entry->name = cls.name();
   entry->type = std::type_index(typeid(T));
   entry->methods = cls.boundMethods();
+  if constexpr (CopyableObject<T>) {
+    entry->copy = [name = cls.name()](const ObjectHandle& object) -> Result<EncodeValueFn> {
+      std::shared_ptr<T> typed = object.get<T>();
+      if (!typed) return Error::failed("the object is not of class '" + name + "'");
+      // A snapshot now (the caller's order, Note [Call order] in rref/context.cpp), encoded later with the reply.
+      return detail::guard("cannot copy the object",
+                           [&] { return detail::makeResultEncoder<T>(T(*typed)); });
+    };
+  }
   classes_.emplace(cls.name(), std::move(entry));
   return ClassBinder<T>(this, cls.name());
 }
