@@ -685,7 +685,8 @@ rpc::Future<rpc::EncodeValueFn> RRefContext::invokeMethod(const detail::OwnedVal
 // Note [Promise pipelining]: calls on an RRef are sent to its owner at once, whether or not the value
 // exists yet, and wait there: whenResolved queues them on the owner's entry (a placeholder if even the
 // creating call has not arrived: calls from one worker travel in order, but their handlers may start in
-// any order on the executor) and resolve() posts them when the value arrives (Note [Resolve wake-ups]). So
+// any order on the executor; the method calls of one reference still run in issue order, Note [Call
+// order]) and resolve() posts them when the value arrives (Note [Resolve wake-ups]). So
 // a.remote(f).remote(g).remote(h) is three one-way sends and one round trip of latency, and no executor
 // thread waits for a value. The caller keeps its reference to the receiver until the owner answered the
 // call, so the receiver is never freed while a call for it is queued.
