@@ -576,10 +576,10 @@ void Agent::refuseLink(const std::shared_ptr<Link>& link, const std::string& rea
 
 // Note [Carried references]: a message's envelope lists the remote references (RRef forks) its value
 // carries. Before any handler sees the message they are bound to the sink the registry names (rref/), so
-// whichever path drops the message undecoded (unknown function, signature mismatch, refusal, expired or
-// cancelled call, failed argument decoding, a reply whose caller stopped waiting) hands the references
-// it never claimed to the sink when its last view goes: the reference layer settles them, no owner keeps
-// a fork nobody holds.
+// whichever path drops the message undecoded (unknown function, signature mismatch, a refusal while
+// shutting down, failed argument decoding, a reply whose caller stopped waiting; any drop path added later
+// too) hands the references it never claimed to the sink when its last view goes: the reference layer
+// settles them, no owner keeps a fork nobody holds.
 void Agent::bindReferences(const DecodedMessage& message, const std::string& peer) {
   const auto& references = message.references();
   if (!references) return;

@@ -434,8 +434,9 @@ void RRefContext::unfork(const std::shared_ptr<detail::RRefState>& state, ForkId
 // Note [Unclaimed references]: every message lists the forks its value carries (rpc: the envelope's
 // `references`, Note [Carried references] in rpc/agent.cpp). A received message dropped before a codec
 // decoded one of them (a call of an unknown function or with a mismatched signature, refused because the
-// worker is shutting down or overloaded, cancelled or expired before it ran, whose arguments failed to
-// decode, a pipelined call whose receiver failed, a reply that came after its caller stopped waiting)
+// worker is shutting down, whose arguments failed to decode, a pipelined call whose receiver failed or
+// whose constructor does not exist, a reply that came after its caller stopped waiting, and any path that
+// drops a message in the future)
 // hands the unclaimed forks here when its last view goes. Each is settled as if it had been received and
 // its handle dropped at once, with the fewest messages:
 //  - this worker owns it: from itself (a self call), the fork registered on send is removed; from a user,
