@@ -574,6 +574,30 @@ void Agent::refuseLink(const std::shared_ptr<Link>& link, const std::string& rea
   link->connection->close();
 }
 
+// Note [Carried references]: a message's envelope lists the remote references (RRef forks) its value
+// carries. Before any handler sees the message they are bound to the sink the registry names (rref/), so
+// whichever path drops the message undecoded (unknown function, signature mismatch, a refusal while
+// shutting down, failed argument decoding, a reply whose caller stopped waiting; any drop path added later
+// too) hands the references it never claimed to the sink when its last view goes: the reference layer
+// settles them, no owner keeps a fork nobody holds.
+void Agent::bindReferences(const DecodedMessage& message, const std::string& peer) {
+  const auto& references = message.references();
+  if (!references) return;
+  std::shared_ptr<ReferenceSink> sink;
+  if (registry_.referenceSinkFactory()) {
+    try {
+      sink = registry_.referenceSinkFactory()(*this);
+    } catch (const std::exception& e) {
+      warn("cannot settle the " + std::to_string(references->size()) + " references of a message from " + peer +
+           ": " + e.what());
+    }
+  } else {
+    warn("a message from " + peer + " carries " + std::to_string(references->size()) +
+         " remote references but this worker's registry has no reference layer (rref::RRefContext::install)");
+  }
+  references->bind(std::move(sink), peer);
+}
+
 void Agent::onFrame(const std::shared_ptr<Link>& link, transport::IncomingFrame&& frame) {
   const int64_t arrivalNs = trace::enabled() ? trace::nowNs() : 0;
   if (!link->ready && (!frame.payloads.empty() || frame.envelope.size() > kMaxHandshakeEnvelopeBytes)) {
@@ -620,6 +644,7 @@ void Agent::onFrame(const std::shared_ptr<Link>& link, transport::IncomingFrame&
                          {static_cast<int64_t>(bytes), peer->rank});
   }
   const Arrival arrival{arrivalNs, bytes};
+  bindReferences(message, link->peer);
   switch (message.kind()) {
     case MessageKind::kCall:
       onCall(link, std::move(message), arrival);
@@ -1505,6 +1530,7 @@ void Agent::deliverToSelf(transport::OutgoingFrame frame, uint64_t callId) {
   self_->bytesReceived.fetch_add(bytes, std::memory_order_relaxed);
   DecodedMessage message = std::move(decoded).value();
   const Arrival arrival{arrivalNs, bytes};
+  bindReferences(message, name_);
   switch (message.kind()) {
     case MessageKind::kCall:
       onCall(nullptr, std::move(message), arrival);

@@ -339,6 +339,8 @@ class Agent {
                   std::optional<transport::OutgoingFrame> lastWords = std::nullopt);
   void peerDown(const std::string& peer, const Error& error);
 
+  // Note [Carried references] in agent.cpp.
+  void bindReferences(const DecodedMessage& message, const std::string& peer);
   void onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Arrival arrival);
   void onReply(const std::string& peer, DecodedMessage message, Arrival arrival);
   void onCancel(const std::string& peer, const DecodedMessage& message);

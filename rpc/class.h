@@ -185,11 +185,22 @@ struct BoundMethod {
 };
 
 // One bound class, type-erased, found by name in the Registry.
+// Whether objects of class T can be copied into a message (rref's toHere of an object): T has a codec and
+// a copy constructor. A codec is a visitFields declaration (rpc/codec.h); a class with its own Codec<T>
+// specialisation says so by specialising kHasObjectCodec<T> to true.
+template <typename T>
+inline constexpr bool kHasObjectCodec = FieldVisitable<T>;
+template <typename T>
+concept CopyableObject = kHasObjectCodec<T> && std::is_copy_constructible_v<T>;
+
 struct ClassEntry {
   std::string name;
   std::type_index type = typeid(void);
   std::vector<BoundConstructor> constructors;
   std::vector<BoundMethod> methods;
+  // A copy of `object` (of this class) taken now, as a message value: set by Registry::bindClass for
+  // CopyableObject classes, empty for the others (their objects cannot leave their worker).
+  std::function<Result<EncodeValueFn>(const ObjectHandle& object)> copy;
 
   // The constructor whose signature hash is `hash`, or an `unimplemented` Error naming the class, `worker`
   // (this worker, for the message) and the constructors it has.

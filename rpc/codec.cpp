@@ -35,6 +35,58 @@ uint32_t EncodeContext::addPayload(transport::SendBuffer buffer) {
   return static_cast<uint32_t>(payloads_.size() - 1);
 }
 
+void EncodeContext::addReference(CarriedReference ref, std::function<void()> abandon) {
+  references_.push_back(ref);
+  if (abandon) abandons_.push_back(std::move(abandon));
+}
+
+void EncodeContext::abandon() {
+  auto abandons = std::move(abandons_);
+  abandons_.clear();
+  for (auto& undo : abandons) {
+    try {
+      undo();
+    } catch (const std::exception&) {
+      // Undoing is best effort (the agent may be closing); the encode error is what the caller sees.
+    }
+  }
+}
+
+CarriedReferences::CarriedReferences(std::vector<CarriedReference> refs)
+    : refs_(std::move(refs)), claimed_(refs_.size(), false) {}
+
+CarriedReferences::~CarriedReferences() {
+  if (!sink_) return;
+  std::vector<CarriedReference> unclaimed;
+  for (size_t i = 0; i < refs_.size(); ++i) {
+    if (!claimed_[i]) unclaimed.push_back(refs_[i]);
+  }
+  if (unclaimed.empty()) return;
+  try {
+    sink_->onUnclaimedReferences(peer_, std::move(unclaimed));
+  } catch (const std::exception&) {
+    // A destructor must not throw; the sink reports its own failures.
+  }
+}
+
+bool CarriedReferences::claim(uint64_t fork) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (size_t i = 0; i < refs_.size(); ++i) {
+    if (refs_[i].fork == fork) {
+      if (claimed_[i]) return false;
+      claimed_[i] = true;
+      return true;
+    }
+  }
+  return false;
+}
+
+void CarriedReferences::bind(std::shared_ptr<ReferenceSink> sink, std::string peer) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  sink_ = std::move(sink);
+  peer_ = std::move(peer);
+}
+
 void EncodeContext::enter() {
   if (++depth_ > kMaxValueDepth) {
     --depth_;

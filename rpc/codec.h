@@ -32,8 +32,11 @@
 #include <kj/exception.h>
 
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <stdexcept>
@@ -73,6 +76,49 @@ struct RRefId {
 class Agent;
 class AutogradHook;
 
+// A remote reference carried by a message (an RRef's fork, rref/): listed in the envelope by the sender
+// (EncodeContext::addReference), so the receiver can settle the ones it never decodes.
+struct CarriedReference {
+  RRefId id;
+  uint64_t fork = 0;
+};
+
+// Where a received message's unclaimed references go (rref/ implements it; Registry::setReferenceSink).
+class ReferenceSink {
+ public:
+  virtual ~ReferenceSink() = default;
+  // `refs` were carried by a message from `peer` that died without a codec claiming them (the call was
+  // refused or failed before decoding its arguments, a reply came after its caller stopped waiting, ...).
+  // Runs on the thread that dropped the message's last view; must not block.
+  virtual void onUnclaimedReferences(const std::string& peer, std::vector<CarriedReference> refs) = 0;
+};
+
+// The references one received message carries (its envelope's list) and which of them a codec claimed.
+// Shared by every view of the message (DecodedMessage, fieldView, CodecScope copies); when the last one
+// goes, the unclaimed ones are handed to the sink the agent bound (Note [Unclaimed references] in
+// rref/context.cpp): a message dropped anywhere between arrival and decoding cannot leak a reference.
+// Thread-safety: claim and bind may be called from any thread.
+class CarriedReferences {
+ public:
+  explicit CarriedReferences(std::vector<CarriedReference> refs);
+  ~CarriedReferences();
+  CarriedReferences(const CarriedReferences&) = delete;
+  CarriedReferences& operator=(const CarriedReferences&) = delete;
+  // A codec decoded the reference `fork` (it now has a handle for it). False when the message does not
+  // list it or it was claimed already.
+  bool claim(uint64_t fork);
+  // Where the unclaimed references go (the receiving agent's sink, the sender's name). Unbound: nowhere.
+  void bind(std::shared_ptr<ReferenceSink> sink, std::string peer);
+  size_t size() const { return refs_.size(); }
+
+ private:
+  std::mutex mutex_;
+  std::vector<CarriedReference> refs_;
+  std::vector<bool> claimed_;                 // GUARDED_BY(mutex_)
+  std::shared_ptr<ReferenceSink> sink_;       // GUARDED_BY(mutex_)
+  std::string peer_;                          // GUARDED_BY(mutex_)
+};
+
 // Which agent encodes or decodes a message and the worker at the other end (the callee of a call, the
 // caller of a reply; the sender of a received message). Codecs of values that stand for per-worker state
 // (rref::RRef<T>) need both: an RRef is registered with the agent's reference table and forked to `peer`.
@@ -87,6 +133,8 @@ struct CodecScope {
   AutogradHook* autogradHook = nullptr;
   std::shared_ptr<autograd::Node> recvNode = nullptr;
   std::shared_ptr<const std::vector<int32_t>> gradIndexOfPayload = nullptr;
+  // Receiving side: the references the message carries (null when none); codecs claim what they decode.
+  std::shared_ptr<CarriedReferences> references = nullptr;
 };
 
 // Collects the payload buffers of one message while its value tree is encoded.
@@ -106,9 +154,17 @@ class EncodeContext {
   bool recordsGrad() const { return recordsGrad_; }
   void addGradTensor(const Tensor& t) { gradTensors_.push_back(t); }
   const std::vector<Tensor>& gradTensors() const { return gradTensors_; }
+  // A remote reference written into this message (listed in its envelope). `abandon` undoes what writing
+  // it registered at the sender, and runs if the message fails to encode (a later value throws).
+  void addReference(CarriedReference ref, std::function<void()> abandon);
+  const std::vector<CarriedReference>& references() const { return references_; }
+  // The message will not be sent: runs the abandon callbacks (once).
+  void abandon();
 
  private:
   std::vector<transport::SendBuffer> payloads_;
+  std::vector<CarriedReference> references_;
+  std::vector<std::function<void()>> abandons_;
   std::vector<Tensor> gradTensors_;
   bool recordsGrad_ = false;
   int depth_ = 0;

@@ -85,6 +85,13 @@ void checkEnvelope(wire::Envelope::Reader env, std::span<const uint64_t> payload
     throw CodecError("autograd closure of " + std::to_string(closure.size()) + " message ids exceeds the limit of " +
                      std::to_string(kMaxAutogradClosure));
   }
+  // The carried references (Note [Carried references] in rpc/agent.cpp): read whole here, so the allocator
+  // and decodeMessage agree on them.
+  for (auto ref : env.getReferences()) {
+    (void)ref.getId().getOwnerWorkerId();
+    (void)ref.getId().getLocalId();
+    (void)ref.getFork();
+  }
   if (env.getKind() == wire::Envelope::Kind::ERROR) {
     auto error = env.getError();
     if (static_cast<unsigned>(error.getKind()) >= kNumErrorKinds) {
@@ -195,10 +202,26 @@ Result<transport::OutgoingFrame> encodeMessage(const EnvelopeFields& fields, con
     }
     EncodeContext ctx(scope != nullptr ? *scope : CodecScope{});
     auto value = env.initValue();
-    if (encodeValue) {
-      encodeValue(value, ctx);
-    } else {
-      value.setNull();
+    try {
+      if (encodeValue) {
+        encodeValue(value, ctx);
+      } else {
+        value.setNull();
+      }
+    } catch (...) {
+      // References already written registered forks at the sender for a message that will not leave.
+      ctx.abandon();
+      throw;
+    }
+    if (!ctx.references().empty()) {
+      auto refs = env.initReferences(static_cast<unsigned>(ctx.references().size()));
+      for (size_t i = 0; i < ctx.references().size(); ++i) {
+        const CarriedReference& ref = ctx.references()[i];
+        auto out = refs[static_cast<unsigned>(i)];
+        out.initId().setOwnerWorkerId(ref.id.ownerWorkerId);
+        out.getId().setLocalId(ref.id.localId);
+        out.setFork(ref.fork);
+      }
     }
     if (scope != nullptr && scope->autogradHook != nullptr && scope->autogradContext != 0) {
       // Distributed autograd (rpc/autograd_hook.h): the hook records the send (and its grad tensors).
@@ -332,8 +355,18 @@ Result<DecodedMessage> decodeMessage(transport::IncomingFrame frame, const Decod
       fields.error = Error{static_cast<ErrorKind>(error.getKind()), stringOf(error.getMessage()),
                            stringOf(error.getWorker()), stringOf(error.getRemoteType())};
     }
+    std::shared_ptr<CarriedReferences> references;
+    if (env.hasReferences() && env.getReferences().size() > 0) {
+      std::vector<CarriedReference> refs;
+      refs.reserve(env.getReferences().size());
+      for (auto ref : env.getReferences()) {
+        refs.push_back(CarriedReference{RRefId{ref.getId().getOwnerWorkerId(), ref.getId().getLocalId()}, ref.getFork()});
+      }
+      references = std::make_shared<CarriedReferences>(std::move(refs));
+    }
     DecodedMessage message(std::move(state));
     message.fields_ = std::move(fields);
+    message.scope_.references = std::move(references);
     return message;
   });
 }

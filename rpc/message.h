@@ -157,7 +157,13 @@ class DecodedMessage {
   // The agent and peer handed to codecs when this message is decoded (see CodecScope); the agent sets it
   // on every message it receives.
   const CodecScope& scope() const { return scope_; }
-  void setScope(CodecScope scope) { scope_ = std::move(scope); }
+  // The references the message carries (scope().references) stay: they belong to its bytes.
+  void setScope(CodecScope scope) {
+    scope.references = std::move(scope_.references);
+    scope_ = std::move(scope);
+  }
+  // The references this message carries (null when none): the agent binds them to its ReferenceSink.
+  const std::shared_ptr<CarriedReferences>& references() const { return scope_.references; }
 
   // A view of this message (same fields, bytes, payloads and scope) whose value is field `index` of this
   // message's value, which must be a struct (a tuple). Layers above rpc/ wrap a call as (header, arguments)

@@ -110,6 +110,13 @@ class Registry {
   void setAutogradHook(AutogradHookFactory make) { autogradHook_ = std::move(make); }
   const AutogradHookFactory& autogradHookFactory() const { return autogradHook_; }
 
+  // Remote references (rpc/codec.h CarriedReferences): `make` gives the agent the sink of the references a
+  // received message carried and nobody decoded; called for each such message (after start), so it should
+  // be cheap. rref::RRefContext::install(registry) sets it.
+  using ReferenceSinkFactory = std::function<std::shared_ptr<ReferenceSink>(Agent&)>;
+  void setReferenceSink(ReferenceSinkFactory make) { referenceSink_ = std::move(make); }
+  const ReferenceSinkFactory& referenceSinkFactory() const { return referenceSink_; }
+
  private:
   template <typename T>
   friend class ClassBinder;
@@ -119,6 +126,7 @@ class Registry {
   std::map<std::string, std::shared_ptr<const BoundFunction>> functions_;
   std::map<std::string, std::shared_ptr<const ClassEntry>> classes_;
   AutogradHookFactory autogradHook_;
+  ReferenceSinkFactory referenceSink_;
 };
 
 // Adds constructors to a class bound with Registry::bindClass. Valid while its Registry lives.
@@ -155,6 +163,15 @@ ClassBinder<T> Registry::bindClass(const Class<T>& cls) {
   entry->name = cls.name();
   entry->type = std::type_index(typeid(T));
   entry->methods = cls.boundMethods();
+  if constexpr (CopyableObject<T>) {
+    entry->copy = [name = cls.name()](const ObjectHandle& object) -> Result<EncodeValueFn> {
+      std::shared_ptr<T> typed = object.get<T>();
+      if (!typed) return Error::failed("the object is not of class '" + name + "'");
+      // A snapshot now (the caller's order, Note [Call order] in rref/context.cpp), encoded later with the reply.
+      return detail::guard("cannot copy the object",
+                           [&] { return detail::makeResultEncoder<T>(T(*typed)); });
+    };
+  }
   classes_.emplace(cls.name(), std::move(entry));
   return ClassBinder<T>(this, cls.name());
 }

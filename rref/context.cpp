@@ -41,7 +41,12 @@ namespace detail {
 
 RRefState::RRefState(std::shared_ptr<RRefContext> ctx, RRefId rrefId, ForkId forkId, std::string ownerName,
                      bool owned)
-    : context(std::move(ctx)), id(rrefId), fork(forkId), owner(std::move(ownerName)), isOwner(owned) {
+    : context(std::move(ctx)),
+      id(rrefId),
+      fork(forkId),
+      owner(std::move(ownerName)),
+      isOwner(owned),
+      stream(owned ? context->nextId() : forkId) {
   confirmed.store(owned);
 }
 
@@ -65,6 +70,8 @@ std::shared_ptr<RRefContext> RRefContext::of(rpc::Agent& agent) {
 }
 
 void RRefContext::install(rpc::Registry& registry) {
+  // Note [Unclaimed references]: forks carried by messages nobody decodes come back here.
+  registry.setReferenceSink([](rpc::Agent& agent) -> std::shared_ptr<rpc::ReferenceSink> { return of(agent); });
   registry.bind(kForkRequest, [](const rpc::CallContext& ctx, RRefId id, uint64_t fork) {
     RRefContext::of(*ctx.agent)->serveForkRequest(id, fork, ctx.caller);
   });
@@ -192,23 +199,32 @@ rpc::Agent::RawCompletion RRefContext::ownerReply(const std::string& owner,
 }
 
 void RRefContext::callOwner(const std::string& owner, const detail::CallHeader& header, rpc::EncodeValueFn args,
-                            std::function<void(rpc::Result<rpc::DecodedMessage>&&)> done) {
+                            std::function<void(rpc::Result<rpc::DecodedMessage>&&)> done,
+                            detail::RRefState* orderedBy, const rpc::CallOptions& options) {
   rpc::Agent* agent = beginUse();
   if (agent == nullptr) {
     done(rpc::Error::failed("agent " + name_ + " is shut down: RRef call refused"));
     return;
   }
-  auto encode = [&header, &args](rpc::wire::Value::Builder out, rpc::EncodeContext& ctx) {
+  auto encode = [&header, &args, orderedBy](rpc::wire::Value::Builder out, rpc::EncodeContext& ctx) {
     auto fields = out.initStruct(2);
-    rpc::Codec<detail::CallHeader>::encode(fields[0].initValue(), header, ctx);
     if (args) {
       args(fields[1].initValue(), ctx);
     } else {
       fields[1].initValue().setNull();
     }
+    if (orderedBy == nullptr) {
+      rpc::Codec<detail::CallHeader>::encode(fields[0].initValue(), header, ctx);
+      return;
+    }
+    // Numbered after the arguments encoded: a call that fails to encode never leaves a gap in its stream
+    // (Note [Call order]).
+    detail::CallHeader numbered = header;
+    numbered.stream = orderedBy->stream;
+    numbered.seq = orderedBy->lastCall.fetch_add(1) + 1;
+    rpc::Codec<detail::CallHeader>::encode(fields[0].initValue(), numbered, ctx);
   };
-  agent->rpcRaw(rpc::CallOptions{}, owner, detail::kCallFunction, detail::kCallHash, encode,
-                ownerReply(owner, std::move(done)));
+  agent->rpcRaw(options, owner, detail::kCallFunction, detail::kCallHash, encode, ownerReply(owner, std::move(done)));
   endUse();
 }
 
@@ -331,6 +347,7 @@ void RRefContext::release(detail::RRefState& state) {
       auto it = owned_.find(keyOf(state.id));
       if (it == owned_.end()) return;
       --it->second->localRefs;
+      closeStreamLocked(*it->second, state.stream);
       freed = maybeFreeLocked(state.id);
     }
     return;  // `freed` (the value) is destroyed here, outside the lock
@@ -378,15 +395,81 @@ void RRefContext::confirmUser(ForkId fork, bool ownerKnowsIt) {
 //  - Sent by a user: the sender keeps its own reference alive as a pending child (Note [Parent kept])
 //    until the receiver says the owner knows the new fork (child accept). So the owner's count never
 //    drops to zero while a reference is in flight between users (G1).
+// A message to an unknown worker is refused here (a CodecError fails its encoding, nothing registered);
+// one to a worker known dead registers nothing: the agent refuses the send, and the death already settled
+// that worker's forks (Note [Worker death]), so a fork registered now would never be dropped.
 detail::WireRRef RRefContext::fork(const std::shared_ptr<detail::RRefState>& state, const std::string& peer) {
+  if (peer != name_ && std::find(workers_.begin(), workers_.end(), peer) == workers_.end()) {
+    throw rpc::CodecError("cannot send an RRef to unknown worker '" + peer + "'");
+  }
   const ForkId child = nextId();
   std::lock_guard<std::mutex> lock(mutex_);
+  if (deadPeers_.count(peer) != 0) return detail::WireRRef{state->id, child};
   if (state->isOwner) {
     entryLocked(state->id).forks[child] = peer;
   } else {
     children_[child] = PendingChild{state, peer};
   }
   return detail::WireRRef{state->id, child};
+}
+
+void RRefContext::unfork(const std::shared_ptr<detail::RRefState>& state, ForkId fork) {
+  std::unique_ptr<OwnerEntry> freed;
+  PendingChild child;  // released after the lock (it may hold this process's last handle)
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (state->isOwner) {
+    auto it = owned_.find(keyOf(state->id));
+    if (it == owned_.end()) return;
+    it->second->forks.erase(fork);
+    freed = maybeFreeLocked(state->id);
+  } else {
+    auto it = children_.find(fork);
+    if (it == children_.end()) return;
+    child = std::move(it->second);
+    children_.erase(it);
+  }
+  // `freed` and `child` are declared before the guard: they die after it is released.
+}
+
+// Note [Unclaimed references]: every message lists the forks its value carries (rpc: the envelope's
+// `references`, Note [Carried references] in rpc/agent.cpp). A received message dropped before a codec
+// decoded one of them (a call of an unknown function or with a mismatched signature, refused because the
+// worker is shutting down, whose arguments failed to decode, a pipelined call whose receiver failed or
+// whose constructor does not exist, a reply that came after its caller stopped waiting, and any path that
+// drops a message in the future)
+// hands the unclaimed forks here when its last view goes. Each is settled as if it had been received and
+// its handle dropped at once, with the fewest messages:
+//  - this worker owns it: from itself (a self call), the fork registered on send is removed; from a user,
+//    child accept to that parent (Note [Phantom fork]: the owner's table never held it);
+//  - sent by its owner, which registered it for us: a user deletion;
+//  - sent by another user: the owner never heard of the fork, so child accept to the parent is all (it
+//    lets go of the reference it kept for the child, Note [Parent kept]); no fork request is needed.
+void RRefContext::onUnclaimedReferences(const std::string& from, std::vector<rpc::CarriedReference> refs) {
+  for (const rpc::CarriedReference& ref : refs) {
+    if (ref.id.ownerWorkerId >= workers_.size()) continue;  // not a reference of this job: nothing to settle
+    const std::string& owner = workers_[ref.id.ownerWorkerId];
+    if (from == name_) {
+      // From this worker to itself: undo the send's registration directly.
+      std::unique_ptr<OwnerEntry> freed;
+      PendingChild child;
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (owner == name_) {
+        auto it = owned_.find(keyOf(ref.id));
+        if (it == owned_.end()) continue;
+        it->second->forks.erase(ref.fork);
+        freed = maybeFreeLocked(ref.id);
+      } else if (auto it = children_.find(ref.fork); it != children_.end()) {
+        child = std::move(it->second);
+        children_.erase(it);
+      }
+      continue;  // `freed` and `child` die after the lock
+    }
+    if (owner != name_ && from == owner) {
+      sendDelete(owner, ref.id, ref.fork);
+    } else {
+      sendChildAccept(from, ref.fork);
+    }
+  }
 }
 
 // Note [Fork on receive]: the receiver of a fork, sent by `from` (the parent):
@@ -438,7 +521,10 @@ std::unique_ptr<RRefContext::OwnerEntry> RRefContext::maybeFreeLocked(RRefId id)
   auto it = owned_.find(keyOf(id));
   if (it == owned_.end()) return nullptr;
   OwnerEntry& entry = *it->second;
-  if (!entry.created || !entry.forks.empty() || entry.localRefs > 0 || !entry.waiters.empty()) return nullptr;
+  if (!entry.created || !entry.forks.empty() || entry.localRefs > 0 || !entry.waiters.empty() ||
+      entry.orderedCalls > 0) {
+    return nullptr;
+  }
   auto freed = std::move(it->second);
   owned_.erase(it);
   return freed;
@@ -549,6 +635,37 @@ rpc::Result<detail::OwnedValue> RRefContext::construct(const detail::CallHeader&
   return detail::OwnedValue{std::move(object).value(), {}};
 }
 
+// Note [Copying objects]: toHere of an RRef to an object is a copy made by the object's class: a class
+// with a codec (visitFields, or a Codec specialisation with rpc::kHasObjectCodec) and a copy constructor is
+// snapshotted by its copy constructor when the call's turn comes (after the reference's earlier calls,
+// Note [Call order]) and sent with its codec; the copy is the caller's own (changing it changes nothing at
+// the owner). A class without one is refused with an error saying its objects cannot be copied, on
+// the caller before anything is sent (RRef<T>::toHere checks T) and here (the owner's class decides).
+rpc::Result<rpc::EncodeValueFn> RRefContext::copyOf(const detail::OwnedValue& owned, const detail::CallHeader& header,
+                                                    const rpc::CallContext& ctx) {
+  if (!owned.object) return owned.value;  // a value: a copy of it, as fetch sends
+  auto cls = ctx.agent->registry().resolveClass(owned.object.className, name_);
+  if (!cls.ok()) return cls.error();
+  if (owned.object.className != header.target) {
+    return rpc::Error::failed(describe(header.receiver) + " holds an object of class '" + owned.object.className +
+                              "', not '" + header.target + "'")
+        .onWorker(name_);
+  }
+  if (!cls.value()->copy) {
+    return rpc::Error::failed(describe(header.receiver) + " holds an object of class '" + owned.object.className +
+                              "', which cannot be copied: the class has no codec (give it visitFields and a "
+                              "copy constructor); call its methods instead")
+        .onWorker(name_);
+  }
+  auto copy = cls.value()->copy(owned.object);
+  if (!copy.ok()) {
+    rpc::Error error = copy.error();
+    error.worker = name_;
+    return error;
+  }
+  return copy;
+}
+
 rpc::Future<rpc::EncodeValueFn> RRefContext::invokeMethod(const detail::OwnedValue& owned,
                                                           const detail::CallHeader& header,
                                                           const std::shared_ptr<rpc::DecodedMessage>& args,
@@ -569,7 +686,8 @@ rpc::Future<rpc::EncodeValueFn> RRefContext::invokeMethod(const detail::OwnedVal
 // Note [Promise pipelining]: calls on an RRef are sent to its owner at once, whether or not the value
 // exists yet, and wait there: whenResolved queues them on the owner's entry (a placeholder if even the
 // creating call has not arrived: calls from one worker travel in order, but their handlers may start in
-// any order on the executor) and resolve() posts them when the value arrives (Note [Resolve wake-ups]). So
+// any order on the executor; the method calls of one reference still run in issue order, Note [Call
+// order]) and resolve() posts them when the value arrives (Note [Resolve wake-ups]). So
 // a.remote(f).remote(g).remote(h) is three one-way sends and one round trip of latency, and no executor
 // thread waits for a value. The caller keeps its reference to the receiver until the owner answered the
 // call, so the receiver is never freed while a call for it is queued.
@@ -588,10 +706,26 @@ rpc::Future<rpc::EncodeValueFn> RRefContext::serveCall(const rpc::DecodedMessage
   auto args = std::make_shared<rpc::DecodedMessage>(message.fieldView(1));
   auto self = shared_from_this();
   const auto kind = static_cast<detail::CallKind>(h.kind);
+  // Method calls wait for their receiver's value, and for the calls issued before them through the same
+  // reference (Note [Call order]).
+  auto onReceiver = [this, &h](OrderedCall call) {
+    if (h.seq == 0) return whenResolved(h.receiver, std::move(call));
+    enqueueOrdered(h.receiver, h.stream, h.seq, std::move(call));
+  };
+  if (kind == detail::CallKind::kCopy) {
+    // Note [Copying objects]: toHere of an object, ordered after the reference's earlier calls.
+    auto promise = std::make_shared<rpc::Promise<rpc::EncodeValueFn>>(*executor_);
+    auto future = promise->getFuture();
+    onReceiver([self, promise, h, ctx](rpc::Result<detail::OwnedValue> receiver) {
+      if (!receiver.ok()) return promise->setError(receiver.error());
+      promise->setResult(self->copyOf(receiver.value(), h, ctx));
+    });
+    return future;
+  }
   if (kind == detail::CallKind::kMethodValue) {
     auto promise = std::make_shared<rpc::Promise<rpc::EncodeValueFn>>(*executor_);
     auto future = promise->getFuture();
-    whenResolved(h.receiver, [self, promise, h, args, ctx](rpc::Result<detail::OwnedValue> receiver) {
+    onReceiver([self, promise, h, args, ctx](rpc::Result<detail::OwnedValue> receiver) {
       if (!receiver.ok()) return promise->setError(receiver.error());
       // whenResolved may run this later on an executor thread: the method runs inside the call's
       // distributed autograd context all the same (calls it makes join the caller's pass).
@@ -634,7 +768,7 @@ rpc::Future<rpc::EncodeValueFn> RRefContext::serveCall(const rpc::DecodedMessage
   } else if (kind == detail::CallKind::kConstruct) {
     resolve(result, construct(h, *args, ctx));
   } else {
-    whenResolved(h.receiver, [self, h, args, ctx, store](rpc::Result<detail::OwnedValue> receiver) mutable {
+    onReceiver([self, h, args, ctx, store](rpc::Result<detail::OwnedValue> receiver) mutable {
       if (!receiver.ok()) return self->resolve(h.result, receiver.error());
       rpc::AutogradContextScope active(ctx.autogradContext);  // as for kMethodValue above
       (void)self->invokeMethod(receiver.value(), h, args, ctx).then(rpc::kInlineSafe, std::move(store));
@@ -648,6 +782,84 @@ rpc::Future<rpc::EncodeValueFn> RRefContext::serveCall(const rpc::DecodedMessage
   rpc::Promise<rpc::EncodeValueFn> done(*executor_);
   done.setValue(rpc::EncodeValueFn{});
   return done.getFuture();
+}
+
+// Note [Call order]: the method calls one reference issues on its RRef (rpcAsync, rpcSync, remote, and
+// toHere of an object) run at the owner in the order they were issued, including calls that wait for a
+// value that is not resolved yet: each call after the previous one's method returned (a method returning
+// a Future has returned once it handed back the future; what it then runs may overlap the next call).
+// Calls of different references (other workers, other forks, other RRefs) are not ordered with each other.
+// Each reference is a stream: its id (the fork on a user, a fresh id for an owner's handle) and a call
+// number taken after the call's arguments encoded (an encoding failure leaves no gap) travel in the call's
+// header. The owner runs a stream's calls one at a time in number order; a call that arrives early (the
+// executor started handlers of later messages first) is parked until its turn. A stream is forgotten once
+// its reference is gone (the user's deletion, the owner handle's release) and its last call ran; parked or
+// running calls keep their receiver's entry alive.
+void RRefContext::enqueueOrdered(RRefId id, uint64_t stream, uint64_t seq, OrderedCall call) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    OwnerEntry& entry = entryLocked(id);
+    CallStream& s = entry.streams[stream];
+    if (seq < s.next || !s.parked.try_emplace(seq, std::move(call)).second) {
+      // A number already used: a duplicate message (never sent twice by this protocol). Run it unordered
+      // rather than lose it.
+      std::cerr << "[distgrad rref] " << name_ << ": call " << seq << " of stream " << stream << " on "
+                << describe(id) << " arrived twice\n";
+      seq = 0;
+    } else {
+      ++entry.orderedCalls;
+      if (s.running || s.parked.begin()->first != s.next) return;
+      call = std::move(s.parked.begin()->second);
+      s.parked.erase(s.parked.begin());
+      s.running = true;
+    }
+  }
+  if (seq == 0) return whenResolved(id, std::move(call));
+  startOrdered(id, stream, std::move(call));
+}
+
+void RRefContext::startOrdered(RRefId id, uint64_t stream, OrderedCall call) {
+  whenResolved(id, [self = shared_from_this(), id, stream, call = std::move(call)](
+                       rpc::Result<detail::OwnedValue> value) mutable {
+    call(std::move(value));
+    self->finishOrdered(id, stream);
+  });
+}
+
+void RRefContext::finishOrdered(RRefId id, uint64_t stream) {
+  OrderedCall next;
+  std::unique_ptr<OwnerEntry> freed;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = owned_.find(keyOf(id));
+    if (it == owned_.end()) return;  // the agent closed meanwhile
+    OwnerEntry& entry = *it->second;
+    --entry.orderedCalls;
+    auto s = entry.streams.find(stream);
+    if (s == entry.streams.end()) return;
+    s->second.running = false;
+    ++s->second.next;
+    auto& parked = s->second.parked;
+    if (!parked.empty() && parked.begin()->first == s->second.next) {
+      next = std::move(parked.begin()->second);
+      parked.erase(parked.begin());
+      s->second.running = true;
+    } else if (parked.empty() && s->second.closed) {
+      entry.streams.erase(s);
+    }
+    if (!next) freed = maybeFreeLocked(id);
+  }
+  if (next) startOrdered(id, stream, std::move(next));
+}
+
+void RRefContext::closeStreamLocked(OwnerEntry& entry, uint64_t stream) {
+  auto s = entry.streams.find(stream);
+  if (s == entry.streams.end()) return;
+  if (!s->second.running && s->second.parked.empty()) {
+    entry.streams.erase(s);
+  } else {
+    s->second.closed = true;
+  }
 }
 
 rpc::Future<rpc::EncodeValueFn> RRefContext::serveFetch(RRefId id) {
@@ -684,6 +896,7 @@ void RRefContext::serveDelete(RRefId id, ForkId fork) {
   auto it = owned_.find(keyOf(id));
   if (it == owned_.end()) return;
   it->second->forks.erase(fork);
+  closeStreamLocked(*it->second, fork);  // the fork's calls all arrived before its deletion
   freed = maybeFreeLocked(id);
   // `freed` must die outside the lock: it is declared before the guard.
 }

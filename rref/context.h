@@ -71,6 +71,10 @@ class RRefState {
   const ForkId fork;  // 0 on the owner
   const std::string owner;
   const bool isOwner;
+  // The order of method calls made through this reference (Note [Call order]): a stream id unique to it
+  // (the fork on a user, a fresh id on the owner) and the number of the last call issued.
+  const uint64_t stream;
+  std::atomic<uint64_t> lastCall{0};
   std::atomic<bool> confirmed{false};
 };
 
@@ -83,6 +87,10 @@ struct CallHeader {
   RRefId receiver;     // method calls: the RRef whose object runs the method
   RRefId result;       // kinds that store: the new RRef
   uint64_t resultFork = 0;  // the caller's fork of the result (0: the caller is the owner)
+  // Method calls (Note [Call order]): the caller's reference to the receiver (its stream) and the call's
+  // number in it, from 1; 0: unordered.
+  uint64_t stream = 0;
+  uint64_t seq = 0;
   template <class V>
   void visitFields(V& v) {
     v("kind", kind);
@@ -92,6 +100,8 @@ struct CallHeader {
     v("receiver", receiver);
     v("result", result);
     v("resultFork", resultFork);
+    v("stream", stream);
+    v("seq", seq);
   }
 };
 
@@ -100,6 +110,7 @@ enum class CallKind : int64_t {
   kConstruct = 1,    // store a new object of class `target` as `result`
   kMethodStore = 2,  // store receiver.method(args) as `result`
   kMethodValue = 3,  // reply with receiver.method(args)
+  kCopy = 4,         // reply with a copy of the receiver (toHere of an object: its class's codec)
 };
 
 // The wire form of an RRef inside a value tree. The parent (the worker that sent it) is not on the wire:
@@ -124,7 +135,9 @@ inline constexpr uint64_t kFetchHash = rpc::detail::fnv1a64("dg.rref.fetch(rref)
 template <typename T>
 class RRef;
 
-class RRefContext : public rpc::AgentExtension, public std::enable_shared_from_this<RRefContext> {
+class RRefContext : public rpc::AgentExtension,
+                    public rpc::ReferenceSink,
+                    public std::enable_shared_from_this<RRefContext> {
  public:
   // The context of `agent`, created on first use. Throws ValueError after the agent closed.
   static std::shared_ptr<RRefContext> of(rpc::Agent& agent);
@@ -167,6 +180,9 @@ class RRefContext : public rpc::AgentExtension, public std::enable_shared_from_t
   void onPeerDown(const std::string& peer, const rpc::Error& error) override;
   void onShutdown(std::chrono::steady_clock::time_point deadline) override;
   void onAgentClosed() override;
+  // rpc::ReferenceSink: forks carried by a message from `peer` that was dropped without decoding them
+  // (Note [Unclaimed references]).
+  void onUnclaimedReferences(const std::string& peer, std::vector<rpc::CarriedReference> refs) override;
 
   // ---- internals used by RRef<T> and Codec<RRef<T>> ----
   std::string workerOfRank(uint32_t rank) const;
@@ -180,6 +196,8 @@ class RRefContext : public rpc::AgentExtension, public std::enable_shared_from_t
   std::shared_ptr<detail::RRefState> makeOwned(detail::OwnedValue value);
   // Note [Fork on send]: the wire form of `state` sent to `peer`.
   detail::WireRRef fork(const std::shared_ptr<detail::RRefState>& state, const std::string& peer);
+  // Undoes fork() for a message that was not sent (it failed to encode).
+  void unfork(const std::shared_ptr<detail::RRefState>& state, ForkId fork);
   // Note [Fork on receive]: the handle for a received wire form, sent by `from`.
   std::shared_ptr<detail::RRefState> receive(const detail::WireRRef& wire, const std::string& from);
   void release(detail::RRefState& state);
@@ -192,9 +210,11 @@ class RRefContext : public rpc::AgentExtension, public std::enable_shared_from_t
   // resolved already.
   void whenResolved(RRefId id, std::function<void(rpc::Result<detail::OwnedValue>)> callback, rpc::InlineSafe);
   // Sends a "dg.rref.call" to `owner`; `done` gets the reply message or an error (OwnerLost when the owner
-  // died).
+  // died). `orderedBy` (method calls): the caller's reference to the receiver, whose next call number the
+  // call takes once its arguments are encoded (Note [Call order]).
   void callOwner(const std::string& owner, const detail::CallHeader& header, rpc::EncodeValueFn args,
-                 std::function<void(rpc::Result<rpc::DecodedMessage>&&)> done);
+                 std::function<void(rpc::Result<rpc::DecodedMessage>&&)> done,
+                 detail::RRefState* orderedBy = nullptr, const rpc::CallOptions& options = {});
   // Sends a "dg.rref.fetch" of `id` to `owner` (reply: the value).
   void fetch(const std::string& owner, RRefId id, std::chrono::milliseconds timeout,
              std::function<void(rpc::Result<rpc::DecodedMessage>&&)> done);
@@ -218,6 +238,8 @@ class RRefContext : public rpc::AgentExtension, public std::enable_shared_from_t
   rpc::Future<rpc::EncodeValueFn> invokeMethod(const detail::OwnedValue& owned, const detail::CallHeader& header,
                                                const std::shared_ptr<rpc::DecodedMessage>& args,
                                                const rpc::CallContext& ctx);
+  rpc::Result<rpc::EncodeValueFn> copyOf(const detail::OwnedValue& owned, const detail::CallHeader& header,
+                                         const rpc::CallContext& ctx);
   rpc::Result<detail::OwnedValue> construct(const detail::CallHeader& header, const rpc::DecodedMessage& args,
                                             const rpc::CallContext& ctx);
   struct Waiter {
@@ -225,15 +247,30 @@ class RRefContext : public rpc::AgentExtension, public std::enable_shared_from_t
     bool inlineSafe = false;
   };
   void addWaiter(RRefId id, Waiter waiter);
+  // Note [Call order]: runs `call` with the receiver's value once the calls numbered before it in its stream
+  // ran; finishOrdered is called when its method returned and starts the next.
+  using OrderedCall = std::function<void(rpc::Result<detail::OwnedValue>)>;
+  void enqueueOrdered(RRefId id, uint64_t stream, uint64_t seq, OrderedCall call);
+  void startOrdered(RRefId id, uint64_t stream, OrderedCall call);
+  void finishOrdered(RRefId id, uint64_t stream);
   // Runs `waiter` with `value` (Note [Resolve wake-ups]): here when it is inline-safe, or when `onExecutor`
   // allows a plain one here; else posted. Inline runs nest at most rpc::detail::kMaxInlineDepth deep.
   void runWaiter(Waiter waiter, rpc::Result<detail::OwnedValue> value, bool onExecutor);
+  // The method calls of one caller's reference on one RRef (Note [Call order]).
+  struct CallStream {
+    uint64_t next = 1;     // the number of the call that runs next
+    bool running = false;  // a call of this stream is waiting for the value or running its method
+    bool closed = false;   // the reference is gone: forget the stream once idle
+    std::map<uint64_t, std::function<void(rpc::Result<detail::OwnedValue>)>> parked;  // arrived early
+  };
   struct OwnerEntry {
     bool created = false;  // the creating call arrived (before: a placeholder made by an early message)
     std::optional<rpc::Result<detail::OwnedValue>> value;  // set once resolved
     std::vector<Waiter> waiters;
     std::map<ForkId, std::string> forks;  // user forks the owner knows, and the worker holding each
     int64_t localRefs = 0;
+    std::unordered_map<uint64_t, CallStream> streams;
+    int64_t orderedCalls = 0;  // calls parked or running in `streams`
   };
   struct UserEntry {
     RRefId id;
@@ -249,6 +286,8 @@ class RRefContext : public rpc::AgentExtension, public std::enable_shared_from_t
 
   // Caller holds mutex_.
   OwnerEntry& entryLocked(RRefId id);
+  // The reference of `stream` is gone: forget the stream now if idle, else once its last call ran.
+  void closeStreamLocked(OwnerEntry& entry, uint64_t stream);
   // Erases `id` when nothing refers to it; returns the erased entry (destroy it outside the lock).
   std::unique_ptr<OwnerEntry> maybeFreeLocked(RRefId id);
   void resolve(RRefId id, rpc::Result<detail::OwnedValue> value);

@@ -87,10 +87,9 @@ struct ModulePlacement {
 namespace detail {
 
 // Owner side of remoteParameters: one function per module class, named after it, bound by bindRemoteModule.
-// It takes the module's RRefId, not an RRef<M>: an RRef argument is forked on send and its fork is only
-// settled when the callee decodes it, so a call to a worker that does not bind the function (no decoding)
-// would leak that fork. The caller keeps its own reference until the reply instead, exactly as method
-// calls on an RRef do (Note [Promise pipelining]).
+// It takes the module's RRefId, not an RRef<M>: the caller keeps its own reference until the reply, exactly
+// as method calls on an RRef do (Note [Promise pipelining]), which costs no fork and no fork request. (An
+// RRef argument would be safe too: a call nobody decodes settles its forks, Note [Unclaimed references].)
 template <typename M>
 const rpc::Function<std::vector<RRef<Tensor>>(RRefId)>& parametersFunction() {
   static const rpc::Function<std::vector<RRef<Tensor>>(RRefId)> fn{"dg.remote_module.parameters/" +

@@ -43,6 +43,12 @@ struct ClassOf {};
 template <typename T>
 concept DeclaredClass = requires { ClassOf<T>::get(); };
 
+// What RRef<T>::toHere can copy (Note [Copying objects]): values, and objects of classes with a codec and a
+// copy constructor (rpc::CopyableObject). An RRef<T> of another class has no toHere (a compile error naming
+// this concept): its objects stay at their owner, call their methods.
+template <typename T>
+concept CopyableToHere = !DeclaredClass<T> || rpc::CopyableObject<T>;
+
 namespace detail {
 
 template <typename P, typename X>
@@ -91,8 +97,14 @@ class RRef {
 
   // A copy of the value (on the owner: the local value), once it is resolved. `timeout` bounds the wait on
   // a user (0: the agent's default). Errors: the creating call's error, OwnerLost, timeout.
-  rpc::Future<T> toHereAsync(std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) const;
-  T toHere(std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) const {
+  // Objects of a DG_RREF_CLASS (Note [Copying objects]): a copy through the class's codec, taken after
+  // this reference's earlier method calls ran (Note [Call order]); a class without a codec (visitFields)
+  // or a copy constructor has no toHere (CopyableToHere; the owner refuses such a copy with an error too).
+  rpc::Future<T> toHereAsync(std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) const
+    requires CopyableToHere<T>;
+  T toHere(std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) const
+    requires CopyableToHere<T>
+  {
     return toHereAsync(timeout).get();
   }
   // Owner only: the value itself (shared, not copied) once resolved. Throws ValueError on a user, or
@@ -130,13 +142,45 @@ class RRef {
     header.receiver = checked().id;
     return header;
   }
+  // toHere of a value: a fetch (a user) or a copy of the local value (the owner).
+  rpc::Future<T> valueHere(std::chrono::milliseconds timeout) const;
   std::shared_ptr<detail::RRefState> state_;
 };
 
 // ---- templates ----
 
 template <typename T>
-rpc::Future<T> RRef<T>::toHereAsync(std::chrono::milliseconds timeout) const {
+rpc::Future<T> RRef<T>::toHereAsync(std::chrono::milliseconds timeout) const
+  requires CopyableToHere<T>
+{
+  if constexpr (DeclaredClass<T>) {
+    // An object (Note [Copying objects]): a copy made by its class, ordered after this reference's earlier
+    // method calls (so on the owner too: the call goes through the owner's own queue).
+    const auto& state = checked();
+    auto context = state.context;
+    auto promise = std::make_shared<rpc::Promise<T>>(context->executor());
+    rpc::Future<T> future = promise->getFuture();
+    detail::CallHeader header;
+    header.kind = static_cast<int64_t>(detail::CallKind::kCopy);
+    header.target = ClassOf<T>::get().name();
+    header.receiver = state.id;
+    rpc::CallOptions options;
+    options.timeout = timeout;
+    context->callOwner(
+        state.owner, header, {},
+        [promise, keep = state_](rpc::Result<rpc::DecodedMessage>&& reply) {
+          if (!reply.ok()) return promise->setError(reply.error());
+          promise->setResult(reply.value().decodeValue<T>());
+        },
+        state_.get(), options);
+    return future;
+  } else {
+    return valueHere(timeout);
+  }
+}
+
+template <typename T>
+rpc::Future<T> RRef<T>::valueHere(std::chrono::milliseconds timeout) const {
   const auto& state = checked();
   auto context = state.context;
   auto promise = std::make_shared<rpc::Promise<T>>(context->executor());
@@ -202,7 +246,8 @@ auto RRef<T>::rpcAsync(M method, A&&... args) const {
                              } else {
                                promise->setResult(reply.value().template decodeValue<R>());
                              }
-                           });
+                           },
+                           state_.get());
   return future;
 }
 
@@ -223,13 +268,15 @@ RRef<R> storeAt(const std::shared_ptr<RRefContext>& context, const std::string& 
     result = context->makeUserHandle(header.result, header.resultFork, /*confirmed=*/false);
   }
   const ForkId fork = header.resultFork;
+  RRefState* receiver = keep.get();  // method calls are ordered through their receiver's reference
   context->callOwner(owner, header, std::move(args),
                      [context, fork, keep = std::move(keep)](rpc::Result<rpc::DecodedMessage>&& reply) {
                        // Note [Creation confirms]: the reply means the owner registered the caller's fork.
                        // A timed-out call may still have arrived: the deletion is sent anyway (idempotent).
                        bool known = reply.ok() || reply.error().kind == rpc::ErrorKind::kTimeout;
                        if (fork != 0) context->confirmUser(fork, known);
-                     });
+                     },
+                     receiver);
   return RRef<R>(std::move(result));
 }
 
@@ -301,14 +348,21 @@ struct Codec<rref::RRef<T>> {
   static void encode(wire::Value::Builder out, const rref::RRef<T>& value, EncodeContext& ctx) {
     if (!value.valid()) throw CodecError("cannot send an empty RRef");
     if (ctx.scope().agent == nullptr) throw CodecError("an RRef can only be sent by an agent");
-    rref::detail::WireRRef wire = value.state()->context->fork(value.state(), ctx.scope().peer);
+    const auto& context = value.state()->context;
+    rref::detail::WireRRef wire = context->fork(value.state(), ctx.scope().peer);
+    // Listed in the envelope (Note [Unclaimed references]); undone if the message fails to encode.
+    ctx.addReference(CarriedReference{wire.id, wire.fork},
+                     [context, state = value.state(), fork = wire.fork] { context->unfork(state, fork); });
     Codec<rref::detail::WireRRef>::encode(out, wire, ctx);
   }
   static rref::RRef<T> decode(wire::Value::Reader in, DecodeContext& ctx) {
     if (ctx.scope().agent == nullptr) throw CodecError("an RRef can only be received by an agent");
     auto wire = Codec<rref::detail::WireRRef>::decode(in, ctx);
     auto context = rref::RRefContext::of(*ctx.scope().agent);
-    return rref::RRef<T>(context->receive(wire, ctx.scope().peer));
+    auto handle = context->receive(wire, ctx.scope().peer);
+    // This fork has a handle now (whose release settles it): no longer the message's to settle.
+    if (ctx.scope().references) ctx.scope().references->claim(wire.fork);
+    return rref::RRef<T>(std::move(handle));
   }
 
  private:

@@ -39,6 +39,10 @@ struct Envelope {
   # kMaxAutogradClosure ids). autogradClosureKnown false: the sender could not bound it.
   autogradClosure @14 :List(UInt64);
   autogradClosureKnown @15 :Bool;
+  # The remote references (RRef forks, rref/) written anywhere in `value`, so a receiver that never decodes
+  # the value (an unknown function, a refused or expired call, a reply nobody waits for) can still settle
+  # them (docs/rref_protocol.md, Note [Unclaimed references]).
+  references @16 :List(CarriedReference);
 
   enum Kind {
     call @0;
@@ -113,6 +117,12 @@ struct TensorDesc {
   # Distributed autograd: the sender's tensor requires grad (only in a message with an autograd context,
   # floating dtypes only); the receiver's copy hangs from the message's RecvBackward node.
   requiresGrad @7 :Bool;
+}
+
+# One remote reference carried by a message: the RRef and the fork the sender made for the receiver.
+struct CarriedReference {
+  id @0 :RRefId;
+  fork @1 :UInt64;
 }
 
 # Globally unique id of a remote reference (issue 4): the owner's worker id and its local counter.

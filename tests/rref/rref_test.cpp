@@ -202,10 +202,10 @@ TEST_P(RRefFixture, PromisePipeliningOneRoundTrip) {
       world_.gate->setValue(int64_t{41});
     }
     EXPECT_EQ(pending.get(), 42);
-    // Two calls on one value may run concurrently on the owner's executor, in either order.
-    const int64_t xv = x.toHere();
-    const int64_t yv = y.toHere();
-    EXPECT_TRUE((xv == 101 && yv == 111) || (yv == 110 && xv == 111)) << "x=" << xv << " y=" << yv;
+    // Two calls issued through one reference run in issue order (Note [Call order]), even though both
+    // waited for the object at the owner.
+    EXPECT_EQ(x.toHere(), 101);
+    EXPECT_EQ(y.toHere(), 111);
   }
   EXPECT_TRUE(allSettled()) << tables();
 }
@@ -220,9 +220,10 @@ TEST_P(RRefFixture, ChainOnUnresolvedValueIsQueuedAtOwner) {
     RRef<int64_t> b = c.remote(&Counter::add, int64_t{1});
     RRef<int64_t> d = c.remote(&Counter::add, int64_t{1});
     EXPECT_EQ(agent(0).metrics(name(1)).callsSent - before, 4u);  // no call waited for another
-    // Calls queued on one value start in any order (like concurrent calls on an object): each add saw a
-    // different count.
-    EXPECT_EQ(d.toHere() + b.toHere() + a.toHere(), 2 + 3 + 4);
+    // Calls queued on one value run in the order this reference issued them (Note [Call order]).
+    EXPECT_EQ(d.toHere(), 4);
+    EXPECT_EQ(b.toHere(), 3);
+    EXPECT_EQ(a.toHere(), 2);
     EXPECT_EQ(c.rpcSync(&Counter::get), 4);
   }
   EXPECT_TRUE(allSettled()) << tables();
