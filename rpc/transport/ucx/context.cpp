@@ -92,6 +92,9 @@ Result<void> UcxLoop::init() {
     context_ = nullptr;
     return fail("ucp_init", status);
   }
+  ucp_context_attr_t contextAttr{};
+  contextAttr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  if (ucp_context_query(context_, &contextAttr) == UCS_OK) memoryTypes_ = contextAttr.memory_types;
   ucp_worker_params_t workerParams{};
   workerParams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   workerParams.thread_mode = UCS_THREAD_MODE_SINGLE;
@@ -485,6 +488,28 @@ bool ucxViable(std::string* reason) {
   if (problem && reason != nullptr) *reason = *problem;
   return !problem.has_value();
 }
+
+std::string ucxMemoryTypes() {
+  static const std::string types = []() -> std::string {
+    auto loop = UcxLoop::create(ContextOptions{});
+    if (!loop.ok()) return "";
+    const uint64_t mask = loop.value()->memoryTypes();
+    loop.value()->shutdown();
+    std::string out;
+    const std::pair<ucs_memory_type_t, const char*> known[] = {
+        {UCS_MEMORY_TYPE_HOST, "host"}, {UCS_MEMORY_TYPE_CUDA, "cuda"}, {UCS_MEMORY_TYPE_CUDA_MANAGED, "cuda-managed"},
+        {UCS_MEMORY_TYPE_ROCM, "rocm"}, {UCS_MEMORY_TYPE_ROCM_MANAGED, "rocm-managed"}};
+    for (const auto& [type, name] : known) {
+      if ((mask & (uint64_t{1} << type)) == 0) continue;
+      if (!out.empty()) out.push_back(',');  // appended piecewise: GCC 12 flags a bogus -Wrestrict on a + chain
+      out.append(name);
+    }
+    return out;
+  }();
+  return types;
+}
+
+bool ucxSupportsCudaMemory() { return ucxMemoryTypes().find("cuda") != std::string::npos; }
 
 std::string ucxTransportsOf(Connection& connection) {
   auto* ucx = dynamic_cast<UcxConnection*>(&connection);

@@ -70,6 +70,8 @@ class UcxLoop : public std::enable_shared_from_this<UcxLoop> {
   ucp_context_h ucpContext() const { return context_; }
   bool closingFromLoop() const { return closing_; }
   size_t maxAmHeader() const { return maxAmHeader_; }
+  // ucp_context_query's memory types (a bit per ucs_memory_type_t).
+  uint64_t memoryTypes() const { return memoryTypes_; }
   // Runs fn from the loop after the current ucp progress call returns (FIFO with the other deferred work).
   void deferFromLoop(std::function<void()> fn) { deferred_.push_back(std::move(fn)); }
   // Runs fn at `deadline` on the loop (or during shutdown's drain, whichever comes first).
@@ -125,6 +127,7 @@ class UcxLoop : public std::enable_shared_from_this<UcxLoop> {
   int wakeFd_ = -1;
   int epollFd_ = -1;
   size_t maxAmHeader_ = 0;
+  uint64_t memoryTypes_ = 0;
   std::vector<AmHandlerArg> amArgs_;
   std::mutex mutex_;
   std::vector<std::function<void()>> tasks_;  // GUARDED_BY(mutex_)
@@ -170,6 +173,11 @@ bool ucxViable(std::string* reason = nullptr);
 // The transports ucp uses for a ucx connection ("" for other transports or a closed connection). Blocks
 // until the loop answers; not on the loop thread.
 std::string ucxTransportsOf(Connection& connection);
+// The memory types this UCX build can move, e.g. "host" (Debian's UCX 1.13 has no CUDA support) or
+// "host,cuda"; "" when ucx is not viable. Checked once per process. distgrad's tensors are host memory
+// today: this is the detection a CUDA path would consult, falling back to host staging without "cuda".
+std::string ucxMemoryTypes();
+bool ucxSupportsCudaMemory();
 // Resolves "host:port" (numeric or a name) to a sockaddr; false with `error` set when it cannot.
 bool resolveAddress(const std::string& address, sockaddr_storage& out, socklen_t& length, std::string& error);
 
