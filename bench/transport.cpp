@@ -1,15 +1,13 @@
 // Our transports against the raw socket limits, in the same run: a 64 B-envelope frame ping-pong between
 // two processes (round trip, us) and an echo of one payload of 1 KB to 64 MB (the frame comes back with the
 // same payload; GB/s counting both directions), for tcp, ucx (event-driven: the loop sleeps on the
-// worker's event fd) and ucx-poll (ContextOptions::ucxBusyPoll: the loop spins), each line with the CPU
+// worker's event fd after spinning 50 us) and ucx-poll (ContextOptions::ucxBusyPoll: the loop spins), each line with the CPU
 // both processes burned per wall second (`cpu_busy_client` / `cpu_busy_server`) and, for ucx, the
 // transports ucp chose for the connection (`ucx_transports`, from ucp_ep_print_info). The ping-pong also
 // runs with both processes pinned to CPU 0 for tcp (the ucx busy-poll loops cannot share one core).
 // Ratios: ratio_vs_raw = ours / raw (above 1 is overhead for a time, below 1 for a bandwidth);
 // ratio_vs_tcp likewise against our tcp transport in the same run.
 // Usage: bench_transport [rounds=20000] [messages=20] [transports=tcp,ucx,ucx-poll]
-#include <sys/resource.h>
-#include <sys/wait.h>
 
 #include <condition_variable>
 #include <cstdlib>
@@ -62,19 +60,25 @@ void serveChild(const std::string& transport, int portPipe) {
   std::promise<void> finished;
   std::shared_ptr<Connection> connection;
   std::vector<uint8_t> sink(kStreamBytes);
+  // CPU seconds of this process from the first frame to the hang-up: reported back through the pipe.
+  double firstFrameCpu = -1, closedCpu = 0;
   auto listener = context
                       ->listen("127.0.0.1:0",
                                [&](std::shared_ptr<Connection> c) {
                                  connection = c;
                                  Connection* raw = c.get();
                                  c->start(sinkAllocator(sink),
-                                          [raw](IncomingFrame&& frame) {
+                                          [raw, &firstFrameCpu](IncomingFrame&& frame) {
+                                            if (firstFrameCpu < 0) firstFrameCpu = processCpuSeconds();
                                             OutgoingFrame reply;
                                             reply.envelope = std::move(frame.envelope);
                                             for (auto& p : frame.payloads) reply.payloads.push_back({p.data, p.size, p.owner});
                                             raw->send(std::move(reply), nullptr);
                                           },
-                                          [&](const Error&) { finished.set_value(); });
+                                          [&](const Error&) {
+                                            closedCpu = processCpuSeconds();
+                                            finished.set_value();
+                                          });
                                })
                       .value();
   std::string address = listener->address();
@@ -82,6 +86,8 @@ void serveChild(const std::string& transport, int portPipe) {
   check(::write(portPipe, &port, sizeof(port)) == sizeof(port), "write port");
   finished.get_future().wait();
   context->close();
+  double busy = firstFrameCpu < 0 ? 0.0 : closedCpu - firstFrameCpu;
+  check(::write(portPipe, &busy, sizeof(busy)) == sizeof(busy), "write cpu");
 }
 
 struct Client {
@@ -123,26 +129,27 @@ struct Client {
   }
 };
 
-pid_t startServer(const std::string& transport, bool pinned, int& port) {
+// Forks the echo server; `pipeFd` then gives its CPU seconds of the traffic once the client hung up.
+pid_t startServer(const std::string& transport, bool pinned, int& port, int& pipeFd) {
   int fds[2];
   check(pipe(fds) == 0, "pipe");
+  std::fflush(stdout);  // the child must not print what the parent buffered
   pid_t child = forkChild(pinned, [&] {
     ::close(fds[0]);
     serveChild(transport, fds[1]);
   });
   ::close(fds[1]);
   check(::read(fds[0], &port, sizeof(port)) == sizeof(port), "read port");
-  ::close(fds[0]);
+  pipeFd = fds[0];
   return child;
 }
 
-// CPU seconds the child used over its life (wait4's rusage).
-double reapCpu(pid_t pid) {
-  int status = 0;
-  rusage usage{};
-  ::wait4(pid, &status, 0, &usage);
-  return static_cast<double>(usage.ru_utime.tv_sec + usage.ru_stime.tv_sec) +
-         static_cast<double>(usage.ru_utime.tv_usec + usage.ru_stime.tv_usec) * 1e-6;
+double reapCpu(pid_t pid, int pipeFd) {
+  double busy = 0;
+  if (::read(pipeFd, &busy, sizeof(busy)) != sizeof(busy)) busy = -1;
+  ::close(pipeFd);
+  reap(pid);
+  return busy;
 }
 
 struct Result2 {
@@ -154,8 +161,8 @@ struct Result2 {
 // One connection to a fresh server: `rounds` frames of a 64 B envelope and a payload of `bytes` (none when
 // 0), each echoed before the next; samples are us per round trip (bytes == 0) or GB/s of both directions.
 Result2 exchange(const std::string& transport, size_t bytes, int rounds, bool pinned) {
-  int port = 0;
-  pid_t child = startServer(transport, pinned, port);
+  int port = 0, pipeFd = -1;
+  pid_t child = startServer(transport, pinned, port, pipeFd);
   Result2 out;
   std::vector<double> samples;
   double wall = 0, cpu = 0;
@@ -188,10 +195,11 @@ Result2 exchange(const std::string& transport, size_t bytes, int rounds, bool pi
     cpu = processCpuSeconds() - cpu0;
     out.transports = client.transports();
   }
-  double childCpu = reapCpu(child);
+  double childCpu = reapCpu(child, pipeFd);
   out.m = measurementOf(samples);
   out.cpuClient = cpu / wall;
-  // The child's whole life (start-up and teardown included) over the timed stretch: an upper bound.
+  // From the server's first frame (the client's warm-up) to the hang-up, over the timed stretch: a slight
+  // overestimate.
   out.cpuServer = childCpu / wall;
   return out;
 }
@@ -238,6 +246,7 @@ int main(int argc, char** argv) {
     std::printf("{\"bench\":\"transport_ucx\",\"info\":\"memory_types\",\"memory_types\":%s,\"cuda\":%s}\n",
                 quoted(distgrad::rpc::transport::ucx::ucxMemoryTypes()).c_str(),
                 distgrad::rpc::transport::ucx::ucxSupportsCudaMemory() ? "true" : "false");
+    std::fflush(stdout);
   }
 #endif
   auto extras = [](const Result2& r, double raw, double tcp) {

@@ -223,7 +223,8 @@ int UcxLoop::timeoutMsFromLoop() const {
   return static_cast<int>(std::clamp<long long>(ms + 1, 0, 60000));
 }
 
-void UcxLoop::driveFromLoop() {
+bool UcxLoop::driveFromLoop() {
+  bool worked = false;
   for (;;) {
     bool busy = false;
     while (ucp_worker_progress(worker_) != 0) busy = true;
@@ -254,15 +255,17 @@ void UcxLoop::driveFromLoop() {
         }
       }
     }
-    if (!busy) return;
+    if (!busy) return worked;
+    worked = true;
   }
 }
 
 void UcxLoop::run() {
   epoll_event events[4];
+  auto lastWork = std::chrono::steady_clock::now();
   for (;;) {
     runTimersFromLoop(closing_ && connections_.empty());
-    driveFromLoop();
+    if (driveFromLoop()) lastWork = std::chrono::steady_clock::now();
     if (closing_ && connections_.empty() && listeners_.empty() && timers_.empty() && deferred_.empty() &&
         teardowns_ == 0) {
       std::lock_guard lock(mutex_);
@@ -270,6 +273,9 @@ void UcxLoop::run() {
       continue;
     }
     if (options_.ucxBusyPoll) continue;
+    // Shortly after work, an answer is likely (a round trip on one host takes a few us): keep progressing
+    // for kSpinBeforeSleep before paying for ucp_worker_arm, epoll_wait and the peer's wake-up signal.
+    if (std::chrono::steady_clock::now() - lastWork < kSpinBeforeSleep) continue;
     // Sleep only when ucp agrees nothing is pending (arm returns BUSY when events arrived meanwhile).
     ucs_status_t status = ucp_worker_arm(worker_);
     if (status == UCS_ERR_BUSY) continue;
