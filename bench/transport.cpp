@@ -1,7 +1,7 @@
 // Our transports against the raw socket limits, in the same run: a 64 B-envelope frame ping-pong between
 // two processes (round trip, us) and an echo of one payload of 1 KB to 64 MB (the frame comes back with the
 // same payload; GB/s counting both directions), for tcp, ucx (event-driven: the loop sleeps on the
-// worker's event fd after spinning 50 us) and ucx-poll (ContextOptions::ucxBusyPoll: the loop spins), each line with the CPU
+// worker's event fd) and ucx-poll (ContextOptions::ucxBusyPoll: the loop spins), each line with the CPU
 // both processes burned per wall second (`cpu_busy_client` / `cpu_busy_server`) and, for ucx, the
 // transports ucp chose for the connection (`ucx_transports`, from ucp_ep_print_info). The ping-pong also
 // runs with both processes pinned to CPU 0 for tcp (the ucx busy-poll loops cannot share one core).

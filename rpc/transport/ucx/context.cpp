@@ -262,10 +262,9 @@ bool UcxLoop::driveFromLoop() {
 
 void UcxLoop::run() {
   epoll_event events[4];
-  auto lastWork = std::chrono::steady_clock::now();
   for (;;) {
     runTimersFromLoop(closing_ && connections_.empty());
-    if (driveFromLoop()) lastWork = std::chrono::steady_clock::now();
+    driveFromLoop();
     if (closing_ && connections_.empty() && listeners_.empty() && timers_.empty() && deferred_.empty() &&
         teardowns_ == 0) {
       std::lock_guard lock(mutex_);
@@ -273,9 +272,6 @@ void UcxLoop::run() {
       continue;
     }
     if (options_.ucxBusyPoll) continue;
-    // Shortly after work, an answer is likely (a round trip on one host takes a few us): keep progressing
-    // for kSpinBeforeSleep before paying for ucp_worker_arm, epoll_wait and the peer's wake-up signal.
-    if (std::chrono::steady_clock::now() - lastWork < kSpinBeforeSleep) continue;
     // Sleep only when ucp agrees nothing is pending (arm returns BUSY when events arrived meanwhile).
     ucs_status_t status = ucp_worker_arm(worker_);
     if (status == UCS_ERR_BUSY) continue;

@@ -5,8 +5,8 @@
 // Threads: UcxLoop owns the ucp context, the worker (UCS_THREAD_MODE_SINGLE) and the thread that drives
 // them; only that thread calls into ucp (methods named ...FromLoop). By default the loop sleeps in
 // epoll_wait on the worker's event fd (ucp_worker_get_efd, re-armed with ucp_worker_arm) and on an eventfd
-// that other threads write when they post a task, after spinning for kSpinBeforeSleep since its last work
-// (an answer to what it just sent usually comes sooner than a sleep and wake-up would take); with ContextOptions::ucxBusyPoll it never sleeps and
+// that other threads write when they post a task (spinning a while before sleeping was tried and made the
+// round trip slower here, 133 us against 50: see bench/README.md); with ContextOptions::ucxBusyPoll it never sleeps and
 // spins in ucp_worker_progress (lowest latency, one core at 100%). ucp callbacks (active messages, request
 // completions, endpoint errors, connection requests) only record what happened: user callbacks (onFrame,
 // onClosed, send and connect completions, onAccept) run afterwards from the loop's deferred queue, so they
@@ -90,8 +90,6 @@ class UcxLoop : public std::enable_shared_from_this<UcxLoop> {
     if (closingConnections_ > 0) --closingConnections_;
   }
   static constexpr int kClosingPollMs = 1;
-  // Event mode: how long the loop keeps progressing after its last work before it sleeps on the fds.
-  static constexpr auto kSpinBeforeSleep = std::chrono::microseconds(50);
   // Endpoints whose ucp_ep_close_nbx is still in progress: the worker outlives them.
   void teardownStartedFromLoop() { ++teardowns_; }
   void teardownDoneFromLoop() {
