@@ -230,6 +230,51 @@ TEST(UcxWire, UnknownActiveMessageIdsAreDroppedAndTheConnectionStaysUp) {
   EXPECT_EQ(atServer.frames[1].flags, 7);
 }
 
+// A head above the worker's maximum AM header travels as kHead + kPayloads: envelopes of 9 KB and 1 MB (the
+// latter by rendezvous), with and without payloads, arrive intact and in order with the small frames
+// around them.
+TEST(UcxWire, HeadsLargerThanAnActiveMessageHeaderTakeTheTwoMessagePath) {
+  if (!ucxUnavailableReason().empty()) GTEST_SKIP() << "ucx is not viable here: " << ucxUnavailableReason();
+  auto server = createContext("ucx").value();
+  auto client = createContext("ucx").value();
+  std::promise<std::shared_ptr<Connection>> accepted;
+  auto listener = server->listen("127.0.0.1:0", [&](std::shared_ptr<Connection> c) { accepted.set_value(std::move(c)); });
+  ASSERT_TRUE(listener.ok());
+  std::promise<Result<std::shared_ptr<Connection>>> connected;
+  client->connect(listener.value()->address(),
+                  [&](Result<std::shared_ptr<Connection>> r) { connected.set_value(std::move(r)); });
+  auto connection = connected.get_future().get().value();
+  Collector atServer;
+  atServer.start(accepted.get_future().get());
+  Collector atClient;
+  atClient.start(connection);
+  const std::vector<size_t> envelopes = {16, 9000, 1 << 20, 16, 9000};
+  Bytes payload = patternBytes(300000, 4);
+  SendTracker sends(envelopes.size());
+  for (size_t i = 0; i < envelopes.size(); ++i) {
+    OutgoingFrame frame;
+    frame.flags = static_cast<uint16_t>(i);
+    frame.envelope = envelopeWithIndex(i, envelopes[i]);
+    if (i % 2 == 0) frame.payloads = {payload.buffer(), patternBytes(0, 1).buffer()};
+    connection->send(std::move(frame), sends.callback(i));
+  }
+  ASSERT_TRUE(atServer.waitFrames(envelopes.size()));
+  ASSERT_TRUE(sends.waitDone(envelopes.size()));
+  EXPECT_EQ(sends.ok, envelopes.size());
+  std::lock_guard lock(atServer.mutex);
+  for (size_t i = 0; i < envelopes.size(); ++i) {
+    const auto& f = atServer.frames[i];
+    EXPECT_EQ(f.flags, i);
+    EXPECT_EQ(f.envelope, envelopeWithIndex(i, envelopes[i]));
+    ASSERT_EQ(f.payloads.size(), i % 2 == 0 ? 2u : 0u);
+    if (i % 2 == 0) {
+      ASSERT_EQ(f.payloads[0].size, payload.data->size());
+      EXPECT_EQ(std::memcmp(f.payloads[0].data, payload.data->data(), payload.data->size()), 0);
+      EXPECT_EQ(f.payloads[1].size, 0u);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace distgrad::rpc::transport::ucx
 
