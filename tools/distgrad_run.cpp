@@ -1,6 +1,6 @@
 // distgrad-run: starts N worker processes on this machine with the torchrun environment contract.
 //
-//   distgrad-run --nproc N [--master-addr A] [--master-port P] [--grace-ms MS] [--] PROGRAM ARGS...
+//   distgrad-run --nproc N [--master-addr A] [--master-port P] [--grace-ms MS] [--transport T] [--] PROGRAM ARGS...
 //
 // Each worker gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
 // DISTGRAD_SECRET (one secret per job, generated here unless the launcher's own environment already has
@@ -55,16 +55,18 @@ struct Arguments {
   std::string masterAddr = "127.0.0.1";
   int masterPort = 0;  // 0: pick a free one
   int graceMs = 5000;
+  std::string transport;  // "": the workers inherit DISTGRAD_TRANSPORT (or default to tcp)
   std::vector<std::string> command;
 };
 
 const char* kUsage =
-    "usage: distgrad-run --nproc N [--master-addr ADDR] [--master-port PORT] [--grace-ms MS] [--] PROGRAM "
-    "[ARGS...]\n"
+    "usage: distgrad-run --nproc N [--master-addr ADDR] [--master-port PORT] [--grace-ms MS] [--transport T] [--] "
+    "PROGRAM [ARGS...]\n"
     "  --nproc N          number of worker processes to start on this machine (1..4096)\n"
     "  --master-addr ADDR rendezvous address given to the workers as MASTER_ADDR (default 127.0.0.1)\n"
     "  --master-port PORT rendezvous port (default: a free port picked by the launcher)\n"
-    "  --grace-ms MS      how long workers get to exit after SIGTERM before SIGKILL (default 5000)\n";
+    "  --grace-ms MS      how long workers get to exit after SIGTERM before SIGKILL (default 5000)\n"
+    "  --transport T      the workers' transport, tcp or ucx (sets DISTGRAD_TRANSPORT; default: inherited, else tcp)\n";
 
 [[noreturn]] void usageError(const std::string& message) {
   std::fprintf(stderr, "distgrad-run: %s\n%s", message.c_str(), kUsage);
@@ -118,6 +120,12 @@ Arguments parseArguments(int argc, char** argv) {
       args.masterPort = parseIntArg(name, takeValue(), 1, 65535);
     } else if (name == "--grace-ms") {
       args.graceMs = parseIntArg(name, takeValue(), 0, 3'600'000);
+    } else if (name == "--transport") {
+      args.transport = std::string(takeValue());
+      // inproc joins agents of one process only: meaningless across the launcher's processes.
+      if (args.transport != "tcp" && args.transport != "ucx") {
+        usageError("--transport must be tcp or ucx, got '" + args.transport + "'");
+      }
     } else {
       usageError("unknown option '" + std::string(arg) + "'");
     }
@@ -425,6 +433,10 @@ int Launcher::run() {
   environment.push_back("MASTER_ADDR=" + args_.masterAddr);
   environment.push_back("MASTER_PORT=" + std::to_string(args_.masterPort));
   environment.push_back("DISTGRAD_SECRET=" + secret);
+  if (!args_.transport.empty()) {
+    std::erase_if(environment, [](const std::string& e) { return e.starts_with("DISTGRAD_TRANSPORT="); });
+    environment.push_back("DISTGRAD_TRANSPORT=" + args_.transport);
+  }
 
   startWorkers(environment);
 

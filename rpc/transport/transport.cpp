@@ -4,6 +4,9 @@
 
 #include "rpc/transport/inproc/context.h"
 #include "rpc/transport/tcp/context.h"
+#ifdef DG_HAVE_UCX
+#include "rpc/transport/ucx/context.h"
+#endif
 
 namespace distgrad::rpc::transport {
 
@@ -50,7 +53,29 @@ Result<std::unique_ptr<Context>> createContext(const std::string& name, const Co
     return inproc::createInprocContext(std::make_shared<inproc::InprocHub>(), options);
   }
   if (name == "tcp") return tcp::createTcpContext(options);
-  return Error::unimplemented("unknown transport '" + name + "'; known transports: inproc, tcp");
+  if (name == "ucx") {
+#ifdef DG_HAVE_UCX
+    return ucx::createUcxContext(options);
+#else
+    return Error::unimplemented("transport 'ucx': this build has no UCX (libucx-dev was not found at configure time)");
+#endif
+  }
+  return Error::unimplemented("unknown transport '" + name + "'; known transports: inproc, tcp, ucx");
+}
+
+std::string ucxUnavailableReason() {
+#ifdef DG_HAVE_UCX
+  std::string reason;
+  return ucx::ucxViable(&reason) ? std::string() : reason;
+#else
+  return "this build has no UCX (libucx-dev was not found at configure time)";
+#endif
+}
+
+std::vector<std::string> viableTransports() {
+  std::vector<std::string> names = {"inproc", "tcp"};
+  if (ucxUnavailableReason().empty()) names.push_back("ucx");
+  return names;
 }
 
 }  // namespace distgrad::rpc::transport

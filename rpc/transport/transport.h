@@ -1,4 +1,4 @@
-// The transport interface every transport implements (inproc, tcp, later ucx): framed, asynchronous,
+// The transport interface every transport implements (inproc, tcp, ucx): framed, asynchronous,
 // ordered delivery of messages between two endpoints.
 //
 // A frame on the wire (see docs/wire_protocol.md):
@@ -126,9 +126,13 @@ struct ContextOptions {
   FrameLimits limits;
   // tcp: coalesce frames queued in the same loop iteration into one vectored write.
   bool coalesceWrites = true;
+  // ucx: the loop spins in ucp_worker_progress instead of sleeping on the worker's event fd: the lowest
+  // latency, at the price of one core kept at 100% for the Context's lifetime.
+  bool ucxBusyPoll = false;
 };
 
-// Creates a transport by name: "inproc" or "tcp". Unknown names are an Error naming the known ones.
+// Creates a transport by name: "inproc", "tcp" or "ucx". Unknown names are an Error naming the known ones;
+// "ucx" is an Error (kUnimplemented, saying why) when the build has no UCX or UCX cannot be initialised.
 Result<std::unique_ptr<Context>> createContext(const std::string& name, const ContextOptions& options = {});
 
 // Wire helpers shared by transports.
@@ -140,5 +144,11 @@ Result<void> validatePrefix(const FramePrefix& prefix, const FrameLimits& limits
 // close completion, an accept callback, a posted task) threw. Logs "distgrad: <what> threw: <message>;
 // <consequence>" and returns "<what> threw: <message>" for the Error that closes the connection concerned.
 std::string reportCallbackException(const std::string& what, const char* consequence);
+
+// The transports that can run here, for tests and benchmarks: "inproc", "tcp", and "ucx" when a ucx
+// Context can be created (checked once per process).
+std::vector<std::string> viableTransports();
+// Why "ucx" is not among viableTransports() ("" when it is).
+std::string ucxUnavailableReason();
 
 }  // namespace distgrad::rpc::transport

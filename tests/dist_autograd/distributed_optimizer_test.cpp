@@ -26,6 +26,7 @@
 #include "rref/remote_module.h"
 #include "rref/rref_test_util.h"
 #include "tensor/random.h"
+#include "tests/transport_params.h"
 
 namespace distgrad::models::optim::testing {
 namespace {
@@ -739,8 +740,8 @@ TEST_P(DistributedOptimizerTest, OwnerValidatesTheSpecFromTheWire) {
   EXPECT_EQ(good.rpcSync(&LocalOptimizer::ready), 2);
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, DistributedOptimizerTest, ::testing::Values("inproc", "tcp"));
-INSTANTIATE_TEST_SUITE_P(Transports, TrainingTest, ::testing::Values("inproc", "tcp"));
+INSTANTIATE_TEST_SUITE_P(Transports, DistributedOptimizerTest, ::testing::ValuesIn(distgrad::testing::endToEndTransports()));
+INSTANTIATE_TEST_SUITE_P(Transports, TrainingTest, ::testing::ValuesIn(distgrad::testing::endToEndTransports()));
 
 // ---- OptimizerSpec (no workers) ----
 

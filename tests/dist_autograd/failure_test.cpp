@@ -19,6 +19,7 @@
 
 #include "dist_autograd_test_util.h"
 #include "rpc/store.h"
+#include "tests/transport_params.h"
 
 namespace distgrad::autograd::distributed::e2e {
 namespace {
@@ -273,7 +274,7 @@ TEST_P(FailureTest, BadRootsAreValueErrorsAndLeaveTheContextUsable) {
   EXPECT_TRUE(allReleased()) << liveCounts();
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, FailureTest, ::testing::Values("inproc", "tcp"),
+INSTANTIATE_TEST_SUITE_P(Transports, FailureTest, ::testing::ValuesIn(distgrad::testing::endToEndTransports()),
                          [](const auto& info) { return info.param; });
 
 // ---------------------------------------------------------------- a worker dies mid-backward (processes)

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "dist_autograd_test_util.h"
+#include "tests/transport_params.h"
 
 namespace distgrad::autograd::distributed::e2e {
 namespace {
@@ -392,7 +393,7 @@ TEST_P(GradientsTest, NonScalarRootWithAnExplicitGradient) {
   EXPECT_TRUE(allReleased()) << liveCounts();
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, GradientsTest, ::testing::Values("inproc", "tcp"),
+INSTANTIATE_TEST_SUITE_P(Transports, GradientsTest, ::testing::ValuesIn(distgrad::testing::endToEndTransports()),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

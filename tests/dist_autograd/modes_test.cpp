@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "dist_autograd_test_util.h"
+#include "tests/transport_params.h"
 
 namespace distgrad::autograd::distributed::e2e {
 namespace {
@@ -170,7 +171,7 @@ TEST_P(ModesTest, TwoTrainersConcurrentlyAgainstOneParameterOwner) {
   EXPECT_TRUE(allReleased()) << liveCounts();
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, ModesTest, ::testing::Values("inproc", "tcp"),
+INSTANTIATE_TEST_SUITE_P(Transports, ModesTest, ::testing::ValuesIn(distgrad::testing::endToEndTransports()),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include "autograd/distributed/dist_autograd.h"
 #include "autograd/ops.h"
 #include "tensor/random.h"
+#include "tests/transport_params.h"
 
 namespace distgrad::autograd::distributed {
 namespace {
@@ -63,7 +64,7 @@ TEST_P(ReceivedTensorHooks, HooksOnAReceivedTensorRun) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, ReceivedTensorHooks, ::testing::Values("inproc", "tcp"));
+INSTANTIATE_TEST_SUITE_P(Transports, ReceivedTensorHooks, ::testing::ValuesIn(distgrad::testing::endToEndTransports()));
 
 }  // namespace
 }  // namespace distgrad::autograd::distributed

@@ -9,6 +9,7 @@
 #include "autograd/ops.h"
 #include "rref/rref.h"
 #include "tensor/random.h"
+#include "tests/transport_params.h"
 
 namespace distgrad::autograd::distributed {
 namespace {
@@ -268,7 +269,7 @@ TEST_P(DistAutogradSmoke, HandlersAndRRefMethodsRunInsideTheCallersContext) {
   EXPECT_TRUE(allReleased());
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, DistAutogradSmoke, ::testing::Values("inproc", "tcp"));
+INSTANTIATE_TEST_SUITE_P(Transports, DistAutogradSmoke, ::testing::ValuesIn(distgrad::testing::endToEndTransports()));
 
 }  // namespace
 }  // namespace distgrad::autograd::distributed

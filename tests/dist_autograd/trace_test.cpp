@@ -20,6 +20,7 @@
 #include "tensor/random.h"
 #include "tests/rpc/trace_test_util.h"
 #include "tests/rref/rref_test_util.h"
+#include "tests/transport_params.h"
 
 namespace distgrad::trace_test {
 namespace {
@@ -176,7 +177,7 @@ TEST_P(LayerTraceTest, RRefWaitsBackwardNodesGradientsAndOptimizerStepsAreTraced
   EXPECT_TRUE(named(w0, "optim.step").empty()) << "worker0 owns no parameter";
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, LayerTraceTest, ::testing::Values("inproc", "tcp"),
+INSTANTIATE_TEST_SUITE_P(Transports, LayerTraceTest, ::testing::ValuesIn(distgrad::testing::endToEndTransports()),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

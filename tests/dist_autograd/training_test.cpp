@@ -32,6 +32,7 @@
 #include "dist_autograd_test_util.h"
 #include "models/optim/distributed_optimizer.h"
 #include "rref/remote_module.h"
+#include "tests/transport_params.h"
 
 namespace distgrad::autograd::distributed::e2e {
 namespace {
@@ -398,7 +399,7 @@ TEST_P(DistributedTrainingTest, TwoTrainersConcurrentlyAgainstOneSharedOwner) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, DistributedTrainingTest, ::testing::Values("inproc", "tcp"),
+INSTANTIATE_TEST_SUITE_P(Transports, DistributedTrainingTest, ::testing::ValuesIn(distgrad::testing::endToEndTransports()),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

@@ -40,6 +40,7 @@
 #include "tests/pipeline/pipeline_trace_util.h"
 #include "tests/rpc/agent_test_util.h"
 #include "tests/rref/rref_test_util.h"
+#include "tests/transport_params.h"
 
 namespace distgrad::models::pipeline {
 namespace {
@@ -410,7 +411,7 @@ TEST_P(RpcPipelineTest, BadConfigurationsAreValueErrors) {
                ValueError);
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, RpcPipelineTest, ::testing::Values("inproc", "tcp"),
+INSTANTIATE_TEST_SUITE_P(Transports, RpcPipelineTest, ::testing::ValuesIn(distgrad::testing::endToEndTransports()),
                          [](const auto& info) { return info.param; });
 
 // ---------------------------------------------------------------- a stage worker dies (processes)
@@ -529,7 +530,7 @@ TEST_P(RpcPipelineTraceTest, StepsRecordEveryStageAndMicroBatchInTheirWorkersFil
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, RpcPipelineTraceTest, ::testing::Values("inproc", "tcp"),
+INSTANTIATE_TEST_SUITE_P(Transports, RpcPipelineTraceTest, ::testing::ValuesIn(distgrad::testing::endToEndTransports()),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

@@ -43,6 +43,7 @@
 #include "rpc/message.h"
 #include "rpc/store.h"
 #include "rpc/transport/inproc/context.h"
+#include "tests/transport_params.h"
 
 namespace distgrad::rpc {
 namespace {
@@ -237,7 +238,7 @@ class Scene {
     if (transport_ == "inproc") {
       raw_ = transport::inproc::createInprocContext(hub_);
     } else {
-      raw_ = transport::createContext("tcp").value();
+      raw_ = transport::createContext(transport_).value();
     }
     registry_ = makeRegistry(world_);
   }
@@ -792,7 +793,7 @@ TEST_P(HandshakeTest, HeartbeatsCarryTheDocumentedTimesAndRefreshTheClockEstimat
   EXPECT_TRUE(eventually([&] { return !scene.agent().metrics("worker0").connected; }, 10s));
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, HandshakeTest, ::testing::Values("inproc", "tcp"),
+INSTANTIATE_TEST_SUITE_P(Transports, HandshakeTest, ::testing::ValuesIn(distgrad::testing::endToEndTransports()),
                          [](const auto& info) { return info.param; });
 
 // A tcp peer declares a 1 GiB payload before any handshake and never sends it. Allocating it would leave

@@ -10,6 +10,7 @@
 
 #include "agent_test_util.h"
 #include "rpc/agent.h"
+#include "tests/transport_params.h"
 
 namespace distgrad::rpc {
 namespace {
@@ -128,7 +129,7 @@ TEST_P(AgentLimitsTest, ProtocolVersionMismatchIsRefusedWithALoggedReason) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, AgentLimitsTest, ::testing::Values("inproc", "tcp"),
+INSTANTIATE_TEST_SUITE_P(Transports, AgentLimitsTest, ::testing::ValuesIn(distgrad::testing::endToEndTransports()),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

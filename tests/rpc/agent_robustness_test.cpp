@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "tests/rpc/agent_test_util.h"
+#include "tests/transport_params.h"
 
 namespace distgrad::rpc::testing {
 namespace {
@@ -239,7 +240,7 @@ TEST_P(AgentRobustnessTest, ReplyContinuationOnAShutDownUserExecutorStillRuns) {
   EXPECT_TRUE(after.result().ok());
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, AgentRobustnessTest, ::testing::Values("inproc", "tcp"),
+INSTANTIATE_TEST_SUITE_P(Transports, AgentRobustnessTest, ::testing::ValuesIn(distgrad::testing::endToEndTransports()),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

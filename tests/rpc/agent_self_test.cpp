@@ -15,6 +15,7 @@
 #include "async_test_util.h"
 #include "autograd/ops.h"
 #include "rpc/agent.h"
+#include "tests/transport_params.h"
 
 namespace distgrad::rpc {
 namespace {
@@ -208,7 +209,7 @@ TEST_P(AgentSelfTest, AJobOfOneWorkerCallsItself) {
   agent(0).shutdown();
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, AgentSelfTest, ::testing::Values("inproc", "tcp"),
+INSTANTIATE_TEST_SUITE_P(Transports, AgentSelfTest, ::testing::ValuesIn(distgrad::testing::endToEndTransports()),
                          [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 
 }  // namespace

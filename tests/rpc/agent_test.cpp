@@ -24,6 +24,7 @@
 #include "autograd/ops.h"
 #include "rpc/store.h"
 #include "rpc/transport/inproc/context.h"
+#include "tests/transport_params.h"
 
 namespace distgrad::rpc {
 namespace {
@@ -324,7 +325,7 @@ TEST(AgentStray, GarbageOnTheAgentsPortClosesOnlyThatConnection) {
   EXPECT_TRUE(cluster.agents[0]->metrics("worker1").connected);
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, AgentTest, ::testing::Values("inproc", "tcp"),
+INSTANTIATE_TEST_SUITE_P(Transports, AgentTest, ::testing::ValuesIn(distgrad::testing::endToEndTransports()),
                          [](const auto& info) { return info.param; });
 
 TEST(AgentSingle, RankZeroHostsTheStoreOnAnyPort) {

@@ -21,6 +21,7 @@
 #include "rpc/trace.h"
 #include "tests/rpc/agent_test_util.h"
 #include "tests/rpc/trace_test_util.h"
+#include "tests/transport_params.h"
 
 namespace distgrad::rpc {
 namespace {
@@ -87,7 +88,7 @@ TEST_P(AgentClockTest, AKnownSkewBetweenTwoAgentsIsEstimatedWithin1MsAndHeartbea
   EXPECT_FALSE(agent(0).clockOffset("nobody").has_value());
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, AgentClockTest, ::testing::Values("inproc", "tcp"),
+INSTANTIATE_TEST_SUITE_P(Transports, AgentClockTest, ::testing::ValuesIn(distgrad::testing::endToEndTransports()),
                          [](const auto& info) { return info.param; });
 
 class AgentTraceTest : public AgentFixture {
@@ -297,7 +298,7 @@ TEST_P(AgentTraceTest, EveryCallIsTracedOnBothSidesWithFlowsAndEachAgentWritesIt
   // The agent's threads are named; the clock line names the peer and says the clocks agree.
   std::set<std::string> threadNames;
   for (const auto& line : w1.threads) threadNames.insert(*line.string("name"));
-  EXPECT_TRUE(threadNames.count(GetParam() == "tcp" ? "dg-tcp-loop" : "dg-inproc-loop")) << "loop thread unnamed";
+  EXPECT_TRUE(threadNames.count("dg-" + GetParam() + "-loop")) << "loop thread unnamed";
   EXPECT_TRUE(std::any_of(threadNames.begin(), threadNames.end(), [](const std::string& n) {
     return n.rfind("dg-agent-", 0) == 0;
   })) << "executor threads unnamed";
@@ -319,7 +320,7 @@ TEST_P(AgentTraceTest, WithoutATraceDirectoryNothingIsRecorded) {
   EXPECT_EQ(trace::stats().recorded, recorded);
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, AgentTraceTest, ::testing::Values("inproc", "tcp"),
+INSTANTIATE_TEST_SUITE_P(Transports, AgentTraceTest, ::testing::ValuesIn(distgrad::testing::endToEndTransports()),
                          [](const auto& info) { return info.param; });
 
 TEST(AgentTraceOptions, ATraceDirectoryThatCannotBeCreatedFailsStartNamingIt) {

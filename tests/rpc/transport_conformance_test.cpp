@@ -12,19 +12,25 @@ using namespace testing;  // NOLINT
 
 class TransportTest : public ::testing::TestWithParam<std::string> {
  protected:
-  bool isTcp() const { return GetParam() == "tcp"; }
+  void SetUp() override {
+    if (GetParam() == "ucx" && !ucxUnavailableReason().empty()) {
+      GTEST_SKIP() << "ucx is not viable here: " << ucxUnavailableReason();
+    }
+  }
+  // tcp and ucx: real connections between sockaddrs that receive into the allocator's buffers.
+  bool isNetwork() const { return GetParam() != "inproc"; }
 
   // Contexts of one test reach each other (inproc: through one shared hub).
   std::unique_ptr<Context> makeContext(const ContextOptions& options = {}) {
-    if (isTcp()) {
-      auto created = createContext("tcp", options);
-      EXPECT_TRUE(created.ok());
+    if (isNetwork()) {
+      auto created = createContext(GetParam(), options);
+      EXPECT_TRUE(created.ok()) << (created.ok() ? "" : created.error().describe());
       return std::move(created).value();
     }
     return inproc::createInprocContext(hub_, options);
   }
   std::string listenAddress() {
-    return isTcp() ? "127.0.0.1:0" : "server-" + std::to_string(++names_);
+    return isNetwork() ? "127.0.0.1:0" : "server-" + std::to_string(++names_);
   }
 
   struct Pair {
@@ -146,7 +152,7 @@ TEST_P(TransportTest, SixtyFourMegabytePayloadArrivesIntactAndInprocSharesTheBuf
   std::lock_guard lock(atServer.mutex);
   expectSameBytes(atServer.frames[0].payloads[0], small, "small");
   expectSameBytes(atServer.frames[0].payloads[1], big, "64 MB");
-  if (isTcp()) {
+  if (isNetwork()) {
     EXPECT_EQ(allocations.load(), 1);
   } else {
     // Zero copy: the receiver holds the sender's bytes and the allocator is not consulted.
@@ -290,8 +296,8 @@ TEST_P(TransportTest, PendingSendsFailWhenTheConnectionCloses) {
   ASSERT_TRUE(sends.waitDone(kFrames));
   ASSERT_TRUE(atClient.waitClosed());
   for (int c : sends.calls) EXPECT_EQ(c, 1);
-  if (isTcp()) {
-    EXPECT_GT(sends.failed, 0u) << "a closed tcp connection cannot have written 256 MB to an idle peer";
+  if (isNetwork()) {
+    EXPECT_GT(sends.failed, 0u) << "a closed connection cannot have written 256 MB to an idle peer";
   }
   EXPECT_EQ(sends.failed == 0 ? ErrorKind::kDisconnected : sends.lastError->kind, ErrorKind::kDisconnected);
 }
@@ -391,7 +397,7 @@ TEST_P(TransportTest, AllocatorErrorClosesTheConnection) {
   frame.payloads = {payload.buffer()};
   SendTracker sends(1);
   pair.client->send(std::move(frame), sends.callback(0));
-  if (!isTcp()) {
+  if (!isNetwork()) {
     // inproc hands over the sender's buffers: there is nothing to allocate, so the allocator is not called
     // (see inproc/context.h) and the frame arrives.
     ASSERT_TRUE(atServer.waitFrames(1));
@@ -448,7 +454,7 @@ TEST_P(TransportTest, DeferRunsOnTheLoopThreadLater) {
   EXPECT_FALSE(context->inLoop());
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, TransportTest, ::testing::Values("inproc", "tcp"),
+INSTANTIATE_TEST_SUITE_P(Transports, TransportTest, ::testing::Values("inproc", "tcp", "ucx"),
                          [](const auto& info) { return info.param; });
 
 TEST(CreateContext, UnknownTransportNamesTheKnownOnes) {

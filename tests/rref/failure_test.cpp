@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "rref_test_util.h"
+#include "tests/transport_params.h"
 
 namespace distgrad::rref::testing {
 namespace {
@@ -54,7 +55,7 @@ TEST_P(RRefFailure, UserDeathDropsItsReferences) {
   EXPECT_TRUE(eventually([&] { return rrefs(1)->ownedCount() == 0 && rrefs(0)->userCount() == 0; })) << tables();
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, RRefFailure, ::testing::Values("inproc", "tcp"));
+INSTANTIATE_TEST_SUITE_P(Transports, RRefFailure, ::testing::ValuesIn(distgrad::testing::endToEndTransports()));
 
 }  // namespace
 }  // namespace distgrad::rref::testing

@@ -10,6 +10,7 @@
 #include "rref/remote_module.h"
 #include "rref_test_util.h"
 #include "tensor/random.h"
+#include "tests/transport_params.h"
 
 namespace distgrad::rref::testing {
 
@@ -204,7 +205,7 @@ TEST_P(RemoteModuleTest, PlacementAndBindingErrors) {
   EXPECT_TRUE(allSettled()) << tables();
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, RemoteModuleTest, ::testing::Values("inproc", "tcp"));
+INSTANTIATE_TEST_SUITE_P(Transports, RemoteModuleTest, ::testing::ValuesIn(distgrad::testing::endToEndTransports()));
 
 }  // namespace
 }  // namespace distgrad::rref::testing

@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "rref_test_util.h"
+#include "tests/transport_params.h"
 
 namespace distgrad::rref::testing {
 namespace {
@@ -229,7 +230,7 @@ TEST_P(RRefFixture, ChainOnUnresolvedValueIsQueuedAtOwner) {
   EXPECT_TRUE(allSettled()) << tables();
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, RRefFixture, ::testing::Values("inproc", "tcp"));
+INSTANTIATE_TEST_SUITE_P(Transports, RRefFixture, ::testing::ValuesIn(distgrad::testing::endToEndTransports()));
 
 }  // namespace
 }  // namespace distgrad::rref::testing

@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "tests/rref/rref_test_util.h"
+#include "tests/transport_params.h"
 
 namespace distgrad::rref::testing {
 namespace {
@@ -77,7 +78,7 @@ TEST_P(RRefStress, ConcurrentCreateForkDropLeavesEveryTableEmpty) {
   EXPECT_TRUE(allSettled()) << tables();
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, RRefStress, ::testing::Values("inproc", "tcp"));
+INSTANTIATE_TEST_SUITE_P(Transports, RRefStress, ::testing::ValuesIn(distgrad::testing::endToEndTransports()));
 
 }  // namespace
 }  // namespace distgrad::rref::testing

@@ -221,6 +221,13 @@ TEST(DistgradRun, ExplicitMasterAddressAndPortArePassedThrough) {
   EXPECT_TRUE(contains(p.out(), "[1] 10.1.2.3:4567\n")) << p.out();
 }
 
+TEST(DistgradRun, TransportFlagSetsDistgradTransport) {
+  LauncherProcess p({"--nproc=2", "--transport", "ucx", "sh", "-c", "echo transport=$DISTGRAD_TRANSPORT"});
+  ASSERT_EQ(exitCode(p.finish()), 0) << p.err();
+  EXPECT_TRUE(contains(p.out(), "[0] transport=ucx\n")) << p.out();
+  EXPECT_TRUE(contains(p.out(), "[1] transport=ucx\n")) << p.out();
+}
+
 TEST(DistgradRun, PrefixesEveryLineOfStdoutAndStderr) {
   // Two lines in one write, a line split across writes, a last line without '\n', and stderr.
   LauncherProcess p({"--nproc", "2", "--", "sh", "-c",
@@ -333,6 +340,8 @@ TEST(DistgradRun, BadArgumentsAreUsageErrors) {
       {"--nproc", "2", "--master-port", "0", "true"},
       {"--nproc", "2", "--master-addr=", "true"},
       {"--nproc", "2", "--frobnicate", "true"},
+      {"--nproc", "2", "--transport", "carrier-pigeon", "true"},
+      {"--nproc", "2", "--transport", "inproc", "true"},  // one process's agents only
       {"--nproc"},                                // missing value
   };
   for (const auto& args : bad) {

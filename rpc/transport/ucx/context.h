@@ -1,0 +1,185 @@
+// The UCX transport on the ucp API: one ucp context and one ucp worker per Context, driven by the
+// Context's one loop thread; client-server endpoints over sockaddrs (listen/connect take "host:port" like
+// tcp); frames as active messages whose payloads land straight in the PayloadAllocator's buffers.
+//
+// Threads: UcxLoop owns the ucp context, the worker (UCS_THREAD_MODE_SINGLE) and the thread that drives
+// them; only that thread calls into ucp (methods named ...FromLoop). By default the loop sleeps in
+// epoll_wait on the worker's event fd (ucp_worker_get_efd, re-armed with ucp_worker_arm) and on an eventfd
+// that other threads write when they post a task (spinning a while before sleeping was tried and made the
+// round trip slower here, 133 us against 50: see bench/README.md); with ContextOptions::ucxBusyPoll it never sleeps and
+// spins in ucp_worker_progress (lowest latency, one core at 100%). ucp callbacks (active messages, request
+// completions, endpoint errors, connection requests) only record what happened: user callbacks (onFrame,
+// onClosed, send and connect completions, onAccept) run afterwards from the loop's deferred queue, so they
+// may call back into the transport freely. Context methods may be called from any thread;
+// Context::close() must not be called from the loop thread (it joins it).
+//
+// Viability: createUcxContext returns an Error (never aborts) when ucp cannot be initialised or the worker
+// offers no wake-up fd; ucxViable() answers once per process whether a Context can be created.
+#pragma once
+
+#include <ucp/api/ucp.h>
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "rpc/transport/transport.h"
+
+namespace distgrad::rpc::transport::ucx {
+
+class UcxConnection;
+class UcxListenerImpl;
+
+// Active-message ids of the ucx wire (docs/wire_protocol.md, "ucx").
+enum class AmId : uint16_t {
+  kFrame = 1,     // header: prefix | sizes | envelope; data: the payloads back to back
+  kHead = 2,      // header: prefix; data: sizes | envelope (a head too large for one AM header)
+  kPayloads = 3,  // after a kHead with payload bytes: data: the payloads back to back
+  kHello = 4,     // the client's first message: its completion proves the endpoint is wired up
+  kBye = 5,       // a graceful close: everything sent before it has been delivered
+};
+
+// "ucs_status_string(status) (code)", for messages.
+std::string ucsError(ucs_status_t status);
+
+class UcxLoop : public std::enable_shared_from_this<UcxLoop> {
+ public:
+  // Creates the ucp context and worker and starts the loop thread; an Error when UCX is unusable.
+  static Result<std::shared_ptr<UcxLoop>> create(const ContextOptions& options);
+  ~UcxLoop();
+  UcxLoop(const UcxLoop&) = delete;
+  UcxLoop& operator=(const UcxLoop&) = delete;
+
+  // Queues fn for the loop thread. False (fn dropped) once shutdown began, unless called on the loop
+  // thread itself.
+  bool post(std::function<void()> fn);
+  bool inLoop() const { return std::this_thread::get_id() == threadId_; }
+  // Closes every connection and listener, waits for their endpoints to close, destroys the worker and
+  // joins the thread. Not on the loop thread.
+  void shutdown();
+
+  const ContextOptions& options() const { return options_; }
+  // Loop thread only.
+  ucp_worker_h workerFromLoop() const { return worker_; }
+  ucp_context_h ucpContext() const { return context_; }
+  bool closingFromLoop() const { return closing_; }
+  size_t maxAmHeader() const { return maxAmHeader_; }
+  // ucp_context_query's memory types (a bit per ucs_memory_type_t).
+  uint64_t memoryTypes() const { return memoryTypes_; }
+  // Runs fn from the loop after the current ucp progress call returns (FIFO with the other deferred work).
+  void deferFromLoop(std::function<void()> fn) { deferred_.push_back(std::move(fn)); }
+  // Runs fn at `deadline` on the loop (or during shutdown's drain, whichever comes first).
+  void addTimerFromLoop(std::chrono::steady_clock::time_point deadline, std::function<void()> fn);
+  void addFromLoop(UcxConnection* connection) { connections_.insert(connection); }
+  void removeFromLoop(UcxConnection* connection) { connections_.erase(connection); }
+  void addFromLoop(UcxListenerImpl* listener) { listeners_.insert(listener); }
+  void removeFromLoop(UcxListenerImpl* listener) { listeners_.erase(listener); }
+  void mapEndpointFromLoop(ucp_ep_h ep, UcxConnection* connection) { endpoints_[ep] = connection; }
+  void unmapEndpointFromLoop(ucp_ep_h ep) { endpoints_.erase(ep); }
+  // Connections between their goodbye and their forced close: while there are any, the loop wakes every
+  // kClosingPollMs, because ucp does not signal the event fd for every event a close waits for.
+  void closingStartedFromLoop() { ++closingConnections_; }
+  void closingDoneFromLoop() {
+    if (closingConnections_ > 0) --closingConnections_;
+  }
+  static constexpr int kClosingPollMs = 1;
+  // Endpoints whose ucp_ep_close_nbx is still in progress: the worker outlives them.
+  void teardownStartedFromLoop() { ++teardowns_; }
+  void teardownDoneFromLoop() {
+    if (teardowns_ > 0) --teardowns_;
+  }
+  // Asks for UcxConnection::processInboundFromLoop before the loop next sleeps.
+  void markInboundFromLoop(std::shared_ptr<UcxConnection> connection) { inbound_.push_back(std::move(connection)); }
+  // One-line description of the transports ucp chose for `ep` (from ucp_ep_print_info), e.g.
+  // "am: sysv/memory; rma_bw: cma/memory".
+  static std::string describeEndpoint(ucp_ep_h ep);
+
+  explicit UcxLoop(const ContextOptions& options);  // use create()
+
+ private:
+  Result<void> init();
+  void run();
+  // Progresses the worker and runs posted tasks, inbound processing and deferred work until none is left.
+  bool driveFromLoop();  // true when it did anything
+  bool runTasks();
+  void runTimersFromLoop(bool all);
+  int timeoutMsFromLoop() const;
+  void wake();
+  void closeAllFromLoop();
+  static ucs_status_t onActiveMessage(void* arg, const void* header, size_t headerLength, void* data, size_t length,
+                                      const ucp_am_recv_param_t* param);
+
+  struct AmHandlerArg {
+    UcxLoop* loop;
+    AmId id;
+  };
+
+  ContextOptions options_;
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  int workerFd_ = -1;
+  int wakeFd_ = -1;
+  int epollFd_ = -1;
+  size_t maxAmHeader_ = 0;
+  uint64_t memoryTypes_ = 0;
+  std::vector<AmHandlerArg> amArgs_;
+  std::mutex mutex_;
+  std::vector<std::function<void()>> tasks_;  // GUARDED_BY(mutex_)
+  std::atomic<bool> hasTasks_{false};
+  bool stopping_ = false;  // GUARDED_BY(mutex_)
+  std::mutex joinMutex_;
+  std::thread thread_;
+  std::thread::id threadId_;
+  // Loop-thread state.
+  bool closing_ = false;
+  size_t closingConnections_ = 0;
+  size_t teardowns_ = 0;
+  std::vector<std::function<void()>> deferred_;
+  std::vector<std::shared_ptr<UcxConnection>> inbound_;
+  std::vector<std::pair<std::chrono::steady_clock::time_point, std::function<void()>>> timers_;
+  std::unordered_set<UcxConnection*> connections_;
+  std::unordered_set<UcxListenerImpl*> listeners_;
+  std::unordered_map<ucp_ep_h, UcxConnection*> endpoints_;
+};
+
+class UcxContext final : public Context {
+ public:
+  explicit UcxContext(std::shared_ptr<UcxLoop> loop) : loop_(std::move(loop)) {}
+  ~UcxContext() override;
+
+  const std::string& name() const override { return name_; }
+  Result<std::unique_ptr<Listener>> listen(const std::string& address, AcceptCallback onAccept) override;
+  void connect(const std::string& address, ConnectCallback done) override;
+  void defer(std::function<void()> fn) override;
+  bool inLoop() const override { return loop_->inLoop(); }
+  void close() override;
+  const FrameLimits& limits() const override { return loop_->options().limits; }
+
+ private:
+  const std::string name_ = "ucx";
+  std::shared_ptr<UcxLoop> loop_;
+};
+
+Result<std::unique_ptr<Context>> createUcxContext(const ContextOptions& options = {});
+// Whether a ucx Context can be created here (checked once per process, by creating one); when not,
+// `reason` gets the Error's message.
+bool ucxViable(std::string* reason = nullptr);
+// The transports ucp uses for a ucx connection ("" for other transports or a closed connection). Blocks
+// until the loop answers; not on the loop thread.
+std::string ucxTransportsOf(Connection& connection);
+// The memory types this UCX build can move, e.g. "host" (Debian's UCX 1.13 has no CUDA support) or
+// "host,cuda"; "" when ucx is not viable. Checked once per process. distgrad's tensors are host memory
+// today: this is the detection a CUDA path would consult, falling back to host staging without "cuda".
+std::string ucxMemoryTypes();
+bool ucxSupportsCudaMemory();
+// Resolves "host:port" (numeric or a name) to a sockaddr; false with `error` set when it cannot.
+bool resolveAddress(const std::string& address, sockaddr_storage& out, socklen_t& length, std::string& error);
+
+}  // namespace distgrad::rpc::transport::ucx
