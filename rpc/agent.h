@@ -274,6 +274,8 @@ class Agent {
   struct Arrival {
     int64_t ns = 0;
     uint64_t bytes = 0;
+    bool fromTransport = false;  // a link's frame (its transport.recv is traced with the call), not a self call
+    int peerRank = -1;           // the link's peer (fromTransport)
   };
 
   Agent(const Options& options, const Registry& registry, AgentConfig config);
