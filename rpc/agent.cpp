@@ -1107,18 +1107,10 @@ void Agent::startCall(const CallOptions& callOptions, const std::string& worker,
       error.worker = peer;
       failPending(id, std::move(error), /*sendCancel=*/false);
     };
-    if (traced) {
-      link->connection->send(std::move(frame), [failed, bytes, peerRank](const Result<void>& sent) {
-        if (!sent.ok()) return failed(sent);
-        if (trace::enabled()) {
-          trace::instant("transport.send", trace::Category::kTransport, {static_cast<int64_t>(bytes), peerRank});
-        }
-      });
-    } else {
-      link->connection->send(std::move(frame), [failed](const Result<void>& sent) {
-        if (!sent.ok()) failed(sent);
-      });
-    }
+    // Traced, its transport.send is part of the call's record (below).
+    link->connection->send(std::move(frame), [failed](const Result<void>& sent) {
+      if (!sent.ok()) failed(sent);
+    });
   }
   const int64_t sentNs = traced ? trace::nowNs() : 0;
   if (traced) {
@@ -1132,6 +1124,7 @@ void Agent::startCall(const CallOptions& callOptions, const std::string& worker,
     record.flow = trace::callFlowId(options_.rank, id);
     record.function = traceName;
     record.peer = peerRank;
+    record.flags = toSelf ? 0 : trace::kRpcToTransport;
     trace::recordRpc(record);
   }
   auto timeout = effectiveTimeout(callOptions);
@@ -1387,7 +1380,7 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
     }
     const int64_t serializeEndNs = traceName != nullptr ? trace::nowNs() : 0;
     const int64_t bytes = frame.ok() ? static_cast<int64_t>(frameBytes(frame.value())) : 0;
-    if (frame.ok()) sendFrame(peerName, std::move(frame).value(), id);
+    const bool queued = frame.ok() && sendFrame(peerName, std::move(frame).value(), id, /*traceSend=*/traceName == nullptr);
     if (traceName != nullptr) {
       trace::RpcRecord record;  // rpc.server.serialize and rpc.server.send
       record.site = trace::RpcSite::kServerReply;
@@ -1398,6 +1391,7 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
       record.call = id;
       record.function = traceName;
       record.peer = callerRank;
+      record.flags = queued ? trace::kRpcToTransport : 0;
       trace::recordRpc(record);
     }
     std::unique_ptr<Incoming> done;
@@ -1500,38 +1494,36 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
   }
 }
 
-void Agent::sendFrame(const std::string& peerName, transport::OutgoingFrame frame, uint64_t callId) {
+bool Agent::sendFrame(const std::string& peerName, transport::OutgoingFrame frame, uint64_t callId, bool traceSend) {
   if (peerName == name_) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (closed_) return;
+      if (closed_) return false;
     }
     deliverToSelf(std::move(frame), callId);
-    return;
+    return false;
   }
   std::shared_ptr<Link> link;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = peers_.find(peerName);
-    if (it == peers_.end() || !it->second->link || closed_) return;
+    if (it == peers_.end() || !it->second->link || closed_) return false;
     link = it->second->link;
     it->second->bytesSent.fetch_add(frameBytes(frame), std::memory_order_relaxed);
   }
-  sendOn(link, std::move(frame));
+  sendOn(link, std::move(frame), traceSend);
+  return true;
 }
 
-void Agent::sendOn(const std::shared_ptr<Link>& link, transport::OutgoingFrame frame) {
+void Agent::sendOn(const std::shared_ptr<Link>& link, transport::OutgoingFrame frame, bool traceSend) {
   // `ready` and `peerRank` were set on the loop thread before the link was published under mutex_, which
-  // every caller took to find the link (the loop thread itself wrote them).
-  if (trace::enabled() && link->ready) {
-    const auto bytes = static_cast<int64_t>(frameBytes(frame));
-    const int rank = link->peerRank;
-    link->connection->send(std::move(frame), [bytes, rank](const Result<void>& sent) {
-      if (sent.ok() && trace::enabled()) trace::instant("transport.send", trace::Category::kTransport, {bytes, rank});
-    });
-    return;
-  }
+  // every caller took to find the link (the loop thread itself wrote them). transport.send is recorded
+  // when the frame is queued, on the queueing thread (docs/tracing.md): a completion callback recording it
+  // would cost a clock read on the loop thread and, for a call, an allocation (its captures outgrow
+  // std::function's inline storage).
+  const int64_t bytes = traceSend && link->ready && trace::enabled() ? static_cast<int64_t>(frameBytes(frame)) : -1;
   link->connection->send(std::move(frame), [](const Result<void>&) {});
+  if (bytes >= 0) trace::instant("transport.send", trace::Category::kTransport, {bytes, link->peerRank});
 }
 
 // ---- calls of this agent to itself ----

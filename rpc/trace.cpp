@@ -453,7 +453,7 @@ uint64_t flushLocked(Recorder& r) {
       const uint32_t count = chunk->count.load(std::memory_order_acquire);
       for (uint32_t i = buffer.readIndex; i < count; ++i) {
         // The slot's events: itself, or what its RpcRecord stands for.
-        Event expanded[3];
+        Event expanded[kRpcMaxEvents];
         const Event* events = &chunk->at(i);
         int eventCount = 1;
         if (chunk->kinds[i] == kSlotRpc) {
@@ -634,17 +634,18 @@ void recordRpc(const RpcRecord& record) {
 
 int rpcEventCount(const RpcRecord& record) {
   const int fromTransport = (record.flags & kRpcFromTransport) != 0 ? 1 : 0;
+  const int toTransport = (record.flags & kRpcToTransport) != 0 ? 1 : 0;
   switch (record.site) {
-    case RpcSite::kClientSend: return 2;
+    case RpcSite::kClientSend: return 2 + toTransport;
     case RpcSite::kClientReply: return 2 + fromTransport;
     case RpcSite::kServerArrive: return 1 + fromTransport;
     case RpcSite::kServerExecute: return 2;
-    case RpcSite::kServerReply: return 2;
+    case RpcSite::kServerReply: return 2 + toTransport;
   }
   return 0;
 }
 
-int expandRpc(const RpcRecord& r, Event (&out)[3]) {
+int expandRpc(const RpcRecord& r, Event (&out)[kRpcMaxEvents]) {
   int n = 0;
   // An event of the record: its worker, detail (the function) and kind; args set by the caller.
   auto add = [&](const char* name, Category category, EventKind kind, int64_t begin, int64_t end) -> Event& {
@@ -668,12 +669,20 @@ int expandRpc(const RpcRecord& r, Event (&out)[3]) {
   };
   const auto call = static_cast<int64_t>(r.call);
   const bool fromTransport = (r.flags & kRpcFromTransport) != 0;
+  // The frame queued at t2 (the end of the send span): a transport.send instant after it.
+  auto sent = [&] {
+    if ((r.flags & kRpcToTransport) == 0) return;
+    Event& e = add("transport.send", Category::kTransport, EventKind::kInstant, r.t[2], r.t[2]);
+    e.detail = nullptr;
+    args(e, {r.bytes, r.peer});
+  };
   switch (r.site) {
     case RpcSite::kClientSend: {
       args(add("rpc.client.serialize", Category::kRpcClient, EventKind::kSpan, r.t[0], r.t[1]), {r.bytes, r.peer, call});
       Event& send = add("rpc.client.send", Category::kRpcClient, EventKind::kSpan, r.t[1], r.t[2]);
       args(send, {r.bytes, r.peer, call});
       flow(send, FlowPhase::kStart);
+      sent();
       break;
     }
     case RpcSite::kClientReply: {
@@ -707,6 +716,7 @@ int expandRpc(const RpcRecord& r, Event (&out)[3]) {
     case RpcSite::kServerReply: {
       args(add("rpc.server.serialize", Category::kRpcServer, EventKind::kSpan, r.t[0], r.t[1]), {r.bytes, r.peer, call});
       args(add("rpc.server.send", Category::kRpcServer, EventKind::kSpan, r.t[1], r.t[2]), {r.bytes, r.peer, call});
+      sent();
       break;
     }
   }

@@ -94,12 +94,14 @@ struct Event {
 
 // The RPC sites of the Agent (rpc/agent.cpp) record one RpcRecord each instead of two or three Events: the
 // site's clock reads and ids, expanded into the documented events (docs/tracing.md, "Events the library
-// records") when the file is written. A traced RPC then appends 7 records instead of 13 events: what it
-// stores (page faults on fresh buffer memory) and the appends on the RPC's threads halve (bench_trace).
+// records") when the file is written. A traced RPC appends 5 records (for its 13 events) instead of 13
+// events, and reads the clock 9 times instead of 13: what it stores (page faults on fresh buffer memory),
+// the appends and the clock reads on the RPC's threads drop by a third to a half (bench_trace).
 // Times are trace::nowNs(); t0 <= t1 <= t2 as read in that order on the recording thread.
 enum class RpcSite : uint8_t {
   // Calling thread. t0 encoding began, t1 encoded (= send began), t2 the frame was queued.
-  // -> rpc.client.serialize [t0, t1], rpc.client.send [t1, t2] (flow start).
+  // -> rpc.client.serialize [t0, t1], rpc.client.send [t1, t2] (flow start), transport.send at t2
+  // (kRpcToTransport).
   kClientSend = 0,
   // The thread that saw the reply arrive. t0 the wait began, t1 the reply arrived, t2 it was decoded and the
   // caller's future completed. -> transport.recv at t1 (kRpcFromTransport), rpc.client.wait [t0, t1]
@@ -112,13 +114,16 @@ enum class RpcSite : uint8_t {
   // rpc.server.execute [t1, t2] (flow step).
   kServerExecute = 3,
   // Executor thread. t0 encoding the reply began, t1 encoded, t2 the frame was queued.
-  // -> rpc.server.serialize [t0, t1], rpc.server.send [t1, t2].
+  // -> rpc.server.serialize [t0, t1], rpc.server.send [t1, t2], transport.send at t2 (kRpcToTransport).
   kServerReply = 4,
 };
 inline constexpr int kRpcSiteCount = 5;
-// RpcRecord::flags: the frame came through the transport (not a call of an agent to itself), so the
-// record also stands for its transport.recv instant.
+// RpcRecord::flags. kRpcFromTransport (kClientReply, kServerArrive): the frame came through the transport
+// (not a call of an agent to itself), so the record also stands for its transport.recv at the arrival.
+// kRpcToTransport (kClientSend, kServerReply): the frame was queued on a link, so the record also stands
+// for its transport.send at t2 (on the recording thread, when queued).
 inline constexpr uint8_t kRpcFromTransport = 1;
+inline constexpr uint8_t kRpcToTransport = 2;
 
 struct RpcRecord {
   int64_t t[3] = {0, 0, 0};  // trace::nowNs() (see RpcSite)
@@ -134,11 +139,12 @@ struct RpcRecord {
 };
 static_assert(sizeof(RpcRecord) <= sizeof(Event), "an RpcRecord takes an event's slot");
 
+inline constexpr int kRpcMaxEvents = 3;
 // The number of events `record` stands for in a file.
 int rpcEventCount(const RpcRecord& record);
 // The events `record` stands for, in the order they are written (what the writer writes for it). Returns
 // how many were stored in `out`.
-int expandRpc(const RpcRecord& record, Event (&out)[3]);
+int expandRpc(const RpcRecord& record, Event (&out)[kRpcMaxEvents]);
 
 namespace detail {
 // True while some registered worker traces and recording is not paused. The only state a recording site

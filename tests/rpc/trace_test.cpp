@@ -378,13 +378,13 @@ TEST(Trace, RpcRecordsAreWrittenAsTheDocumentedEventsInTimeOrderWithTheirFlows) 
     uint64_t flow;
   };
   const std::vector<Case> cases = {
-      {RpcSite::kClientSend, 0, callFlowId(3, 10)},
+      {RpcSite::kClientSend, kRpcToTransport, callFlowId(3, 10)},
       {RpcSite::kClientReply, kRpcFromTransport, callFlowId(3, 11)},
       {RpcSite::kClientReply, 0, callFlowId(3, 12)},
       {RpcSite::kServerArrive, kRpcFromTransport, 0},
       {RpcSite::kServerArrive, 0, 0},
       {RpcSite::kServerExecute, 0, callFlowId(1, 15)},
-      {RpcSite::kServerReply, 0, 0},
+      {RpcSite::kServerReply, kRpcToTransport, 0},
   };
   const Stats before = stats();
   int expectedEvents = 0;
@@ -413,7 +413,7 @@ TEST(Trace, RpcRecordsAreWrittenAsTheDocumentedEventsInTimeOrderWithTheirFlows) 
   const Stats after = stats();
   EXPECT_EQ(after.records - before.records, cases.size());
   EXPECT_EQ(after.recorded - before.recorded, static_cast<uint64_t>(expectedEvents));
-  EXPECT_EQ(expectedEvents, 2 + 3 + 2 + 2 + 1 + 2 + 2);
+  EXPECT_EQ(expectedEvents, 3 + 3 + 2 + 2 + 1 + 2 + 3);
   const std::string path = workerFile(slot);
   unregisterWorker(slot);
   const TraceFile file = readTrace(path);
@@ -426,11 +426,14 @@ TEST(Trace, RpcRecordsAreWrittenAsTheDocumentedEventsInTimeOrderWithTheirFlows) 
   for (const auto& ev : file.events) {
     EXPECT_LE(*ev.integer("b"), *ev.integer("e")) << *ev.string("name");
     const bool recv = ev.string("name") == "transport.recv";
-    if (!recv) {
+    const bool sent = ev.string("name") == "transport.send";
+    if (!recv && !sent) {
       EXPECT_EQ(ev.string("detail"), "remote_fn") << *ev.string("name");
     }
-    // transport.recv carries no call id: it belongs to the record whose other events follow it.
-    byCall[recv ? -1 : *ev.integer(ev.string("type") == "async" || ev.string("name") == "rpc.server.execute" ? "a1" : "a2")]
+    // The transport instants carry no call id: grouped apart (-1 received, -2 sent), in file order.
+    byCall[recv   ? -1
+           : sent ? -2
+                  : *ev.integer(ev.string("type") == "async" || ev.string("name") == "rpc.server.execute" ? "a1" : "a2")]
         .push_back(&ev);
   }
   auto names = [&](int64_t call) {
@@ -498,6 +501,17 @@ TEST(Trace, RpcRecordsAreWrittenAsTheDocumentedEventsInTimeOrderWithTheirFlows) 
   EXPECT_FALSE(at(-1, 0).string("detail").has_value());
   EXPECT_EQ(at(-1, 1).integer("b"), t(3, 0));
   EXPECT_EQ(at(-1, 1).integer("a0"), 67);
+  // The two transport.send instants: when the call's and the reply's frames were queued (t2).
+  ASSERT_EQ(byCall[-2].size(), 2u);
+  EXPECT_EQ(at(-2, 0).string("type"), "instant");
+  EXPECT_EQ(at(-2, 0).string("cat"), "transport");
+  EXPECT_EQ(at(-2, 0).integer("b"), t(0, 2));
+  EXPECT_EQ(at(-2, 0).integer("e"), t(0, 2));
+  EXPECT_EQ(at(-2, 0).integer("a0"), 64);
+  EXPECT_EQ(at(-2, 0).integer("a1"), 1);
+  EXPECT_FALSE(at(-2, 0).string("detail").has_value());
+  EXPECT_EQ(at(-2, 1).integer("b"), t(6, 2));
+  EXPECT_EQ(at(-2, 1).integer("a0"), 70);
 }
 
 TEST(Trace, ADirectoryThatCannotBeCreatedIsRefusedNamingIt) {
