@@ -25,6 +25,8 @@
 // acquire and frees a chunk only once the thread moved on to the next one and every event in it is written.
 // Event names are `const char*` that must live for the whole process: a string literal, or intern(text),
 // which returns the same stable pointer for equal text (intern once per name, not per event where you can).
+// The Agent's RPC sites append one RpcRecord per site instead of one Event per event; the writer expands it
+// into the documented events (expandRpc), so a file does not show the difference.
 //
 // Thread-safety: every function may be called from any thread. Scope and WorkerScope are used on the
 // thread that created them.
