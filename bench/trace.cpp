@@ -11,7 +11,8 @@
 //                                        weight on the callee
 // for MODE = off, on and on_writing. The on* lines carry ratio_vs_off and cost_percent (the bound:
 // at most 3% throughput with tracing on), cpu_us_per_call(_off) and cpu_cost_percent (CPU time of both
-// processes per call: what the load of a shared machine moves least), events_per_call_worker0.
+// processes per call: what the load of a shared machine moves least), events_per_call_worker0 and
+// records_per_call_worker0 (the records they took: an RPC site's events are one record, rpc/trace.h).
 // Modes: off = recording paused (exactly what every site sees without a trace directory: enabled() is
 // false); on = recording, events kept in memory (a traced run below the flush threshold, 256 MiB: the
 // files are written at shutdown); on_writing = recording while the background writer writes everything
@@ -137,6 +138,7 @@ struct Block {
   double callsPerSecond = 0;  // rpcAsync with `window` in flight
   double cpuUsPerCall = 0;    // CPU of both processes (every thread) per call
   uint64_t events = 0;        // events this process recorded
+  uint64_t records = 0;       // records they took (an RPC site's events are one record, rpc/trace.h)
   uint64_t calls = 0;
 };
 
@@ -151,7 +153,7 @@ Block runBlock(AgentPair& pair, int64_t mode, int window, int calls, bool stage 
   rpc::Agent& agent = pair.agent();
   setModeEverywhere(agent, mode);
   Block block;
-  const uint64_t recorded0 = trace::stats().recorded;
+  const trace::Stats stats0 = trace::stats();
   const double cpu0 = processCpuSeconds() + pair.childCpuSeconds();
   const auto t0 = std::chrono::steady_clock::now();
   if (window == 0) {
@@ -186,7 +188,9 @@ Block runBlock(AgentPair& pair, int64_t mode, int window, int calls, bool stage 
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   block.callsPerSecond = calls / seconds;
   block.cpuUsPerCall = 1e6 * (processCpuSeconds() + pair.childCpuSeconds() - cpu0) / calls;
-  block.events = trace::stats().recorded - recorded0;
+  const trace::Stats stats1 = trace::stats();
+  block.events = stats1.recorded - stats0.recorded;
+  block.records = stats1.records - stats0.records;
   block.calls = static_cast<uint64_t>(calls);
   return block;
 }
@@ -211,7 +215,7 @@ void compareModes(AgentPair& pair, const Config& config, int64_t mode) {
   };
   for (const Figure& figure : figures) {
     std::vector<double> offValues, onValues, ratios, offCpu, onCpu, cpuRatios;
-    uint64_t events = 0, calls = 0;
+    uint64_t events = 0, records = 0, calls = 0;
     for (int b = 0; b < config.blocks; ++b) {
       Block off, on;
       if (b % 2 == 0) {
@@ -230,6 +234,7 @@ void compareModes(AgentPair& pair, const Config& config, int64_t mode) {
       onCpu.push_back(on.cpuUsPerCall);
       cpuRatios.push_back(on.cpuUsPerCall / off.cpuUsPerCall);
       events += on.events;
+      records += on.records;
       calls += on.calls;
     }
     const double ratio = statsOf(ratios).median;
@@ -246,6 +251,7 @@ void compareModes(AgentPair& pair, const Config& config, int64_t mode) {
           {"cpu_us_per_call", number(statsOf(onCpu).median)},
           {"cpu_cost_percent", number(100.0 * (cpuRatio - 1.0))},
           {"events_per_call_worker0", number(static_cast<double>(events) / static_cast<double>(calls))},
+          {"records_per_call_worker0", number(static_cast<double>(records) / static_cast<double>(calls))},
           {"loadavg", load}});
   }
 }

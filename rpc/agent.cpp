@@ -599,7 +599,10 @@ void Agent::bindReferences(const DecodedMessage& message, const std::string& pee
 }
 
 void Agent::onFrame(const std::shared_ptr<Link>& link, transport::IncomingFrame&& frame) {
-  const int64_t arrivalNs = trace::enabled() ? trace::nowNs() : 0;
+  // One clock read per frame, for the peer's liveness and, traced, the frame's arrival (the same steady
+  // clock as trace::nowNs(): tracing reads no clock of its own here).
+  const int64_t seenNs = nowNanos();
+  const int64_t arrivalNs = trace::enabled() ? seenNs : 0;
   if (!link->ready && (!frame.payloads.empty() || frame.envelope.size() > kMaxHandshakeEnvelopeBytes)) {
     // Only handshake messages may come before the link is ready (the tcp allocator refused payloads
     // before this point; inproc frames get here).
@@ -637,13 +640,15 @@ void Agent::onFrame(const std::shared_ptr<Link>& link, transport::IncomingFrame&
     refuseLink(link, std::string("a ") + messageKindName(message.kind()) + " message before the handshake");
     return;
   }
-  peer->lastSeenNanos.store(nowNanos(), std::memory_order_relaxed);
+  peer->lastSeenNanos.store(seenNs, std::memory_order_relaxed);
   peer->bytesReceived.fetch_add(bytes, std::memory_order_relaxed);
-  if (arrivalNs != 0) {
+  const MessageKind kind = message.kind();
+  // A call's or a reply's transport.recv is part of the record its handling makes (trace::RpcRecord).
+  if (arrivalNs != 0 && kind != MessageKind::kCall && kind != MessageKind::kResponse && kind != MessageKind::kError) {
     trace::recordInstant("transport.recv", trace::Category::kTransport, arrivalNs,
                          {static_cast<int64_t>(bytes), peer->rank});
   }
-  const Arrival arrival{arrivalNs, bytes};
+  const Arrival arrival{arrivalNs, bytes, /*fromTransport=*/true, peer->rank};
   bindReferences(message, link->peer);
   switch (message.kind()) {
     case MessageKind::kCall:
@@ -1127,33 +1132,35 @@ void Agent::startCall(const CallOptions& callOptions, const std::string& worker,
       error.worker = peer;
       failPending(id, std::move(error), /*sendCancel=*/false);
     };
-    if (traced) {
-      link->connection->send(std::move(frame), [failed, bytes, peerRank](const Result<void>& sent) {
-        if (!sent.ok()) return failed(sent);
-        if (trace::enabled()) {
-          trace::instant("transport.send", trace::Category::kTransport, {static_cast<int64_t>(bytes), peerRank});
-        }
-      });
-    } else {
-      link->connection->send(std::move(frame), [failed](const Result<void>& sent) {
-        if (!sent.ok()) failed(sent);
-      });
-    }
+    // Traced, its transport.send is part of the call's record (below).
+    link->connection->send(std::move(frame), [failed](const Result<void>& sent) {
+      if (!sent.ok()) failed(sent);
+    });
   }
   const int64_t sentNs = traced ? trace::nowNs() : 0;
   if (traced) {
-    const int64_t b = static_cast<int64_t>(bytes);
-    const int64_t i = static_cast<int64_t>(id);
-    trace::recordSpan("rpc.client.serialize", trace::Category::kRpcClient, timing.serializeBeginNs,
-                      timing.serializeEndNs, {b, peerRank, i}, 0, trace::FlowPhase::kNone, traceName);
-    trace::recordSpan("rpc.client.send", trace::Category::kRpcClient, timing.serializeEndNs, sentNs, {b, peerRank, i},
-                      trace::callFlowId(options_.rank, id), trace::FlowPhase::kStart, traceName);
+    trace::RpcRecord record;
+    record.site = trace::RpcSite::kClientSend;
+    record.t[0] = timing.serializeBeginNs;
+    record.t[1] = timing.serializeEndNs;
+    record.t[2] = sentNs;
+    record.bytes = static_cast<int64_t>(bytes);
+    record.call = id;
+    record.flow = trace::callFlowId(options_.rank, id);
+    record.function = traceName;
+    record.peer = peerRank;
+    record.flags = toSelf ? 0 : trace::kRpcToTransport;
+    trace::recordRpc(record);
   }
   auto timeout = effectiveTimeout(callOptions);
   if (timeout.count() > 0) {
     // The callback captures only the id (stored in place, no allocation per call); the names and the
     // timeout for its message are in the Pending.
-    TimerId timer = timers_->scheduleAfter(timeout, [this, id] {
+    // Traced, the deadline counts from the send's clock read (the timers' clock is the same steady clock:
+    // one read fewer per traced call).
+    const auto deadline = traced ? SteadyTime::time_point(std::chrono::nanoseconds(sentNs)) + timeout
+                                 : SteadyTime::now() + timeout;
+    TimerId timer = timers_->schedule(deadline, [this, id] {
       Error error = Error::timeout("");
       {
         std::lock_guard<std::mutex> lock(mutex_);
@@ -1243,23 +1250,35 @@ void Agent::failPending(uint64_t id, Error error, bool sendCancel) {
 void Agent::onReply(const std::string& peer, DecodedMessage message, Arrival arrival) {
   const uint64_t id = message.fields().messageId;
   auto pending = takePending(id, &peer);
+  // Traced when the call was and tracing is still on: one record (trace::RpcSite::kClientReply) for the
+  // frame's arrival, the wait until then and the span of its decoding and completion, which ends the call's
+  // flow. Otherwise a traced frame is only a transport.recv.
+  const bool traced = pending && pending->traceName != nullptr && arrival.ns != 0;
+  if (!traced && arrival.ns != 0 && arrival.fromTransport) {
+    trace::recordInstant("transport.recv", trace::Category::kTransport, arrival.ns,
+                         {static_cast<int64_t>(arrival.bytes), arrival.peerRank});
+  }
   if (!pending) return;  // it timed out or was cancelled before the reply came
-  // Traced when the call was and tracing is still on: the wait until the reply arrived, then the span of
-  // its decoding and completion, which ends the call's flow.
-  const bool traced = pending->traceName != nullptr && arrival.ns != 0;
+  trace::RpcRecord record;
   if (traced) {
-    const int64_t status = message.kind() == MessageKind::kError && message.fields().error
-                               ? 1 + static_cast<int64_t>(message.fields().error->kind)
-                               : 0;
-    trace::recordAsync("rpc.client.wait", trace::Category::kRpcClient, pending->waitBeginNs, arrival.ns,
-                       {pending->peerRank, static_cast<int64_t>(id), status}, 0, pending->traceName);
+    record.site = trace::RpcSite::kClientReply;
+    record.t[0] = pending->waitBeginNs;
+    record.t[1] = arrival.ns;
+    record.bytes = static_cast<int64_t>(arrival.bytes);
+    record.call = id;
+    record.flow = trace::callFlowId(options_.rank, id);
+    record.function = pending->traceName;
+    record.peer = pending->peerRank;
+    record.status = message.kind() == MessageKind::kError && message.fields().error
+                        ? static_cast<uint8_t>(1 + static_cast<int>(message.fields().error->kind))
+                        : 0;
+    record.flags = arrival.fromTransport ? trace::kRpcFromTransport : 0;
   }
   auto complete = [&](Result<DecodedMessage>&& result) {
     pending->complete(std::move(result));
     if (traced) {
-      trace::recordSpan("rpc.client.deserialize", trace::Category::kRpcClient, arrival.ns, trace::nowNs(),
-                        {static_cast<int64_t>(arrival.bytes), pending->peerRank, static_cast<int64_t>(id)},
-                        trace::callFlowId(options_.rank, id), trace::FlowPhase::kEnd, pending->traceName);
+      record.t[2] = trace::nowNs();
+      trace::recordRpc(record);
     }
   };
   message.setScope(CodecScope{this, peer});
@@ -1315,9 +1334,16 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
   // Decoded now; the call is queued for the executor right after (one clock read for both).
   const int64_t queuedNs = traceName != nullptr ? trace::nowNs() : 0;
   if (traceName != nullptr) {
-    trace::recordSpan("rpc.server.deserialize", trace::Category::kRpcServer, arrival.ns, queuedNs,
-                      {static_cast<int64_t>(arrival.bytes), callerRank, static_cast<int64_t>(id)}, 0,
-                      trace::FlowPhase::kNone, traceName);
+    trace::RpcRecord record;  // transport.recv and rpc.server.deserialize
+    record.site = trace::RpcSite::kServerArrive;
+    record.t[0] = arrival.ns;
+    record.t[1] = queuedNs;
+    record.bytes = static_cast<int64_t>(arrival.bytes);
+    record.call = id;
+    record.function = traceName;
+    record.peer = callerRank;
+    record.flags = arrival.fromTransport ? trace::kRpcFromTransport : 0;
+    trace::recordRpc(record);
   }
   CancellationToken token;
   std::optional<Error> refusal;
@@ -1347,7 +1373,9 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
         const auto grace = std::max<std::chrono::microseconds>(kCalleeDeadlineGrace, timeout / 20);
         // The callback names the caller through its Peer (peers_ is fixed after start), so its captures fit
         // the timer's callback in place: no allocation per call.
-        running->timer = timers_->scheduleAfter(timeout + grace, [this, name = &caller->name, id, timeoutMicros] {
+        // Traced, from the arrival's clock read (the timers' clock is the same steady clock).
+        const auto from = queuedNs != 0 ? SteadyTime::time_point(std::chrono::nanoseconds(queuedNs)) : SteadyTime::now();
+        running->timer = timers_->schedule(from + timeout + grace, [this, name = &caller->name, id, timeoutMicros] {
           onCallDeadline(*name, id, timeoutMicros);
         });
       }
@@ -1377,12 +1405,19 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
     }
     const int64_t serializeEndNs = traceName != nullptr ? trace::nowNs() : 0;
     const int64_t bytes = frame.ok() ? static_cast<int64_t>(frameBytes(frame.value())) : 0;
-    if (frame.ok()) sendFrame(peerName, std::move(frame).value(), id);
+    const bool queued = frame.ok() && sendFrame(peerName, std::move(frame).value(), id, /*traceSend=*/traceName == nullptr);
     if (traceName != nullptr) {
-      trace::recordSpan("rpc.server.serialize", trace::Category::kRpcServer, serializeBeginNs, serializeEndNs,
-                        {bytes, callerRank, static_cast<int64_t>(id)}, 0, trace::FlowPhase::kNone, traceName);
-      trace::recordSpan("rpc.server.send", trace::Category::kRpcServer, serializeEndNs, trace::nowNs(),
-                        {bytes, callerRank, static_cast<int64_t>(id)}, 0, trace::FlowPhase::kNone, traceName);
+      trace::RpcRecord record;  // rpc.server.serialize and rpc.server.send
+      record.site = trace::RpcSite::kServerReply;
+      record.t[0] = serializeBeginNs;
+      record.t[1] = serializeEndNs;
+      record.t[2] = trace::nowNs();
+      record.bytes = bytes;
+      record.call = id;
+      record.function = traceName;
+      record.peer = callerRank;
+      record.flags = queued ? trace::kRpcToTransport : 0;
+      trace::recordRpc(record);
     }
     std::unique_ptr<Incoming> done;
     {
@@ -1409,26 +1444,31 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
   }
   auto task = [this, peerName, token, reply, message = std::move(message), traceName, callerRank, queuedNs]() mutable {
     const int64_t startNs = traceName != nullptr ? trace::nowNs() : 0;
-    if (traceName != nullptr) {
-      trace::recordAsync("rpc.server.queue", trace::Category::kRpcServer, queuedNs, startNs,
-                         {callerRank, static_cast<int64_t>(message.fields().messageId)}, 0, traceName);
-    }
     const auto& fields = message.fields();
+    // The queue wait of a call refused before its handler ran (its execute and queue are one record
+    // otherwise, made once the handler returned).
+    auto refuse = [&](Error error) {
+      if (traceName != nullptr) {
+        trace::recordAsync("rpc.server.queue", trace::Category::kRpcServer, queuedNs, startNs,
+                           {callerRank, static_cast<int64_t>(fields.messageId)}, 0, traceName);
+      }
+      reply(Result<EncodeValueFn>(std::move(error)));
+    };
     auto entry = registry_.find(fields.functionName);
     if (!entry) {
       Error error = Error::unimplemented("no function '" + fields.functionName + "' on " + name_);
       error.worker = name_;
-      return reply(Result<EncodeValueFn>(std::move(error)));
+      return refuse(std::move(error));
     }
     if (entry->hash != fields.signatureHash) {
       Error error = Error::unimplemented("function '" + fields.functionName + "' on " + name_ +
                                          " has signature " + entry->signature +
                                          ", which does not match the caller's (signature hash differs)");
       error.worker = name_;
-      return reply(Result<EncodeValueFn>(std::move(error)));
+      return refuse(std::move(error));
     }
     message.setScope(CodecScope{this, peerName});
-    if (auto refused = attachAutograd(message, peerName)) return reply(Result<EncodeValueFn>(std::move(*refused)));
+    if (auto refused = attachAutograd(message, peerName)) return refuse(std::move(*refused));
     CallContext ctx;
     ctx.agent = this;
     ctx.caller = peerName;
@@ -1445,9 +1485,16 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
     }();
     const int64_t invokedNs = traceName != nullptr ? trace::nowNs() : 0;
     if (traceName != nullptr) {
-      trace::recordSpan("rpc.server.execute", trace::Category::kRpcServer, startNs, invokedNs,
-                        {callerRank, static_cast<int64_t>(fields.messageId)},
-                        trace::callFlowId(callerRank, fields.messageId), trace::FlowPhase::kStep, traceName);
+      trace::RpcRecord record;  // rpc.server.queue and rpc.server.execute
+      record.site = trace::RpcSite::kServerExecute;
+      record.t[0] = queuedNs;
+      record.t[1] = startNs;
+      record.t[2] = invokedNs;
+      record.call = fields.messageId;
+      record.flow = trace::callFlowId(callerRank, fields.messageId);
+      record.function = traceName;
+      record.peer = callerRank;
+      trace::recordRpc(record);
     }
     if (result.isReady()) {
       // A synchronous handler (or an async one that finished already): we are on an executor thread
@@ -1472,38 +1519,36 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
   }
 }
 
-void Agent::sendFrame(const std::string& peerName, transport::OutgoingFrame frame, uint64_t callId) {
+bool Agent::sendFrame(const std::string& peerName, transport::OutgoingFrame frame, uint64_t callId, bool traceSend) {
   if (peerName == name_) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (closed_) return;
+      if (closed_) return false;
     }
     deliverToSelf(std::move(frame), callId);
-    return;
+    return false;
   }
   std::shared_ptr<Link> link;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = peers_.find(peerName);
-    if (it == peers_.end() || !it->second->link || closed_) return;
+    if (it == peers_.end() || !it->second->link || closed_) return false;
     link = it->second->link;
     it->second->bytesSent.fetch_add(frameBytes(frame), std::memory_order_relaxed);
   }
-  sendOn(link, std::move(frame));
+  sendOn(link, std::move(frame), traceSend);
+  return true;
 }
 
-void Agent::sendOn(const std::shared_ptr<Link>& link, transport::OutgoingFrame frame) {
+void Agent::sendOn(const std::shared_ptr<Link>& link, transport::OutgoingFrame frame, bool traceSend) {
   // `ready` and `peerRank` were set on the loop thread before the link was published under mutex_, which
-  // every caller took to find the link (the loop thread itself wrote them).
-  if (trace::enabled() && link->ready) {
-    const auto bytes = static_cast<int64_t>(frameBytes(frame));
-    const int rank = link->peerRank;
-    link->connection->send(std::move(frame), [bytes, rank](const Result<void>& sent) {
-      if (sent.ok() && trace::enabled()) trace::instant("transport.send", trace::Category::kTransport, {bytes, rank});
-    });
-    return;
-  }
+  // every caller took to find the link (the loop thread itself wrote them). transport.send is recorded
+  // when the frame is queued, on the queueing thread (docs/tracing.md): a completion callback recording it
+  // would cost a clock read on the loop thread and, for a call, an allocation (its captures outgrow
+  // std::function's inline storage).
+  const int64_t bytes = traceSend && link->ready && trace::enabled() ? static_cast<int64_t>(frameBytes(frame)) : -1;
   link->connection->send(std::move(frame), [](const Result<void>&) {});
+  if (bytes >= 0) trace::instant("transport.send", trace::Category::kTransport, {bytes, link->peerRank});
 }
 
 // ---- calls of this agent to itself ----

@@ -274,6 +274,8 @@ class Agent {
   struct Arrival {
     int64_t ns = 0;
     uint64_t bytes = 0;
+    bool fromTransport = false;  // a link's frame (its transport.recv is traced with the call), not a self call
+    int peerRank = -1;           // the link's peer (fromTransport)
   };
 
   Agent(const Options& options, const Registry& registry, AgentConfig config);
@@ -345,14 +347,17 @@ class Agent {
   void onReply(const std::string& peer, DecodedMessage message, Arrival arrival);
   void onCancel(const std::string& peer, const DecodedMessage& message);
   // `callId`: the call the frame belongs to (a self call fails it if its loopback frame does not decode).
-  void sendFrame(const std::string& peer, transport::OutgoingFrame frame, uint64_t callId);
+  // True when the frame was queued on a link (not delivered to this agent itself, not dropped). With
+  // traceSend false the caller traces the frame's transport.send itself (a reply's trace::RpcRecord).
+  bool sendFrame(const std::string& peer, transport::OutgoingFrame frame, uint64_t callId, bool traceSend = true);
   // Note [Self calls] in agent.cpp: a frame of this agent to itself, received without a transport.
   void deliverToSelf(transport::OutgoingFrame frame, uint64_t callId);
   // The peer named `worker` (self_ for this agent's own name), or nullptr. Caller holds mutex_.
   Peer* peerLocked(const std::string& worker) const;
   // The callee-side deadline of incoming call (peer, id) expired (timer thread): cancels its token.
   void onCallDeadline(const std::string& peer, uint64_t id, int64_t timeoutMicros);
-  void sendOn(const std::shared_ptr<Link>& link, transport::OutgoingFrame frame);
+  // Queues `frame` on the link; traced (and traceSend), records its transport.send.
+  void sendOn(const std::shared_ptr<Link>& link, transport::OutgoingFrame frame, bool traceSend = true);
   void heartbeat();
   // Sets this rank's key under `tag`, then waits for every other rank's, at most `bound` (0: as long as a
   // missing rank is alive); with onlyStoreHostWaits, only the rank hosting the store waits (the others may

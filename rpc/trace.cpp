@@ -40,16 +40,31 @@ namespace {
 // registering or unregistering a worker), mutex (the buffer list, thread names, the enabled state; only
 // ever held briefly, so a recording thread that registers its buffer or names itself never waits for a
 // flush writing a file), then the leaves clockMutex and poolMutex.
+// What a slot holds (Chunk::kinds).
+enum SlotKind : uint8_t { kSlotEvent = 0, kSlotRpc = 1 };
+
 struct Chunk {
   std::atomic<uint32_t> count{0};
   std::atomic<Chunk*> next{nullptr};
-  // Raw storage: an event is constructed in its slot when recorded, so a chunk (allocated with plain
-  // `new Chunk`, default-initialised) costs no pass over its 2048 slots.
+  // Raw storage: a record is constructed in its slot when recorded, so a chunk (allocated with plain
+  // `new Chunk`, default-initialised) costs no pass over its 2048 slots. kinds[i] says what slot i holds
+  // (an Event or an RpcRecord); both are published by the release store of `count`.
+  uint8_t kinds[kChunkEvents];
   alignas(Event) unsigned char storage[kChunkEvents * sizeof(Event)];
 
-  void put(uint32_t i, const Event& event) { new (storage + i * sizeof(Event)) Event(event); }
+  void put(uint32_t i, const Event& event) {
+    kinds[i] = kSlotEvent;
+    new (storage + i * sizeof(Event)) Event(event);
+  }
+  void put(uint32_t i, const RpcRecord& record) {
+    kinds[i] = kSlotRpc;
+    new (storage + i * sizeof(Event)) RpcRecord(record);
+  }
   const Event& at(uint32_t i) const {
     return *std::launder(reinterpret_cast<const Event*>(storage + i * sizeof(Event)));
+  }
+  const RpcRecord& rpcAt(uint32_t i) const {
+    return *std::launder(reinterpret_cast<const RpcRecord*>(storage + i * sizeof(Event)));
   }
 };
 
@@ -60,7 +75,8 @@ struct ThreadBuffer {
   Chunk* tail = nullptr;
   // Published by the owner, read by the writer.
   std::atomic<Chunk*> first{nullptr};
-  std::atomic<uint64_t> appended{0};  // written only by the owner
+  std::atomic<uint64_t> appended{0};  // events (an RpcRecord counts as its events); written only by the owner
+  std::atomic<uint64_t> records{0};   // slots used; written only by the owner
   std::atomic<bool> exited{false};
   const int64_t tid;
   // GUARDED_BY(flushMutex): the writer's position.
@@ -148,6 +164,7 @@ struct Recorder {
   int tracing = 0;                                     // GUARDED_BY(mutex): workers with a file
   bool paused = false;                                 // GUARDED_BY(mutex)
   uint64_t retiredAppended = 0;                        // GUARDED_BY(mutex): events of freed buffers
+  uint64_t retiredRecords = 0;                         // GUARDED_BY(mutex): records of freed buffers
   std::atomic<uint64_t> written{0};
   std::atomic<uint64_t> dropped{0};
   std::atomic<uint64_t> chunks{0};
@@ -232,6 +249,7 @@ struct ThreadExit {
     for (auto it = r.buffers.begin(); it != r.buffers.end(); ++it) {
       if (it->get() != buffer) continue;
       r.retiredAppended += buffer->appended.load(std::memory_order_relaxed);
+      r.retiredRecords += buffer->records.load(std::memory_order_relaxed);
       uint64_t freed = 0;
       for (Chunk* c = buffer->head != nullptr ? buffer->head : buffer->first.load(std::memory_order_acquire);
            c != nullptr; c = c->next.load(std::memory_order_acquire)) {
@@ -434,11 +452,19 @@ uint64_t flushLocked(Recorder& r) {
       Chunk* next = chunk->next.load(std::memory_order_acquire);
       const uint32_t count = chunk->count.load(std::memory_order_acquire);
       for (uint32_t i = buffer.readIndex; i < count; ++i) {
-        const Event& e = chunk->at(i);
-        if (first || e.worker != cachedSlot) {
+        // The slot's events: itself, or what its RpcRecord stands for.
+        Event expanded[kRpcMaxEvents];
+        const Event* events = &chunk->at(i);
+        int eventCount = 1;
+        if (chunk->kinds[i] == kSlotRpc) {
+          eventCount = expandRpc(chunk->rpcAt(i), expanded);
+          events = expanded;
+        }
+        const WorkerSlot worker = chunk->kinds[i] == kSlotRpc ? chunk->rpcAt(i).worker : events->worker;
+        if (first || worker != cachedSlot) {
           first = false;
-          cachedSlot = e.worker;
-          auto found = r.workers.find(e.worker);
+          cachedSlot = worker;
+          auto found = r.workers.find(worker);
           cached = found == r.workers.end() || found->second.file == nullptr || found->second.failed ? nullptr
                                                                                                      : &found->second;
           if (cached != nullptr) {
@@ -454,12 +480,12 @@ uint64_t flushLocked(Recorder& r) {
           }
         }
         if (cached == nullptr) {
-          ++dropped;
+          dropped += static_cast<uint64_t>(eventCount);
           continue;
         }
-        appendEvent(cached->pending, e, buffer.tid, cached->skewNs);
-        ++cached->eventsWritten;
-        ++lines;
+        for (int k = 0; k < eventCount; ++k) appendEvent(cached->pending, events[k], buffer.tid, cached->skewNs);
+        cached->eventsWritten += static_cast<uint64_t>(eventCount);
+        lines += static_cast<uint64_t>(eventCount);
       }
       buffer.readIndex = count;
       if (next == nullptr) break;
@@ -480,6 +506,7 @@ uint64_t flushLocked(Recorder& r) {
       ThreadBuffer& buffer = **it;
       if (buffer.exited.load(std::memory_order_acquire) && drainedLocked(buffer)) {
         r.retiredAppended += buffer.appended.load(std::memory_order_relaxed);
+        r.retiredRecords += buffer.records.load(std::memory_order_relaxed);
         if (buffer.head != nullptr) r.chunks.fetch_sub(1, std::memory_order_relaxed);
         it = r.buffers.erase(it);
       } else {
@@ -558,10 +585,20 @@ const char* eventKindName(EventKind kind) {
 }
 
 const char* intern(std::string_view text) {
+  // The text this thread interned last: a thread that traces RPCs mostly meets the same few function
+  // names in a row (a loop thread serving one call after another), and comparing with the last one costs a
+  // fraction of hashing the text for the map.
+  thread_local std::string_view last;
+  thread_local const char* lastInterned = nullptr;
+  if (lastInterned != nullptr && text == last) return lastInterned;
   // Keys are views of the interned strings themselves, which never move or die.
   thread_local std::unordered_map<std::string_view, const char*> cache;
   auto hit = cache.find(text);
-  if (hit != cache.end()) return hit->second;
+  if (hit != cache.end()) {
+    last = hit->first;
+    lastInterned = hit->second;
+    return hit->second;
+  }
   Recorder& r = recorder();
   const std::string* stored = nullptr;
   {
@@ -569,12 +606,18 @@ const char* intern(std::string_view text) {
     stored = &*r.interned.emplace(text).first;
   }
   cache.emplace(std::string_view(*stored), stored->c_str());
+  last = std::string_view(*stored);
+  lastInterned = stored->c_str();
   return stored->c_str();
 }
 
-void record(Event event) {
-  if (event.worker == kNoWorker) {
-    event.worker = tWorker != kNoWorker ? tWorker : recorder().defaultWorker.load(std::memory_order_relaxed);
+namespace {
+// Appends `value` (an Event or an RpcRecord standing for `events` events) to this thread's buffer
+// (Note [Trace buffers]).
+template <typename Record>
+inline void append(Record& value, uint64_t events) {
+  if (value.worker == kNoWorker) {
+    value.worker = tWorker != kNoWorker ? tWorker : recorder().defaultWorker.load(std::memory_order_relaxed);
   }
   ThreadBuffer* buffer = tBuffer;
   if (buffer == nullptr) buffer = attachThread();
@@ -584,12 +627,112 @@ void record(Event event) {
     chunk = newChunk(*buffer);
     n = 0;
   }
-  chunk->put(n, event);
+  chunk->put(n, value);
   chunk->count.store(n + 1, std::memory_order_release);
-  // The next event's slot, for writing: recording sites are microseconds apart, so the line is in cache by
-  // then instead of costing a miss on the recording thread.
+  // The next slot, for writing: recording sites are microseconds apart, so the line is in cache by then
+  // instead of costing a miss on the recording thread.
   if (n + 2 < kChunkEvents) __builtin_prefetch(chunk->storage + (n + 2) * sizeof(Event), 1, 3);
-  buffer->appended.store(buffer->appended.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+  buffer->appended.store(buffer->appended.load(std::memory_order_relaxed) + events, std::memory_order_relaxed);
+  buffer->records.store(buffer->records.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+}
+}  // namespace
+
+void record(Event event) { append(event, 1); }
+
+void recordRpc(const RpcRecord& record) {
+  RpcRecord copy = record;
+  append(copy, static_cast<uint64_t>(rpcEventCount(copy)));
+}
+
+int rpcEventCount(const RpcRecord& record) {
+  const int fromTransport = (record.flags & kRpcFromTransport) != 0 ? 1 : 0;
+  const int toTransport = (record.flags & kRpcToTransport) != 0 ? 1 : 0;
+  switch (record.site) {
+    case RpcSite::kClientSend: return 2 + toTransport;
+    case RpcSite::kClientReply: return 2 + fromTransport;
+    case RpcSite::kServerArrive: return 1 + fromTransport;
+    case RpcSite::kServerExecute: return 2;
+    case RpcSite::kServerReply: return 2 + toTransport;
+  }
+  return 0;
+}
+
+int expandRpc(const RpcRecord& r, Event (&out)[kRpcMaxEvents]) {
+  int n = 0;
+  // An event of the record: its worker, detail (the function) and kind; args set by the caller.
+  auto add = [&](const char* name, Category category, EventKind kind, int64_t begin, int64_t end) -> Event& {
+    Event& e = out[n++];
+    e = Event();
+    e.name = name;
+    e.detail = r.function;
+    e.worker = r.worker;
+    e.category = category;
+    e.kind = kind;
+    e.beginNs = begin;
+    e.endNs = end;
+    return e;
+  };
+  auto args = [](Event& e, std::initializer_list<int64_t> values) {
+    for (int64_t v : values) e.args[e.argCount++] = v;
+  };
+  auto flow = [&r](Event& e, FlowPhase phase) {
+    e.flow = r.flow;
+    e.flowPhase = r.flow != 0 ? phase : FlowPhase::kNone;
+  };
+  const auto call = static_cast<int64_t>(r.call);
+  const bool fromTransport = (r.flags & kRpcFromTransport) != 0;
+  // The frame queued at t2 (the end of the send span): a transport.send instant after it.
+  auto sent = [&] {
+    if ((r.flags & kRpcToTransport) == 0) return;
+    Event& e = add("transport.send", Category::kTransport, EventKind::kInstant, r.t[2], r.t[2]);
+    e.detail = nullptr;
+    args(e, {r.bytes, r.peer});
+  };
+  switch (r.site) {
+    case RpcSite::kClientSend: {
+      args(add("rpc.client.serialize", Category::kRpcClient, EventKind::kSpan, r.t[0], r.t[1]), {r.bytes, r.peer, call});
+      Event& send = add("rpc.client.send", Category::kRpcClient, EventKind::kSpan, r.t[1], r.t[2]);
+      args(send, {r.bytes, r.peer, call});
+      flow(send, FlowPhase::kStart);
+      sent();
+      break;
+    }
+    case RpcSite::kClientReply: {
+      if (fromTransport) {
+        Event& recv = add("transport.recv", Category::kTransport, EventKind::kInstant, r.t[1], r.t[1]);
+        recv.detail = nullptr;
+        args(recv, {r.bytes, r.peer});
+      }
+      args(add("rpc.client.wait", Category::kRpcClient, EventKind::kAsync, r.t[0], r.t[1]), {r.peer, call, r.status});
+      Event& reply = add("rpc.client.deserialize", Category::kRpcClient, EventKind::kSpan, r.t[1], r.t[2]);
+      args(reply, {r.bytes, r.peer, call});
+      flow(reply, FlowPhase::kEnd);
+      break;
+    }
+    case RpcSite::kServerArrive: {
+      if (fromTransport) {
+        Event& recv = add("transport.recv", Category::kTransport, EventKind::kInstant, r.t[0], r.t[0]);
+        recv.detail = nullptr;
+        args(recv, {r.bytes, r.peer});
+      }
+      args(add("rpc.server.deserialize", Category::kRpcServer, EventKind::kSpan, r.t[0], r.t[1]), {r.bytes, r.peer, call});
+      break;
+    }
+    case RpcSite::kServerExecute: {
+      args(add("rpc.server.queue", Category::kRpcServer, EventKind::kAsync, r.t[0], r.t[1]), {r.peer, call});
+      Event& execute = add("rpc.server.execute", Category::kRpcServer, EventKind::kSpan, r.t[1], r.t[2]);
+      args(execute, {r.peer, call});
+      flow(execute, FlowPhase::kStep);
+      break;
+    }
+    case RpcSite::kServerReply: {
+      args(add("rpc.server.serialize", Category::kRpcServer, EventKind::kSpan, r.t[0], r.t[1]), {r.bytes, r.peer, call});
+      args(add("rpc.server.send", Category::kRpcServer, EventKind::kSpan, r.t[1], r.t[2]), {r.bytes, r.peer, call});
+      sent();
+      break;
+    }
+  }
+  return n;
 }
 
 namespace {
@@ -787,7 +930,11 @@ Stats stats() {
   std::lock_guard<std::mutex> lock(r.mutex);
   Stats s;
   s.recorded = r.retiredAppended;
-  for (const auto& buffer : r.buffers) s.recorded += buffer->appended.load(std::memory_order_relaxed);
+  s.records = r.retiredRecords;
+  for (const auto& buffer : r.buffers) {
+    s.recorded += buffer->appended.load(std::memory_order_relaxed);
+    s.records += buffer->records.load(std::memory_order_relaxed);
+  }
   s.written = r.written.load(std::memory_order_relaxed);
   s.dropped = r.dropped.load(std::memory_order_relaxed);
   s.bufferedChunks = r.chunks.load(std::memory_order_relaxed);

@@ -228,6 +228,22 @@ TEST_P(AgentTraceTest, EveryCallIsTracedOnBothSidesWithFlowsAndEachAgentWritesIt
   EXPECT_LE(b(answered), b(reply));
   EXPECT_LE(e(wait), b(reply) + 1);
   EXPECT_GE(b(wait), b(send));
+  // Each frame's transport instants are part of its call's records (trace::RpcRecord): the call's frame
+  // was queued at the end of its send span, on the sending thread, and arrived as the callee began
+  // decoding it; the reply likewise. Exactly one instant of each at those times, with the frame's bytes.
+  auto instantAt = [](const TraceFile& file, const char* name, int64_t at, int64_t tid) {
+    std::vector<const FlatObject*> found;
+    for (const FlatObject* ev : named(file, name)) {
+      if (b(*ev) == at && (tid < 0 || ev->integer("tid") == tid)) found.push_back(ev);
+    }
+    EXPECT_EQ(found.size(), 1u) << name << " at " << at;
+    static const FlatObject kMissing;
+    return found.empty() ? kMissing : *found.front();
+  };
+  EXPECT_EQ(instantAt(w0, "transport.send", e(send), *send.integer("tid")).integer("a0"), send.integer("a0"));
+  EXPECT_EQ(instantAt(w1, "transport.recv", b(arrived), *arrived.integer("tid")).integer("a0"), arrived.integer("a0"));
+  EXPECT_EQ(instantAt(w1, "transport.send", e(answered), *answered.integer("tid")).integer("a0"), answered.integer("a0"));
+  EXPECT_EQ(instantAt(w0, "transport.recv", b(reply), *reply.integer("tid")).integer("a0"), reply.integer("a0"));
 
   // The nested call goes the other way: worker1's call of add_int runs on worker0.
   const FlatObject& nestedSend = only(w1, "rpc.client.send", "add_int");
@@ -255,8 +271,15 @@ TEST_P(AgentTraceTest, EveryCallIsTracedOnBothSidesWithFlowsAndEachAgentWritesIt
 
   // The failing call's wait ends with its error kind.
   EXPECT_EQ(only(w0, "rpc.client.wait", "throw").integer("a2"), 1 + static_cast<int64_t>(ErrorKind::kRemote));
-  // A call to itself is all in the caller's file, one flow from start to end.
+  // A call to itself is all in the caller's file, one flow from start to end, and never touches the
+  // transport: no transport instant at its send's end or its arrival.
   const auto selfFlow = only(w0, "rpc.client.send", "scale").integer("flow");
+  for (const FlatObject* ev : named(w0, "transport.send")) {
+    EXPECT_NE(b(*ev), e(only(w0, "rpc.client.send", "scale"))) << "a self call's frame is not sent";
+  }
+  for (const FlatObject* ev : named(w0, "transport.recv")) {
+    EXPECT_NE(b(*ev), b(only(w0, "rpc.server.deserialize", "scale"))) << "a self call's frame is not received";
+  }
   EXPECT_EQ(only(w0, "rpc.server.execute", "scale").integer("flow"), selfFlow);
   EXPECT_EQ(only(w0, "rpc.client.deserialize", "scale").integer("flow"), selfFlow);
   EXPECT_EQ(named(w1, "rpc.server.execute").size(), 5u) << "echo, nested, throw, traced_region, gated ran on worker1";

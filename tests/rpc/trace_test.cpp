@@ -362,6 +362,158 @@ TEST(Trace, TheTestSkewShiftsEveryTimeAndClockLinesAndOddNamesAreWrittenExactly)
   EXPECT_GE(*file.end->integer("end_ns"), before + kSkew);
 }
 
+// The Agent's RPC sites record one RpcRecord each (rpc/trace.h); the writer expands it into the documented
+// events (docs/tracing.md): here every site, with and without its transport.recv, written with the test
+// skew, must come out as exactly those events: names, kinds, categories, times (begin <= end, each span
+// starting where the previous one of the record ended), args, detail and flow phases; the counters and the
+// end line count events, not records.
+TEST(Trace, RpcRecordsAreWrittenAsTheDocumentedEventsInTimeOrderWithTheirFlows) {
+  TempDir dir;
+  constexpr int64_t kSkew = 1'000;
+  const WorkerSlot slot = registerWorker("rpc-records", 3, dir.path(), kSkew);
+  const char* fn = intern("remote_fn");
+  struct Case {
+    RpcSite site;
+    uint8_t flags;
+    uint64_t flow;
+  };
+  const std::vector<Case> cases = {
+      {RpcSite::kClientSend, kRpcToTransport, callFlowId(3, 10)},
+      {RpcSite::kClientReply, kRpcFromTransport, callFlowId(3, 11)},
+      {RpcSite::kClientReply, 0, callFlowId(3, 12)},
+      {RpcSite::kServerArrive, kRpcFromTransport, 0},
+      {RpcSite::kServerArrive, 0, 0},
+      {RpcSite::kServerExecute, 0, callFlowId(1, 15)},
+      {RpcSite::kServerReply, kRpcToTransport, 0},
+  };
+  const Stats before = stats();
+  int expectedEvents = 0;
+  {
+    WorkerScope bound(slot);
+    for (size_t i = 0; i < cases.size(); ++i) {
+      RpcRecord record;
+      record.site = cases[i].site;
+      record.flags = cases[i].flags;
+      const auto base = static_cast<int64_t>(1000 * (i + 1));
+      record.t[0] = base;
+      record.t[1] = base + 100;
+      record.t[2] = base + 300;
+      record.bytes = 64 + static_cast<int64_t>(i);
+      record.call = 10 + i;
+      record.flow = cases[i].flow;
+      record.function = fn;
+      record.peer = 1;
+      record.status = record.site == RpcSite::kClientReply ? 8 : 0;
+      expectedEvents += rpcEventCount(record);
+      Event expanded[3];
+      EXPECT_EQ(expandRpc(record, expanded), rpcEventCount(record));
+      recordRpc(record);
+    }
+  }
+  const Stats after = stats();
+  EXPECT_EQ(after.records - before.records, cases.size());
+  EXPECT_EQ(after.recorded - before.recorded, static_cast<uint64_t>(expectedEvents));
+  EXPECT_EQ(expectedEvents, 3 + 3 + 2 + 2 + 1 + 2 + 3);
+  const std::string path = workerFile(slot);
+  unregisterWorker(slot);
+  const TraceFile file = readTrace(path);
+  ASSERT_EQ(file.events.size(), static_cast<size_t>(expectedEvents));
+  ASSERT_TRUE(file.end.has_value());
+  EXPECT_EQ(file.end->integer("events"), expectedEvents);
+
+  // The events of case i, in file order (a record's events are written together, in the documented order).
+  std::map<int64_t, std::vector<const FlatObject*>> byCall;  // call id -> events
+  for (const auto& ev : file.events) {
+    EXPECT_LE(*ev.integer("b"), *ev.integer("e")) << *ev.string("name");
+    const bool recv = ev.string("name") == "transport.recv";
+    const bool sent = ev.string("name") == "transport.send";
+    if (!recv && !sent) {
+      EXPECT_EQ(ev.string("detail"), "remote_fn") << *ev.string("name");
+    }
+    // The transport instants carry no call id: grouped apart (-1 received, -2 sent), in file order.
+    byCall[recv   ? -1
+           : sent ? -2
+                  : *ev.integer(ev.string("type") == "async" || ev.string("name") == "rpc.server.execute" ? "a1" : "a2")]
+        .push_back(&ev);
+  }
+  auto names = [&](int64_t call) {
+    std::vector<std::string> out;
+    for (const FlatObject* ev : byCall[call]) out.push_back(*ev->string("name"));
+    return out;
+  };
+  auto at = [&](int64_t call, size_t k) -> const FlatObject& { return *byCall[call].at(k); };
+  auto t = [&](size_t i, int k) { return static_cast<int64_t>(1000 * (i + 1)) + (k == 0 ? 0 : k == 1 ? 100 : 300) + kSkew; };
+
+  // kClientSend: serialize [t0, t1], send [t1, t2] starting the flow; both with bytes, peer, call.
+  EXPECT_EQ(names(10), (std::vector<std::string>{"rpc.client.serialize", "rpc.client.send"}));
+  EXPECT_EQ(at(10, 0).integer("b"), t(0, 0));
+  EXPECT_EQ(at(10, 0).integer("e"), t(0, 1));
+  EXPECT_EQ(at(10, 1).integer("b"), t(0, 1));
+  EXPECT_EQ(at(10, 1).integer("e"), t(0, 2));
+  EXPECT_EQ(at(10, 0).integer("a0"), 64);
+  EXPECT_EQ(at(10, 0).integer("a1"), 1);
+  EXPECT_FALSE(at(10, 0).integer("flow").has_value());
+  EXPECT_EQ(at(10, 1).integer("flow"), static_cast<int64_t>(callFlowId(3, 10)));
+  EXPECT_EQ(at(10, 1).string("flow_phase"), "start");
+  EXPECT_EQ(at(10, 1).string("cat"), "rpc_client");
+  // kClientReply: wait [t0, t1] (async, status), deserialize [t1, t2] ending the flow; with the transport,
+  // a transport.recv at t1 (bytes, peer).
+  EXPECT_EQ(names(11), (std::vector<std::string>{"rpc.client.wait", "rpc.client.deserialize"}));
+  EXPECT_EQ(names(12), names(11));
+  for (auto [call, i] : {std::make_pair(11, 1), std::make_pair(12, 2)}) {
+    EXPECT_EQ(at(call, 0).string("type"), "async");
+    EXPECT_EQ(at(call, 0).integer("b"), t(static_cast<size_t>(i), 0));
+    EXPECT_EQ(at(call, 0).integer("e"), t(static_cast<size_t>(i), 1));
+    EXPECT_EQ(at(call, 0).integer("a0"), 1);
+    EXPECT_EQ(at(call, 0).integer("a2"), 8) << "status";
+    EXPECT_EQ(at(call, 1).string("type"), "span");
+    EXPECT_EQ(at(call, 1).integer("b"), t(static_cast<size_t>(i), 1));
+    EXPECT_EQ(at(call, 1).integer("e"), t(static_cast<size_t>(i), 2));
+    EXPECT_EQ(at(call, 1).integer("a0"), 64 + i);
+    EXPECT_EQ(at(call, 1).integer("flow"), static_cast<int64_t>(callFlowId(3, static_cast<uint64_t>(call))));
+    EXPECT_EQ(at(call, 1).string("flow_phase"), "end");
+  }
+  // kServerArrive: deserialize [t0, t1]; kServerExecute: queue [t0, t1] (async), execute [t1, t2] (flow step);
+  // kServerReply: serialize [t0, t1], send [t1, t2].
+  EXPECT_EQ(names(13), (std::vector<std::string>{"rpc.server.deserialize"}));
+  EXPECT_EQ(names(14), names(13));
+  EXPECT_EQ(at(13, 0).integer("b"), t(3, 0));
+  EXPECT_EQ(at(13, 0).integer("e"), t(3, 1));
+  EXPECT_EQ(at(13, 0).integer("a0"), 67);
+  EXPECT_EQ(at(13, 0).string("cat"), "rpc_server");
+  EXPECT_EQ(names(15), (std::vector<std::string>{"rpc.server.queue", "rpc.server.execute"}));
+  EXPECT_EQ(at(15, 0).string("type"), "async");
+  EXPECT_EQ(at(15, 0).integer("e"), at(15, 1).integer("b"));
+  EXPECT_EQ(at(15, 1).integer("e"), t(5, 2));
+  EXPECT_EQ(at(15, 1).integer("a0"), 1) << "the caller's rank";
+  EXPECT_EQ(at(15, 1).integer("flow"), static_cast<int64_t>(callFlowId(1, 15)));
+  EXPECT_EQ(at(15, 1).string("flow_phase"), "step");
+  EXPECT_EQ(names(16), (std::vector<std::string>{"rpc.server.serialize", "rpc.server.send"}));
+  EXPECT_EQ(at(16, 0).integer("e"), at(16, 1).integer("b"));
+  EXPECT_EQ(at(16, 1).integer("a0"), 70);
+  // The two transport.recv instants: the client reply's at its arrival (t1), the server arrival's at t0.
+  ASSERT_EQ(byCall[-1].size(), 2u);
+  EXPECT_EQ(at(-1, 0).string("type"), "instant");
+  EXPECT_EQ(at(-1, 0).string("cat"), "transport");
+  EXPECT_EQ(at(-1, 0).integer("b"), t(1, 1));
+  EXPECT_EQ(at(-1, 0).integer("a0"), 65);
+  EXPECT_EQ(at(-1, 0).integer("a1"), 1);
+  EXPECT_FALSE(at(-1, 0).string("detail").has_value());
+  EXPECT_EQ(at(-1, 1).integer("b"), t(3, 0));
+  EXPECT_EQ(at(-1, 1).integer("a0"), 67);
+  // The two transport.send instants: when the call's and the reply's frames were queued (t2).
+  ASSERT_EQ(byCall[-2].size(), 2u);
+  EXPECT_EQ(at(-2, 0).string("type"), "instant");
+  EXPECT_EQ(at(-2, 0).string("cat"), "transport");
+  EXPECT_EQ(at(-2, 0).integer("b"), t(0, 2));
+  EXPECT_EQ(at(-2, 0).integer("e"), t(0, 2));
+  EXPECT_EQ(at(-2, 0).integer("a0"), 64);
+  EXPECT_EQ(at(-2, 0).integer("a1"), 1);
+  EXPECT_FALSE(at(-2, 0).string("detail").has_value());
+  EXPECT_EQ(at(-2, 1).integer("b"), t(6, 2));
+  EXPECT_EQ(at(-2, 1).integer("a0"), 70);
+}
+
 TEST(Trace, ADirectoryThatCannotBeCreatedIsRefusedNamingIt) {
   TempDir dir;
   const std::string notADirectory = dir.path() + "/plain-file";
