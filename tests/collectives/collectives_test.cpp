@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "collectives_test_util.h"
+#include "tests/transport_params.h"
 
 namespace distgrad::rpc::collectives::testing {
 namespace {
@@ -420,7 +421,7 @@ TEST(CollectivesSetup, SingleMemberGroupIsIdentity) {
   job->group(0).barrierSync();
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, Collectives, ::testing::Values("inproc", "tcp"),
+INSTANTIATE_TEST_SUITE_P(Transports, Collectives, ::testing::ValuesIn(distgrad::testing::endToEndTransports()),
                          [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 
 }  // namespace

@@ -6,9 +6,11 @@
 // call's execution on worker1 lies between its call and its reply on worker0), every flow is complete,
 // the fractions sum to 100% and the pipeline verdict is there with the figures it is computed from.
 #include <gtest/gtest.h>
+
 #include <stdlib.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -163,11 +165,18 @@ TEST(TraceToolEndToEnd, TwoAgentsTraceAnRpcPipelineAndTheToolMergesAndExplainsIt
     EXPECT_TRUE(w.closed) << w.worker;
     EXPECT_TRUE(w.aligned) << w.worker;
   }
-  // worker1's 20 ms are found again (the estimate is within half a loopback round trip).
-  EXPECT_NEAR(static_cast<double>(set.workers[1].offsetToReferenceNs), -20e6, 1e6);
+  // worker1's 20 ms are found again. The estimate's error is at most half the round trip of its best
+  // sample: 1 ms on loopback, unless the machine is so loaded that no heartbeat came back within 2 ms (then
+  // the bound is the estimate's own, which is still checked).
+  int64_t rttNs = 0;
+  for (const auto& w : set.workers)
+    for (const auto& [peer, line] : w.clocks) rttNs = std::max(rttNs, line.rttNs);
+  const int64_t toleranceNs = std::max<int64_t>(1'000'000, rttNs / 2 + 1);
+  EXPECT_NEAR(static_cast<double>(set.workers[1].offsetToReferenceNs), -20e6, static_cast<double>(toleranceNs))
+      << "best round trip " << rttNs << " ns";
 
   // Every call worker0 made: its execution on worker1 lies inside [send begin, reply deserialized] on the
-  // reference clock (within the 1 ms the estimate guarantees on loopback).
+  // reference clock (within the estimate's tolerance).
   std::map<uint64_t, const Event*> send, reply, execute;
   for (const auto& ev : set.workers[0].events) {
     if (ev.name == "rpc.client.send") send[ev.flow] = &ev;
@@ -180,8 +189,8 @@ TEST(TraceToolEndToEnd, TwoAgentsTraceAnRpcPipelineAndTheToolMergesAndExplainsIt
   EXPECT_GE(execute.size(), calls);
   for (const auto& [flow, ex] : execute) {
     ASSERT_TRUE(send.count(flow) && reply.count(flow)) << flow;
-    EXPECT_GE(ex->b, send[flow]->b - 1'000'000) << flow;
-    EXPECT_LE(ex->e, reply[flow]->e + 1'000'000) << flow;
+    EXPECT_GE(ex->b, send[flow]->b - toleranceNs) << flow;
+    EXPECT_LE(ex->e, reply[flow]->e + toleranceNs) << flow;
   }
 
   // Merge: valid JSON, every flow complete, every async pair matched.
