@@ -31,13 +31,22 @@ grep -q '^epoch 1/' "$workdir/out0.txt" || { echo "FAIL: no epoch finished"; cat
 kill -9 "${pids[2]}"
 echo "killed trainer 2 (pid ${pids[2]})"
 status=
-wait_for() {  # waits at most 30 s for pid $1; sets status to its exit status, or "hung" (then kills it)
-  (sleep 30 && touch "$workdir/hung.$1" && kill -9 "$1") >/dev/null 2>&1 &
-  local watchdog=$!
-  wait "$1"
-  status=$?
-  kill "$watchdog" 2>/dev/null
-  [[ -e "$workdir/hung.$1" ]] && status=hung
+# Waits at most 30 s for pid $1; sets status to its exit status, or "hung" (then kills it). Polls instead of
+# running a watchdog subshell: a subshell killed before it gets going runs this script's EXIT trap, which
+# deleted the output files under load (bash reaps exited children itself, so kill -0 fails once $1 is done).
+wait_for() {
+  for _ in $(seq 300); do
+    kill -0 "$1" 2>/dev/null || break
+    sleep 0.1
+  done
+  if kill -0 "$1" 2>/dev/null; then
+    kill -9 "$1"
+    wait "$1"
+    status=hung
+  else
+    wait "$1"
+    status=$?
+  fi
 }
 wait_for "${pids[0]}"
 server_status=$status

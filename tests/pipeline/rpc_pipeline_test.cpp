@@ -264,10 +264,12 @@ TEST_P(RpcPipelineTest, GPipeHoldsEveryMicroBatchAnd1F1BAtMostStagesMinusStageIn
 
 // Note [Stage gradient folding]: with 8 micro-batches (8 contexts) the stages hold ONE copy of their
 // parameters' gradients, not 8. An MLP whose parameters dwarf its activations (batch 8, one row per
-// micro-batch): the stages' peak tensor bytes above the step's start stay under three copies of all the
+// micro-batch): the stages' peak tensor bytes above the step's start stay under four copies of all the
 // parameters, where one context per micro-batch holding its own would reach seven or eight. (Process-wide
 // here: all three agents share this process, so both stages' gradients count, and with them what is in
-// flight when a sample is taken: a layer's incoming gradient on each stage, the activations.)
+// flight when a sample is taken: a layer's incoming gradient on each stage, the activations. That share
+// depends on timing: it reached 3.02 copies once on a loaded machine, so the bound is four copies, still
+// half of what per-context gradients would hold.)
 TEST_P(RpcPipelineTest, StagesHoldOneGradientCopyWhateverTheMicroBatches) {
   ModelSpec model = mlpSpec();
   model.imageSize = 16;
@@ -286,7 +288,7 @@ TEST_P(RpcPipelineTest, StagesHoldOneGradientCopyWhateverTheMicroBatches) {
       StepResult r = pipe.step(images(8, model, 40 + step), classes(8, 8, 50 + step));
       int64_t peak = 0;
       for (int64_t bytes : r.stats.peakActivationBytes) peak = std::max(peak, bytes);
-      EXPECT_LT(peak, 3 * parameterBytes) << "step " << step << ": peak " << peak << " B, parameters "
+      EXPECT_LT(peak, 4 * parameterBytes) << "step " << step << ": peak " << peak << " B, parameters "
                                           << parameterBytes << " B";
       // The samples do see the gradients (at the last backward's start most of them exist).
       EXPECT_GT(peak, parameterBytes / 4) << "step " << step;
