@@ -222,7 +222,7 @@ inline JsonLine dataParallelJson(const std::string& example, const std::string& 
       .add("compute_share", s.computeShare)
       .add("overhead_share", 1.0 - s.computeShare)
       .add("peak_rss_mib", peakRssMiB())
-      .add("peak_rss_mib_max", s.peakRssMiBMax)
+      .add("peak_rss_mib_max", std::max(s.peakRssMiBMax, peakRssMiB()))  // this rank may have grown since
       .add("checkpoint", opt.checkpoint);
   return json;
 }

@@ -58,7 +58,8 @@ using models::Embedding;
 using models::Linear;
 using Clock = std::chrono::steady_clock;
 
-// What both workers declare: the server's module classes and the example's own functions.
+// What both workers declare: the example's own functions (the server's module classes are in
+// examples/remote_modules.h, shared with rpc_ddp_hybrid).
 namespace rnn {
 // Peak RSS of the worker that serves it (MiB).
 inline const rpc::Function<double()> kPeakRss{"rnn.peak_rss_mib"};

@@ -7,7 +7,7 @@
 //   worker1  trainer: the same, with its own data
 //   worker2  parameter server: holds an Embedding table (a RemoteModule) shared by both trainers
 //
-// Each trainer step runs in a distributed autograd context: the embedding lookup is an RPC to worker0
+// Each trainer step runs in a distributed autograd context: the embedding lookup is an RPC to worker2
 // (recorded in the context), the head is DistributedDataParallel over the trainers' group, ddp.backward(ctx,
 // loss) runs the distributed backward (gradients reach the table on worker2) and averages the head's
 // gradients over both trainers, and a DistributedOptimizer steps the table on worker2 and the head locally
