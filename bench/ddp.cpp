@@ -16,6 +16,7 @@
 // This is its own program rather than a case of bench_collectives, which links dg_rpc only (no models).
 // JSON lines (bench/bench_util.h). Usage:
 //   bench_ddp [procs=2] [width=64] [batch=32] [steps=6] [rounds=2]
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -92,6 +93,10 @@ std::shared_ptr<models::Module> buildResNet(const Config& config) {
   return models::pipeline::buildModel(spec);
 }
 
+// A connected pair of Unix sockets ([0] reads, [1] writes, by convention here): readFully / writeFully
+// (socket_bench_util.h) use recv / send, which pipes do not support.
+bool channel(int fds[2]) { return ::socketpair(AF_UNIX, SOCK_STREAM, 0, fds) == 0; }
+
 void writeTimes(int fd, const StepTimes& t) {
   const auto n = static_cast<uint32_t>(t.wall.size());
   writeFully(fd, &n, sizeof n);
@@ -113,7 +118,7 @@ StepTimes readTimes(int fd) {
 // Every measurement runs in forked processes, so this one never starts a thread and can fork again.
 StepTimes runSingle(const Config& config) {
   int fds[2];
-  check(pipe(fds) == 0, "pipe");
+  check(channel(fds), "socketpair");
   pid_t pid = forkChild(false, [&] {
     ::close(fds[0]);
     tensor::setNumThreads(1);
@@ -130,7 +135,7 @@ StepTimes runSingle(const Config& config) {
 StepTimes runDdp(const Config& config) {
   // The rendezvous store lives in a process of its own until every rank is gone.
   int portPipe[2], holdPipe[2], resultPipe[2];
-  check(pipe(portPipe) == 0 && pipe(holdPipe) == 0 && pipe(resultPipe) == 0, "pipe");
+  check(channel(portPipe) && channel(holdPipe) && channel(resultPipe), "socketpair");
   pid_t storePid = forkChild(false, [&] {
     ::close(portPipe[0]);
     ::close(holdPipe[1]);
