@@ -49,9 +49,11 @@ struct Config {
   static constexpr int kWarmup = 2;
 };
 
-// Per timed step: wall seconds and forward + backward seconds.
+// Per timed step: wall seconds and forward + backward seconds; and the CPU seconds the timed steps cost
+// (whole processes: compute, the all-reduce's executor and I/O threads; summed over the ranks).
 struct StepTimes {
   std::vector<double> wall, compute;
+  double cpuSeconds = 0;
 };
 
 double loadAverage() {
@@ -68,7 +70,9 @@ StepTimes train(const Config& config, int rank, models::DistributedDataParallel*
   const Tensor y = Tensor::fromVector(labels, {config.batch});
   auto optimizer = models::optim::OptimizerSpec::sgd({.learningRate = 0.01, .momentum = 0.9}).make(model.parameters());
   StepTimes times;
+  double cpuStart = 0;
   for (int step = 0; step < Config::kWarmup + config.steps; ++step) {
+    if (step == Config::kWarmup) cpuStart = processCpuSeconds();
     const auto start = std::chrono::steady_clock::now();
     model.zeroGrad();
     Tensor logits = ddp != nullptr ? ddp->forward(x) : model.forward(x);
@@ -82,6 +86,7 @@ StepTimes train(const Config& config, int rank, models::DistributedDataParallel*
       times.compute.push_back(compute);
     }
   }
+  times.cpuSeconds = processCpuSeconds() - cpuStart;
   return times;
 }
 
@@ -102,6 +107,7 @@ void writeTimes(int fd, const StepTimes& t) {
   writeFully(fd, &n, sizeof n);
   writeFully(fd, t.wall.data(), n * sizeof(double));
   writeFully(fd, t.compute.data(), n * sizeof(double));
+  writeFully(fd, &t.cpuSeconds, sizeof t.cpuSeconds);
 }
 
 StepTimes readTimes(int fd) {
@@ -112,6 +118,7 @@ StepTimes readTimes(int fd) {
   t.compute.resize(n);
   readFully(fd, t.wall.data(), n * sizeof(double));
   readFully(fd, t.compute.data(), n * sizeof(double));
+  readFully(fd, &t.cpuSeconds, sizeof t.cpuSeconds);
   return t;
 }
 
@@ -175,7 +182,9 @@ StepTimes runDdp(const Config& config) {
         auto model = buildResNet(config);
         models::DistributedDataParallel ddp(*model, group);
         times = train(config, rank, &ddp, *model);
-        group.barrierSync();
+        Tensor cpu = Tensor::fromVector(std::vector<double>{times.cpuSeconds}, {1});
+        group.allReduceSync(cpu);  // every rank's CPU time
+        times.cpuSeconds = cpu.item();
       }
       agent->shutdown();
       if (rank == 0) writeTimes(resultPipe[1], times);
@@ -247,6 +256,13 @@ int main(int argc, char** argv) {
     ddpExtra["procs"] = std::to_string(config.procs);
     ddpExtra["overhead_share"] = number(overheadShare(ddp));
     ddpExtra["ratio_vs_single"] = number(ddpRate.median / singleRate.median);
+    // Images per CPU-second of all processes, against the single process's: what DDP costs in CPU
+    // (communication threads included), independent of how many cores the load left free.
+    const double singleCpuRate = static_cast<double>(config.batch * config.steps) / single.cpuSeconds;
+    const double ddpCpuRate = static_cast<double>(config.batch * config.steps * config.procs) / ddp.cpuSeconds;
+    ddpExtra["images_per_cpu_s"] = number(ddpCpuRate);
+    ddpExtra["single_images_per_cpu_s"] = number(singleCpuRate);
+    ddpExtra["cpu_efficiency_vs_single"] = number(ddpCpuRate / singleCpuRate);
     ddpExtra["loadavg_1m_start"] = number(load1);
     ddpExtra["loadavg_1m_end"] = number(load2);
     emit("ddp", "ddp_images_per_s", "images/s", ddpRate, ddpExtra);
