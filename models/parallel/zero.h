@@ -15,6 +15,9 @@
 // tensor dominates the model (an embedding table, LeNet's first fully connected layer). kTensors assigns
 // whole tensors, largest first to the rank with the fewest bytes so far (PyTorch's ZeroRedundancyOptimizer),
 // which can be far from 1/N. Both assignments are deterministic, so every rank computes the same one.
+// kElements is exact for element-wise optimizers (SGD, Adam: every element's update depends on that element
+// alone); an optimizer that looks at a whole tensor (a per-tensor norm, as LAMB's trust ratio) needs
+// kTensors, since a split tensor's pieces are stepped separately.
 // step() updates the rank's shard from the parameters' .grad (which must already be the same on every
 // rank, e.g. averaged by DDP), then every piece is broadcast from its owner so all replicas agree.
 // Thread-safety: like an Optimizer, one step at a time; step() is a collective (every rank calls it).
