@@ -86,6 +86,11 @@ std::vector<Mode> modes(const Settings& s) {
        run + "3 -- examples/parameter_server --mode ssgd" + psCommon.str()},
       {"ps_asgd", "parameter server + 2 trainers, asynchronous SGD (batch split between trainers)", 3,
        run + "3 -- examples/parameter_server --mode asgd" + psCommon.str()},
+      // Data parallel: each rank takes half the batch, as the parameter server's trainers do.
+      {"ddp", "2 ranks, DistributedDataParallel (batch split between ranks, gradients all-reduced)", 2,
+       run + "2 -- examples/ddp --checkpoint checkpoints/bench_modes_ddp.ckpt" + psCommon.str()},
+      {"zero", "2 ranks, DDP + ZeRO-1 (batch split between ranks, Adam state sharded)", 2,
+       run + "2 -- examples/zero --checkpoint checkpoints/bench_modes_zero.ckpt" + psCommon.str()},
   };
 }
 
@@ -188,7 +193,8 @@ void writeTable(const Settings& s, const std::vector<Row>& rows, const std::stri
       << "bubbles (pipelines: measured stage compute times replayed through the schedule with free communication\n"
       << "give the ideal step; overhead = (measured - ideal) / measured): RPC for the multi-process modes, thread\n"
       << "hand-overs and core sharing for the local ones. Parameter server: the trainers' step time not spent\n"
-      << "computing.\n";
+      << "computing. DDP and ZeRO: the step time not spent in forward + backward (the gradient all-reduce that\n"
+      << "did not overlap with backward, the optimizer step, ZeRO's parameter broadcasts), over both ranks.\n";
   // Measured before the first mode started, so it is other jobs' load, not ours.
   if (loadBefore > 0.5) {
     out << "\nOther jobs kept the machine busy (load average " << fixed(loadBefore, 2) << " before the run): the\n"

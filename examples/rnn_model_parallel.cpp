@@ -41,6 +41,7 @@
 #include "autograd/engine.h"
 #include "autograd/ops.h"
 #include "examples/example_util.h"
+#include "examples/remote_modules.h"
 #include "models/data/data_loader.h"
 #include "models/data/fashion_mnist.h"
 #include "models/nn/embedding.h"
@@ -57,10 +58,9 @@ using models::Embedding;
 using models::Linear;
 using Clock = std::chrono::steady_clock;
 
-// What both workers declare: the server's module classes and the example's own functions.
+// What both workers declare: the example's own functions (the server's module classes are in
+// examples/remote_modules.h, shared with rpc_ddp_hybrid).
 namespace rnn {
-inline const rpc::Class<Embedding> kEmbeddingClass = rref::moduleClass<Embedding>("Embedding");
-inline const rpc::Class<Linear> kLinearClass = rref::moduleClass<Linear>("Linear");
 // Peak RSS of the worker that serves it (MiB).
 inline const rpc::Function<double()> kPeakRss{"rnn.peak_rss_mib"};
 // Times the server's compute of one training step on its own modules: {forward + backward seconds,
@@ -69,8 +69,6 @@ inline const rpc::Function<std::vector<double>(rref::RemoteModule<Embedding>, rr
                                                Tensor, int64_t)>
     kTimeServerStep{"rnn.time_server_step"};
 }  // namespace rnn
-DG_REMOTE_MODULE(distgrad::models::Embedding, rnn::kEmbeddingClass);
-DG_REMOTE_MODULE(distgrad::models::Linear, rnn::kLinearClass);
 
 namespace {
 
@@ -345,19 +343,7 @@ int main(int argc, char** argv) {
   try {
     tensor::setNumThreads(opt.threads);
     rpc::Registry reg;
-    rref::RRefContext::install(reg);
-    autograd::distributed::install(reg);
-    models::optim::DistributedOptimizer::install(reg);
-    rref::bindRemoteModule(reg, rnn::kEmbeddingClass)
-        .factory<int64_t, int64_t, uint64_t>([](int64_t rows, int64_t dim, uint64_t seed) {
-          tensor::Generator gen(seed);
-          return std::make_shared<Embedding>(rows, dim, gen);
-        });
-    rref::bindRemoteModule(reg, rnn::kLinearClass)
-        .factory<int64_t, int64_t, uint64_t>([](int64_t in, int64_t out, uint64_t seed) {
-          tensor::Generator gen(seed);
-          return std::make_shared<Linear>(in, out, gen);
-        });
+    examples::installRemoteModules(reg);  // RRefs, distributed autograd, the server's Embedding and Linear
     reg.bind(rnn::kPeakRss, [] { return examples::peakRssMiB(); });
     reg.bind(rnn::kTimeServerStep, &timeServerStep);
     auto agent = rpc::Agent::start(rpc::Options::fromEnv(), reg);

@@ -7,7 +7,7 @@
 //   worker1  trainer: the same, with its own data
 //   worker2  parameter server: holds an Embedding table (a RemoteModule) shared by both trainers
 //
-// Each trainer step runs in a distributed autograd context: the embedding lookup is an RPC to worker0
+// Each trainer step runs in a distributed autograd context: the embedding lookup is an RPC to worker2
 // (recorded in the context), the head is DistributedDataParallel over the trainers' group, ddp.backward(ctx,
 // loss) runs the distributed backward (gradients reach the table on worker2) and averages the head's
 // gradients over both trainers, and a DistributedOptimizer steps the table on worker2 and the head locally
@@ -24,6 +24,7 @@
 #include "autograd/grad_mode.h"
 #include "autograd/ops.h"
 #include "examples/example_util.h"
+#include "examples/remote_modules.h"
 #include "models/nn/embedding.h"
 #include "models/nn/linear.h"
 #include "models/optim/distributed_optimizer.h"
@@ -39,11 +40,9 @@ using models::Embedding;
 using models::Linear;
 
 namespace hybrid {
-inline const rpc::Class<Embedding> kEmbeddingClass = rref::moduleClass<Embedding>("Embedding");
 // worker0 -> worker1: the shared table.
 inline const rpc::Function<void(rref::RemoteModule<Embedding>)> kShareTable{"hybrid.share_table"};
 }  // namespace hybrid
-DG_REMOTE_MODULE(distgrad::models::Embedding, hybrid::kEmbeddingClass);
 
 namespace {
 
@@ -90,15 +89,8 @@ int main(int argc, char** argv) {
     std::promise<rref::RemoteModule<Embedding>> shared;
     std::mutex sharedMutex;
     rpc::Registry reg;
-    rref::RRefContext::install(reg);
-    autograd::distributed::install(reg);
-    models::optim::DistributedOptimizer::install(reg);
+    examples::installRemoteModules(reg);  // RRefs, distributed autograd, the server's Embedding table
     rpc::collectives::install(reg);
-    rref::bindRemoteModule(reg, hybrid::kEmbeddingClass)
-        .factory<int64_t, int64_t, uint64_t>([](int64_t rows, int64_t dim, uint64_t seed) {
-          tensor::Generator gen(seed);
-          return std::make_shared<Embedding>(rows, dim, gen);
-        });
     reg.bind(hybrid::kShareTable, [&](rref::RemoteModule<Embedding> table) {
       std::lock_guard<std::mutex> lock(sharedMutex);
       shared.set_value(std::move(table));

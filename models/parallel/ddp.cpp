@@ -36,6 +36,13 @@ struct DdpState {
   size_t nextLaunch = 0;           // GUARDED_BY(mutex)
   size_t launchedDuringBackward = 0;
 
+  // noSync() (Note [No-sync accumulation]).
+  int noSyncDepth = 0;             // GUARDED_BY(mutex): open NoSyncGuards
+  bool windowOpen = false;         // GUARDED_BY(mutex): gradients accumulated locally since windowBase
+  uint64_t windowContext = 0;      // GUARDED_BY(mutex): the distributed autograd context they live in (0: .grad)
+  std::vector<Tensor> windowBase;  // GUARDED_BY(mutex): the gradients when the window opened
+  std::vector<Tensor> carry;       // GUARDED_BY(mutex): this rank's accumulated gradients, added to the bucket
+
   Tensor slice(size_t i) const {
     const Bucket& b = buckets[bucketOf[i]];
     const Tensor& p = params[i];
@@ -43,17 +50,64 @@ struct DdpState {
                                b.buffer.dtype());
   }
 
-  // Notes the gradients the parameters hold now: in the active distributed autograd context if there is
-  // one, else in .grad.
+  // The gradients the parameters hold now: in the active distributed autograd context if there is one,
+  // else in .grad. (Accumulation is out of place in both, so the tensors stay as they are now.)
+  std::vector<Tensor> currentGradients(uint64_t context) const {
+    std::optional<autograd::distributed::Gradients> inContext;
+    if (context != 0) inContext = autograd::distributed::gradientsOf(group->agent(), context);
+    std::vector<Tensor> out(params.size());
+    for (size_t i = 0; i < params.size(); ++i) out[i] = inContext ? inContext->get(params[i]) : params[i].grad();
+    return out;
+  }
+
+  // Note [No-sync accumulation]: inside noSync() the hooks do nothing, so backward accumulates the local
+  // gradients as usual (into .grad, or into the context). The first such pass opens a window and keeps the
+  // gradients from before it (windowBase). The next synchronised pass all-reduces, per parameter, this
+  // pass's gradient plus what accumulated since the window opened (carry = current - windowBase), and
+  // writes windowBase + mean: exactly PyTorch's no_sync, whose reducer all-reduces the accumulated .grad.
+  // The window must stay in one place: a distributed autograd context keeps its gradients (several passes
+  // accumulate in it), but a new context starts empty, so a window opened in one context (or in .grad)
+  // cannot be synchronised in another.
+  void openWindowLocked() {
+    if (windowOpen) return;
+    windowOpen = true;
+    windowContext = rpc::activeAutogradContext();
+    windowBase = currentGradients(windowContext);
+  }
+
+  // Notes the gradients the parameters hold now as the base synchronize() adds the mean to (or, after a
+  // noSync() window, the window's base and what accumulated since).
   void armLocked() {
     armed = true;
     nextLaunch = 0;
     std::fill(ready.begin(), ready.end(), false);
     for (auto& b : buckets) b.pending = b.params.size();
     const uint64_t context = rpc::activeAutogradContext();
-    std::optional<autograd::distributed::Gradients> inContext;
-    if (context != 0) inContext = autograd::distributed::gradientsOf(group->agent(), context);
-    for (size_t i = 0; i < params.size(); ++i) previous[i] = inContext ? inContext->get(params[i]) : params[i].grad();
+    std::vector<Tensor> now = currentGradients(context);
+    if (!windowOpen) {
+      previous = std::move(now);
+      std::fill(carry.begin(), carry.end(), Tensor());
+      return;
+    }
+    if (context != windowContext) {
+      windowOpen = false;  // the accumulated gradients are out of reach: drop the window, report it
+      armed = false;
+      throw ValueError(::distgrad::detail::concatMessage("DistributedDataParallel: gradients accumulated under noSync() ",
+               windowContext == 0 ? std::string("in .grad") : "in distributed autograd context " + std::to_string(windowContext),
+               " cannot be synchronised ",
+               context == 0 ? std::string("outside a distributed autograd context")
+                            : "in distributed autograd context " + std::to_string(context),
+               ": run the noSync() passes and the synchronised pass in the same context"));
+    }
+    autograd::NoGradGuard noGrad;
+    for (size_t i = 0; i < params.size(); ++i) {
+      previous[i] = windowBase[i];
+      if (!now[i].defined()) {
+        carry[i] = Tensor();
+      } else {
+        carry[i] = windowBase[i].defined() ? distgrad::sub(now[i], windowBase[i]).detach() : now[i];
+      }
+    }
   }
 
   void launchReadyLocked() {
@@ -68,6 +122,10 @@ struct DdpState {
 
   void onGradient(size_t i, const Tensor& grad) {
     std::lock_guard<std::mutex> lock(mutex);
+    if (noSyncDepth > 0) {
+      openWindowLocked();  // before this pass accumulates anything (hooks run before accumulation)
+      return;
+    }
     // A backward without forward() through the wrapper: .grad holds the base (hooks run before
     // accumulation, and this is the first hook of the pass).
     if (!armed) armLocked();
@@ -75,7 +133,13 @@ struct DdpState {
              "synchronize() (call backward() once per forward, or synchronize() in between)");
     DG_CHECK(grad.shape() == params[i].shape() && grad.dtype() == params[i].dtype(),
              "DistributedDataParallel: gradient of parameter #", i, " has shape ", tensor::shapeStr(grad.shape()));
-    slice(i).copyFrom(grad);
+    Tensor target = slice(i);
+    if (carry[i].defined()) {
+      autograd::NoGradGuard noGrad;
+      target.copyFrom(distgrad::add(grad, carry[i]).detach());
+    } else {
+      target.copyFrom(grad);
+    }
     ready[i] = true;
     --buckets[bucketOf[i]].pending;
     launchReadyLocked();
@@ -129,6 +193,7 @@ DistributedDataParallel::DistributedDataParallel(Module& module, rpc::collective
   for (size_t b = 0; b < s.buckets.size(); ++b) s.buckets[b].buffer = Tensor::zeros({elements[b]}, dtype);
   s.ready.assign(s.params.size(), false);
   s.previous.resize(s.params.size());
+  s.carry.resize(s.params.size());
   for (size_t i = 0; i < s.params.size(); ++i) {
     s.params[i].registerHook([weak = std::weak_ptr<detail::DdpState>(state_), i](const Tensor& grad) {
       if (auto state = weak.lock()) state->onGradient(i, grad);
@@ -144,7 +209,12 @@ Tensor DistributedDataParallel::forward(const Tensor& input) {
     std::lock_guard<std::mutex> lock(state_->mutex);
     DG_CHECK(!state_->armed || state_->nextLaunch == 0,
              "DistributedDataParallel::forward: the previous backward's gradients were not synchronized yet");
-    state_->armLocked();
+    if (state_->noSyncDepth > 0) {
+      state_->armed = false;
+      state_->openWindowLocked();
+    } else {
+      state_->armLocked();
+    }
   }
   if (state_->options.broadcastBuffers) {
     std::vector<rpc::Future<void>> futures;
@@ -158,12 +228,35 @@ Tensor DistributedDataParallel::forward(const Tensor& input) {
 
 void DistributedDataParallel::backward(const Tensor& loss) {
   autograd::backward(std::vector<Tensor>{loss});
-  synchronize();
+  if (!syncDisabled()) synchronize();
 }
 
 void DistributedDataParallel::backward(autograd::distributed::DistContext& ctx, const Tensor& loss) {
   ctx.backward(loss);
-  synchronize(ctx);
+  if (!syncDisabled()) synchronize(ctx);
+}
+
+bool DistributedDataParallel::syncDisabled() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->noSyncDepth > 0;
+}
+
+DistributedDataParallel::NoSyncGuard DistributedDataParallel::noSync() {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  DG_CHECK(!state_->armed || state_->nextLaunch == 0,
+           "DistributedDataParallel::noSync: a backward's gradients are being synchronized; call synchronize() first");
+  ++state_->noSyncDepth;
+  return NoSyncGuard(state_);
+}
+
+DistributedDataParallel::NoSyncGuard::NoSyncGuard(std::shared_ptr<detail::DdpState> state) : state_(std::move(state)) {}
+
+DistributedDataParallel::NoSyncGuard::NoSyncGuard(NoSyncGuard&& other) noexcept = default;
+
+DistributedDataParallel::NoSyncGuard::~NoSyncGuard() {
+  if (!state_) return;
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  --state_->noSyncDepth;
 }
 
 void DistributedDataParallel::finish(const std::function<void(size_t, const Tensor&)>& write) {
@@ -171,11 +264,18 @@ void DistributedDataParallel::finish(const std::function<void(size_t, const Tens
   std::vector<rpc::Future<void>> futures;
   {
     std::lock_guard<std::mutex> lock(s.mutex);
-    if (!s.armed) s.armLocked();  // no gradient at all here: this rank still takes part, with zeros
+    DG_CHECK(s.noSyncDepth == 0, "DistributedDataParallel::synchronize: called inside noSync() (the gradients are ",
+             "synchronised by the first backward after the NoSyncGuard is gone)");
+    // No gradient at all here this pass: this rank still takes part, with zeros (or what noSync() accumulated).
+    if (!s.armed) s.armLocked();
     s.launchedDuringBackward = s.nextLaunch;
     for (size_t i = 0; i < s.params.size(); ++i) {
       if (!s.ready[i]) {
-        s.slice(i).fill(0.0);
+        if (s.carry[i].defined()) {
+          s.slice(i).copyFrom(s.carry[i]);
+        } else {
+          s.slice(i).fill(0.0);
+        }
         s.ready[i] = true;
         --s.buckets[s.bucketOf[i]].pending;
       }
@@ -183,6 +283,9 @@ void DistributedDataParallel::finish(const std::function<void(size_t, const Tens
     s.launchReadyLocked();
     for (auto& b : s.buckets) futures.push_back(std::move(b.future));
     s.armed = false;
+    s.windowOpen = false;
+    s.windowBase.clear();
+    std::fill(s.carry.begin(), s.carry.end(), Tensor());
   }
   for (auto& f : futures) f.get();
   autograd::NoGradGuard noGrad;

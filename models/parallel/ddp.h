@@ -9,6 +9,8 @@
 //     ddp.backward(loss);                                    // backward + all-reduce: .grad = mean over ranks
 //     optimizer.step();
 //   }
+//   { auto guard = ddp.noSync(); ddp.backward(lossOfMicroBatch1); }   // gradient accumulation, no all-reduce
+//   ddp.backward(lossOfMicroBatch2);                                   // all-reduces the accumulated sum
 //   // Inside distributed autograd (the RPC + DDP hybrid): gradients live in the context, not in .grad.
 //   { DistContext ctx(*agent); Tensor loss = ...ddp.forward(x)...; ddp.backward(ctx, loss); opt.step(ctx); }
 //
@@ -77,6 +79,29 @@ class DistributedDataParallel {
   void synchronize();
   void synchronize(autograd::distributed::DistContext& ctx);
 
+  // PyTorch's no_sync(): while the returned guard lives, backward() runs the backward pass only, and the
+  // gradients accumulate locally (in .grad, or in the distributed autograd context) without any
+  // communication. The first synchronised backward after it all-reduces each parameter's accumulated
+  // gradient plus its own, so after K passes under noSync() and one without, every rank holds the mean
+  // over ranks of the sum of its K + 1 gradients (gradient accumulation over micro-batches with one
+  // all-reduce). Inside distributed autograd, run all K + 1 passes in the same DistContext (its gradients
+  // accumulate over passes); synchronising in another context (or outside one) throws ValueError. Guards
+  // nest; synchronize() inside one throws ValueError.
+  class NoSyncGuard {
+   public:
+    NoSyncGuard(NoSyncGuard&& other) noexcept;
+    NoSyncGuard& operator=(NoSyncGuard&&) = delete;
+    NoSyncGuard(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+    ~NoSyncGuard();
+
+   private:
+    friend class DistributedDataParallel;
+    explicit NoSyncGuard(std::shared_ptr<detail::DdpState> state);
+    std::shared_ptr<detail::DdpState> state_;
+  };
+  [[nodiscard]] NoSyncGuard noSync();
+
   // The buckets: parameter indices (into module.parameters()) of each, in launch order.
   std::vector<std::vector<size_t>> buckets() const;
   // Buckets whose all-reduce started during the last backward, before synchronize() was called: how much
@@ -86,6 +111,7 @@ class DistributedDataParallel {
 
  private:
   void finish(const std::function<void(size_t, const Tensor&)>& write);
+  bool syncDisabled() const;
 
   Module* module_;
   std::shared_ptr<detail::DdpState> state_;

@@ -10,6 +10,8 @@
 #   --expect KEY=VALUE   KEY's value must be exactly VALUE as printed (strings without quotes:
 #                        --expect mode=local_pipeline, --expect stages=2)
 #   --at-least KEY=MIN   KEY's numeric value must be >= MIN (e.g. --at-least peak_rss_mib_max=1)
+#   --at-most KEY=MAX    KEY's numeric value must be <= MAX (e.g. --at-most optimizer_state_fraction=0.75)
+#   --file KEY           KEY's value names a file that must exist and not be empty (e.g. --file checkpoint)
 #
 # Examples:
 #   check_example.sh --expect mode=single single_worker 0.3 -- build/examples/single_worker --limit 512
@@ -17,19 +19,23 @@
 set -euo pipefail
 
 usage() {
-  sed -n '2,16p' "$0" >&2
+  sed -n '2,18p' "$0" >&2
   exit 2
 }
 
 requires=()
 expects=()
 atleasts=()
+atmosts=()
+files=()
 while [[ $# -gt 0 && $1 == --* && $1 != -- ]]; do
   [[ $# -ge 2 ]] || usage
   case $1 in
     --require) requires+=("$2") ;;
     --expect) expects+=("$2") ;;
     --at-least) atleasts+=("$2") ;;
+    --at-most) atmosts+=("$2") ;;
+    --file) files+=("$2") ;;
     *) echo "check_example.sh: unknown option $1" >&2; usage ;;
   esac
   shift 2
@@ -74,5 +80,16 @@ for pair in "${atleasts[@]+"${atleasts[@]}"}"; do
   got=$(field "$key")
   [[ -n "$got" ]] && awk -v a="$got" -v m="$min" 'BEGIN { exit !(a + 0 >= m + 0) }' ||
     { echo "FAIL: $key is '$got', expected >= $min"; exit 1; }
+done
+for pair in "${atmosts[@]+"${atmosts[@]}"}"; do
+  key=${pair%%=*}
+  max=${pair#*=}
+  got=$(field "$key")
+  [[ -n "$got" ]] && awk -v a="$got" -v m="$max" 'BEGIN { exit !(a + 0 <= m + 0) }' ||
+    { echo "FAIL: $key is '$got', expected <= $max"; exit 1; }
+done
+for key in "${files[@]+"${files[@]}"}"; do
+  path=$(field "$key")
+  [[ -n "$path" && -s "$path" ]] || { echo "FAIL: $key '$path' is not a non-empty file"; exit 1; }
 done
 echo "OK: $name test accuracy $accuracy >= $min_accuracy"

@@ -190,6 +190,161 @@ INSTANTIATE_TEST_SUITE_P(
              (std::get<2>(info.param) == Mode::kLocal ? "local" : "dist_autograd");
     });
 
+// noSync(): K passes accumulate locally without communication, the (K+1)-th all-reduces the accumulated
+// sum. Each rank runs K+1 micro-batches of kPerRank rows, each loss scaled by 1/(K+1) (the usual gradient
+// accumulation), so the result is the single-process gradient of the mean loss over all n(K+1)kPerRank rows.
+class DdpNoSync : public ::testing::TestWithParam<std::tuple<std::string, int, Mode>> {};
+
+TEST_P(DdpNoSync, AccumulatedThenSynchronisedGradientsEqualSingleProcessOnAllBatches) {
+  const auto [transport, n, mode] = GetParam();
+  constexpr int64_t kPerRank = 3;
+  constexpr int kAccumulate = 2;  // K passes under noSync(), then one synchronised pass
+  constexpr int kMicro = kAccumulate + 1;
+  constexpr int kSteps = 2;       // two optimizer steps: the second window starts from a clean state
+  auto job = startJob(transport, n);
+  const Data data = makeData(static_cast<int64_t>(n) * kMicro * kPerRank);
+  // Rows of rank r's micro-batch m: [(m * n + r) * kPerRank, +kPerRank).
+  auto rowsOf = [&](const Tensor& t, int rank, int micro) {
+    return distgrad::narrow(t, 0, (static_cast<int64_t>(micro) * n + rank) * kPerRank, kPerRank).cloneData();
+  };
+
+  auto reference = makeModel(100);
+  SGD referenceOptimizer(reference->parameters(), SgdOptions{0.1, 0.9});
+  std::vector<std::vector<Tensor>> referenceGrads;
+  for (int step = 0; step < kSteps; ++step) {
+    reference->zeroGrad();
+    autograd::backward(std::vector<Tensor>{distgrad::mseLoss(reference->forward(data.x), data.y)});
+    std::vector<Tensor> grads;
+    for (const Tensor& p : reference->parameters()) grads.push_back(p.grad().cloneData());
+    referenceGrads.push_back(grads);
+    referenceOptimizer.step();
+  }
+
+  // Each rank's gradients right after its first pass under noSync() in step 0.
+  std::vector<std::vector<Tensor>> afterFirstPass(static_cast<size_t>(n));
+  onEveryRank(n, [&](int rank) {
+    rpc::Agent& agent = *job->cluster.agents[static_cast<size_t>(rank)];
+    auto model = makeModel(100 + static_cast<uint64_t>(rank));
+    DdpOptions options;
+    options.bucketBytes = 300;  // several buckets, launched during the synchronised backward
+    DistributedDataParallel ddp(*model, *job->groups[static_cast<size_t>(rank)], options);
+    SGD optimizer(model->parameters(), SgdOptions{0.1, 0.9});
+    for (int step = 0; step < kSteps; ++step) {
+      model->zeroGrad();
+      std::vector<Tensor> grads;
+      auto lossOf = [&](int micro) {
+        return distgrad::mseLoss(ddp.forward(rowsOf(data.x, rank, micro)), rowsOf(data.y, rank, micro)) *
+               (1.0 / kMicro);
+      };
+      if (mode == Mode::kLocal) {
+        for (int micro = 0; micro < kAccumulate; ++micro) {
+          auto guard = ddp.noSync();
+          ddp.backward(lossOf(micro));
+          if (step == 0 && micro == 0) {
+            for (const Tensor& p : model->parameters()) afterFirstPass[static_cast<size_t>(rank)].push_back(p.grad().cloneData());
+          }
+        }
+        ddp.backward(lossOf(kAccumulate));
+        for (const Tensor& p : model->parameters()) grads.push_back(p.grad());
+        optimizer.step();
+      } else {
+        autograd::distributed::DistContext ctx(agent);
+        {
+          auto guard = ddp.noSync();
+          for (int micro = 0; micro < kAccumulate; ++micro) {
+            ddp.backward(ctx, lossOf(micro));
+            if (step == 0 && micro == 0) {
+              auto inContext = ctx.gradients();
+              for (const Tensor& p : model->parameters()) {
+                afterFirstPass[static_cast<size_t>(rank)].push_back(inContext.get(p).cloneData());
+              }
+            }
+          }
+        }
+        ddp.backward(ctx, lossOf(kAccumulate));
+        auto inContext = ctx.gradients();
+        for (const Tensor& p : model->parameters()) {
+          EXPECT_FALSE(p.grad().defined()) << "distributed autograd must not touch .grad";
+          grads.push_back(inContext.get(p).cloneData());
+        }
+        optimizer.step(grads);
+      }
+      for (size_t i = 0; i < grads.size(); ++i) {
+        expectClose(grads[i], referenceGrads[static_cast<size_t>(step)][i], 1e-6,
+                    "rank " + std::to_string(rank) + " step " + std::to_string(step) + " gradient " + std::to_string(i));
+      }
+    }
+  });
+  // Under noSync() nothing was averaged: after the first pass each rank holds the gradient of its own
+  // micro-batch alone (from rank 0's initial weights, which DDP broadcast), so accumulation was local.
+  for (int r = 0; r < n; ++r) {
+    auto local = makeModel(100);
+    autograd::backward(std::vector<Tensor>{
+        distgrad::mseLoss(local->forward(rowsOf(data.x, r, 0)), rowsOf(data.y, r, 0)) * (1.0 / kMicro)});
+    auto params = local->parameters();
+    ASSERT_EQ(afterFirstPass[static_cast<size_t>(r)].size(), params.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      expectClose(afterFirstPass[static_cast<size_t>(r)][i], params[i].grad(), 1e-6,
+                  "rank " + std::to_string(r) + " local gradient " + std::to_string(i));
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    RanksTransportsModes, DdpNoSync,
+    ::testing::Combine(::testing::Values("inproc", "tcp"), ::testing::Values(2, 3),
+                       ::testing::Values(Mode::kLocal, Mode::kDistAutograd)),
+    [](const ::testing::TestParamInfo<std::tuple<std::string, int, Mode>>& info) {
+      return std::get<0>(info.param) + "_" + std::to_string(std::get<1>(info.param)) + "ranks_" +
+             (std::get<2>(info.param) == Mode::kLocal ? "local" : "dist_autograd");
+    });
+
+TEST(DdpSetup, NoSyncGradientsCannotBeSynchronisedInAnotherContextOrInsideTheGuard) {
+  // A new distributed autograd context starts without the gradients accumulated in the previous one, so
+  // synchronising there would silently drop them: a ValueError says so, on every rank, and the DDP stays
+  // usable (a clean step afterwards averages as usual).
+  auto job = startJob("inproc", 2);
+  const Data data = makeData(4);
+  std::vector<std::string> errors(2);
+  std::vector<std::vector<Tensor>> grads(2);
+  onEveryRank(2, [&](int rank) {
+    rpc::Agent& agent = *job->cluster.agents[static_cast<size_t>(rank)];
+    auto model = makeModel(5);
+    DistributedDataParallel ddp(*model, *job->groups[static_cast<size_t>(rank)]);
+    const Tensor x = distgrad::narrow(data.x, 0, rank * 2, 2).cloneData();
+    const Tensor y = distgrad::narrow(data.y, 0, rank * 2, 2).cloneData();
+    {
+      autograd::distributed::DistContext first(agent);
+      auto guard = ddp.noSync();
+      ddp.backward(first, distgrad::mseLoss(ddp.forward(x), y));
+      EXPECT_THROW(ddp.synchronize(first), ValueError);
+    }
+    {
+      autograd::distributed::DistContext second(agent);
+      try {
+        ddp.forward(x);
+      } catch (const ValueError& e) {
+        errors[static_cast<size_t>(rank)] = e.what();
+      }
+    }
+    model->zeroGrad();
+    ddp.backward(distgrad::mseLoss(ddp.forward(x), y));
+    for (const Tensor& p : model->parameters()) grads[static_cast<size_t>(rank)].push_back(p.grad());
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[static_cast<size_t>(r)].find("cannot be synchronised in distributed autograd context"),
+              std::string::npos)
+        << "rank " << r << ": " << errors[static_cast<size_t>(r)];
+  }
+  auto single = makeModel(5);
+  autograd::backward(std::vector<Tensor>{distgrad::mseLoss(single->forward(data.x), data.y)});
+  auto params = single->parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    expectClose(grads[0][i], params[i].grad(), 1e-6, "rank 0 parameter " + std::to_string(i));
+    expectClose(grads[1][i], params[i].grad(), 1e-6, "rank 1 parameter " + std::to_string(i));
+  }
+}
+
 TEST(DdpSetup, UnusedParameterOnOneRankStillAverages) {
   // Rank 1 never uses the model (its loss is on another tensor): it still joins every bucket's all-reduce
   // with zeros, so rank 0's gradients are halved and both ranks agree.
@@ -263,9 +418,21 @@ TEST(DdpSetup, BuffersFollowRankZeroAtEveryForward) {
   }
 }
 
-TEST(Zero, ShardedAdamMatchesSingleProcessAdamWithAFractionOfTheState) {
+// The floating-point per-parameter state of an optimizer (Adam's moments; not its int64 step counters).
+size_t momentBytes(const optim::Optimizer& optimizer) {
+  size_t bytes = 0;
+  for (const auto& [name, value] : optimizer.stateDict()) {
+    if (name.find('.') != std::string::npos && tensor::isFloatingPoint(value.dtype())) bytes += value.nbytes();
+  }
+  return bytes;
+}
+
+class Zero : public ::testing::TestWithParam<ZeroPartition> {};
+
+TEST_P(Zero, ShardedAdamMatchesSingleProcessAdamWithAFractionOfTheState) {
   // DDP averages the gradients; ZeRO-1 steps each rank's shard with Adam and broadcasts it back. Three
   // steps equal single-process Adam on the concatenated batch, and each rank keeps only its shard's moments.
+  const ZeroPartition partition = GetParam();
   for (int n : {2, 3}) {
     constexpr int64_t kPerRank = 4;
     auto job = startJob("inproc", n);
@@ -277,21 +444,24 @@ TEST(Zero, ShardedAdamMatchesSingleProcessAdamWithAFractionOfTheState) {
       autograd::backward(std::vector<Tensor>{distgrad::mseLoss(reference->forward(data.x), data.y)});
       referenceAdam.step();
     }
-    size_t fullState = 0;
-    for (const auto& [name, value] : referenceAdam.stateDict()) {
-      if (name.find('.') != std::string::npos) fullState += value.nbytes();
-    }
+    const size_t fullState = momentBytes(referenceAdam);
+    int64_t totalElements = 0;
+    for (const Tensor& p : reference->parameters()) totalElements += p.numel();
     std::vector<std::shared_ptr<Sequential>> models(static_cast<size_t>(n));
     std::vector<size_t> stateBytes(static_cast<size_t>(n));
-    std::vector<std::vector<int>> owners(static_cast<size_t>(n));
+    std::vector<int64_t> elements(static_cast<size_t>(n));
+    std::vector<std::vector<ZeroRedundancyOptimizer::Piece>> pieces(static_cast<size_t>(n));
     onEveryRank(n, [&](int rank) {
       auto model = makeModel(100 + static_cast<uint64_t>(rank));
       models[static_cast<size_t>(rank)] = model;
       ProcessGroup& group = *job->groups[static_cast<size_t>(rank)];
       DistributedDataParallel ddp(*model, group);
-      ZeroRedundancyOptimizer zero(model->parameters(), group, [](std::vector<Tensor> shard) {
-        return std::make_unique<optim::Adam>(std::move(shard), optim::AdamOptions{.learningRate = 0.01});
-      });
+      ZeroRedundancyOptimizer zero(
+          model->parameters(), group,
+          [](std::vector<Tensor> shard) {
+            return std::make_unique<optim::Adam>(std::move(shard), optim::AdamOptions{.learningRate = 0.01});
+          },
+          ZeroOptions{.partition = partition});
       const Tensor x = distgrad::narrow(data.x, 0, rank * kPerRank, kPerRank).cloneData();
       const Tensor y = distgrad::narrow(data.y, 0, rank * kPerRank, kPerRank).cloneData();
       for (int step = 0; step < 3; ++step) {
@@ -300,12 +470,19 @@ TEST(Zero, ShardedAdamMatchesSingleProcessAdamWithAFractionOfTheState) {
         zero.step();
       }
       stateBytes[static_cast<size_t>(rank)] = zero.stateBytes();
-      for (size_t i = 0; i < model->parameters().size(); ++i) owners[static_cast<size_t>(rank)].push_back(zero.ownerOf(i));
+      elements[static_cast<size_t>(rank)] = zero.shardElements();
+      pieces[static_cast<size_t>(rank)] = zero.pieces();
     });
     size_t total = 0;
     for (int r = 0; r < n; ++r) {
-      EXPECT_EQ(owners[static_cast<size_t>(r)], owners[0]) << "ranks disagree on the shards";
+      EXPECT_EQ(pieces[static_cast<size_t>(r)], pieces[0]) << "ranks disagree on the shards";
       EXPECT_LT(stateBytes[static_cast<size_t>(r)], fullState) << "rank " << r;
+      // The state is exactly the moments of the elements the rank owns.
+      EXPECT_EQ(stateBytes[static_cast<size_t>(r)], static_cast<size_t>(elements[static_cast<size_t>(r)]) * 2 * 4);
+      if (partition == ZeroPartition::kElements) {
+        // Balanced to the element: floor or ceil of total / n.
+        EXPECT_LE(std::abs(elements[static_cast<size_t>(r)] * n - totalElements), n) << "rank " << r;
+      }
       total += stateBytes[static_cast<size_t>(r)];
       auto params = models[static_cast<size_t>(r)]->parameters();
       auto want = reference->parameters();
@@ -316,9 +493,69 @@ TEST(Zero, ShardedAdamMatchesSingleProcessAdamWithAFractionOfTheState) {
     }
     // The shards partition the state: together exactly one full Adam's worth.
     EXPECT_EQ(total, fullState);
+    // The pieces cover every element once, in order.
+    int64_t covered = 0;
+    for (const auto& piece : pieces[0]) covered += piece.length;
+    EXPECT_EQ(covered, totalElements);
   }
 }
 
+INSTANTIATE_TEST_SUITE_P(Partitions, Zero, ::testing::Values(ZeroPartition::kElements, ZeroPartition::kTensors),
+                         [](const ::testing::TestParamInfo<ZeroPartition>& info) {
+                           return info.param == ZeroPartition::kElements ? "elements" : "tensors";
+                         });
+
+TEST(ZeroSetup, ElementPartitionSplitsADominantTensorEvenly) {
+  // One tensor holds ~99% of the elements: whole-tensor sharding leaves it on one rank, the element
+  // partition splits it, so each of 2 ranks holds half the moments and the split tensor's two halves are
+  // stepped by different ranks (and broadcast back) to give the single-process result.
+  auto job = startJob("inproc", 2);
+  Generator gen(3);
+  auto reference = std::make_shared<Sequential>();
+  reference->add(std::make_shared<Linear>(64, 64, gen));  // 4160 elements
+  reference->add(std::make_shared<Linear>(64, 1, gen));   // 65
+  const Tensor x = tensor::uniform({4, 64}, -1.0, 1.0, gen);
+  const Tensor y = tensor::uniform({4, 1}, -1.0, 1.0, gen);
+  std::vector<std::vector<float>> after(2);
+  std::vector<int64_t> elements(2);
+  std::vector<size_t> shardSizes(2);
+  onEveryRank(2, [&](int rank) {
+    Generator same(3);
+    auto model = std::make_shared<Sequential>();
+    model->add(std::make_shared<Linear>(64, 64, same));
+    model->add(std::make_shared<Linear>(64, 1, same));
+    ProcessGroup& group = *job->groups[static_cast<size_t>(rank)];
+    DistributedDataParallel ddp(*model, group);
+    ZeroRedundancyOptimizer zero(model->parameters(), group, [](std::vector<Tensor> shard) {
+      return std::make_unique<optim::Adam>(std::move(shard), optim::AdamOptions{.learningRate = 0.05});
+    });
+    const Tensor xs = distgrad::narrow(x, 0, rank * 2, 2).cloneData();
+    const Tensor ys = distgrad::narrow(y, 0, rank * 2, 2).cloneData();
+    for (int step = 0; step < 2; ++step) {
+      zero.zeroGrad();
+      ddp.backward(distgrad::mseLoss(ddp.forward(xs), ys));
+      zero.step();
+    }
+    elements[static_cast<size_t>(rank)] = zero.shardElements();
+    shardSizes[static_cast<size_t>(rank)] = zero.shard().size();
+    after[static_cast<size_t>(rank)] = model->parameters()[0].toVector<float>();
+  });
+  EXPECT_EQ(elements[0], 2112);
+  EXPECT_EQ(elements[1], 2113);
+  EXPECT_EQ(shardSizes[0], 1u);  // the first half of the 64x64 weight
+  EXPECT_EQ(shardSizes[1], 4u);  // its second half, the bias and the second layer
+  optim::Adam referenceAdam(reference->parameters(), optim::AdamOptions{.learningRate = 0.05});
+  for (int step = 0; step < 2; ++step) {
+    reference->zeroGrad();
+    autograd::backward(std::vector<Tensor>{distgrad::mseLoss(reference->forward(x), y)});
+    referenceAdam.step();
+  }
+  const auto want = reference->parameters()[0].toVector<float>();
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(after[static_cast<size_t>(r)].size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) ASSERT_NEAR(after[static_cast<size_t>(r)][i], want[i], 1e-5) << r << " " << i;
+  }
+}
 
 TEST(HorovodStyle, ConvertedLoopMatchesSingleProcessTraining) {
   // The conversion checklist's loop: broadcastParameters, HorovodOptimizer (fused gradient average, then
