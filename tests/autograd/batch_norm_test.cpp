@@ -4,6 +4,7 @@
 
 #include <cmath>
 
+#include "autograd_test_util.h"
 #include "autograd/engine.h"
 #include "autograd/gradcheck.h"
 #include "autograd/ops.h"
@@ -17,13 +18,10 @@ namespace {
 
 namespace kernels = tensor::kernels;
 
+using autograd_testing::randn;
+using autograd_testing::expectValueError;
 using testing::expectNear;
 using testing::shaped;
-
-Tensor randn(const Shape& shape, uint64_t seed, DType dtype = DType::kFloat64, double mean = 0, double sd = 1) {
-  tensor::Generator gen(seed);
-  return tensor::normal(shape, mean, sd, gen, dtype);
-}
 
 // Batch norm computed the obvious way in double: per channel of x [N, C, S...].
 struct Reference {
@@ -236,16 +234,6 @@ TEST(BatchNormTest, ThreadedLoopsMatchSingleThreaded) {
 TEST(BatchNormTest, EvalOnEmptyBatch) {
   Tensor y = batchNorm(Tensor::zeros({0, 3}), Tensor(), Tensor(), Tensor::zeros({3}), Tensor::ones({3}), false);
   EXPECT_EQ(y.shape(), (Shape{0, 3}));
-}
-
-template <typename F>
-void expectValueError(F&& f, const std::string& fragment) {
-  try {
-    f();
-    ADD_FAILURE() << "expected ValueError mentioning '" << fragment << "'";
-  } catch (const ValueError& e) {
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-  }
 }
 
 TEST(BatchNormTest, BadArgumentsThrow) {

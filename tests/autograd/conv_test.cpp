@@ -8,6 +8,7 @@
 #include <thread>
 #include <vector>
 
+#include "autograd_test_util.h"
 #include "autograd/engine.h"
 #include "autograd/gradcheck.h"
 #include "autograd/ops.h"
@@ -18,17 +19,12 @@
 namespace distgrad {
 namespace {
 
+using autograd_testing::randn;
+using autograd_testing::leaf;
+using autograd_testing::expectNear;
+using autograd_testing::errorOf;
+
 namespace kernels = tensor::kernels;
-
-Tensor randn(const Shape& shape, uint64_t seed, DType dtype = DType::kFloat64) {
-  tensor::Generator gen(seed);
-  return tensor::normal(shape, 0.0, 1.0, gen, dtype);
-}
-
-Tensor leaf(Tensor t) {
-  t.setRequiresGrad(true);
-  return t;
-}
 
 kernels::Conv2dParams paramsOf(const Conv2dOptions& o) {
   kernels::Conv2dParams p;
@@ -69,24 +65,6 @@ std::vector<double> naiveConv(const Tensor& x, const Tensor& w, const Tensor& bi
         }
     }
   return y;
-}
-
-void expectNear(const Tensor& actual, const std::vector<double>& expected, double tol, const std::string& what) {
-  std::vector<double> got = actual.toVector<double>();
-  ASSERT_EQ(got.size(), expected.size()) << what;
-  for (size_t i = 0; i < got.size(); ++i) {
-    ASSERT_NEAR(got[i], expected[i], tol * (1.0 + std::abs(expected[i]))) << what << " element " << i;
-  }
-}
-
-template <typename F>
-std::string errorOf(F&& f) {
-  try {
-    f();
-  } catch (const ValueError& e) {
-    return e.what();
-  }
-  return "<no ValueError thrown>";
 }
 
 Conv2dOptions opts(Pair stride, Pair padding, Pair dilation, int64_t groups) {

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "autograd_test_util.h"
 #include "autograd/engine.h"
 #include "autograd/gradcheck.h"
 #include "autograd/ops.h"
@@ -15,15 +16,10 @@
 namespace distgrad {
 namespace {
 
-Tensor randn(const Shape& shape, uint64_t seed, DType dtype = DType::kFloat64) {
-  tensor::Generator gen(seed);
-  return tensor::normal(shape, 0.0, 1.0, gen, dtype);
-}
-
-Tensor leaf(Tensor t) {
-  t.setRequiresGrad(true);
-  return t;
-}
+using autograd_testing::randn;
+using autograd_testing::leaf;
+using autograd_testing::expectNear;
+using autograd_testing::errorOf;
 
 // numpy.matmul in plain loops over float64 copies of the operands.
 struct Dense {
@@ -69,24 +65,6 @@ Dense referenceMatmul(const Tensor& a, const Tensor& b) {
   if (!av) out.shape.push_back(n);
   if (!bv) out.shape.push_back(m);
   return out;
-}
-
-void expectNear(const Tensor& actual, const std::vector<double>& expected, double tol, const std::string& what) {
-  std::vector<double> got = actual.toVector<double>();
-  ASSERT_EQ(got.size(), expected.size()) << what;
-  for (size_t i = 0; i < got.size(); ++i) {
-    ASSERT_NEAR(got[i], expected[i], tol * (1.0 + std::abs(expected[i]))) << what << " element " << i;
-  }
-}
-
-template <typename F>
-std::string errorOf(F&& f) {
-  try {
-    f();
-  } catch (const ValueError& e) {
-    return e.what();
-  }
-  return "<no ValueError thrown>";
 }
 
 // A transposed view of a 2-D tensor's storage (strides swapped), for testing strided operands.

@@ -4,6 +4,7 @@
 
 #include <cmath>
 
+#include "autograd_test_util.h"
 #include "autograd/engine.h"
 #include "autograd/gradcheck.h"
 #include "autograd/ops.h"
@@ -11,6 +12,9 @@
 
 namespace distgrad {
 namespace {
+
+using autograd_testing::randn;
+using autograd_testing::expectValueError;
 
 void expectNear(const std::vector<double>& actual, const std::vector<double>& expected, double tol) {
   ASSERT_EQ(actual.size(), expected.size());
@@ -23,21 +27,6 @@ Tensor shaped(const std::vector<double>& values, const Shape& shape, DType dtype
 
 Tensor labels(const std::vector<int64_t>& values) {
   return Tensor::fromVector(values, {static_cast<int64_t>(values.size())});
-}
-
-Tensor randn(const Shape& shape, uint64_t seed, DType dtype = DType::kFloat64) {
-  tensor::Generator gen(seed);
-  return tensor::normal(shape, 0, 1, gen, dtype);
-}
-
-template <typename F>
-void expectValueError(F&& f, const std::string& fragment) {
-  try {
-    f();
-    ADD_FAILURE() << "expected ValueError mentioning '" << fragment << "'";
-  } catch (const ValueError& e) {
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-  }
 }
 
 autograd::GradcheckResult check1(const std::function<Tensor(const Tensor&)>& f, Tensor x) {

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 
+#include "autograd_test_util.h"
 #include "autograd/engine.h"
 #include "autograd/gradcheck.h"
 #include "autograd/ops.h"
@@ -19,6 +20,7 @@ namespace {
 
 namespace kernels = tensor::kernels;
 
+using autograd_testing::expectValueError;
 using testing::expectNear;
 using testing::shaped;
 
@@ -387,16 +389,6 @@ TEST(PoolTest, ThreadedLoopsMatchSingleThreaded) {
 }
 
 // ---------------------------------------------------------------- errors
-
-template <typename F>
-void expectValueError(F&& f, const std::string& fragment) {
-  try {
-    f();
-    ADD_FAILURE() << "expected ValueError mentioning '" << fragment << "'";
-  } catch (const ValueError& e) {
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-  }
-}
 
 TEST(PoolTest, BadArgumentsThrow) {
   Tensor x = Tensor::zeros({1, 1, 4, 4});

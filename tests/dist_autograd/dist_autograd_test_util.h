@@ -501,26 +501,49 @@ class DistAutogradFixture : public ::testing::TestWithParam<std::string> {
             Expected{worker, worker + " " + key + ".bias", l.bias, twinGrads.at(1)}};
   }
 
-  // The two-worker MLP (worker1's l1, worker0's l2 and head) and its single-process gradients.
-  struct TwoWorkerMlp {
+  // An MLP whose layers live on several workers: x (on worker0) -> each (worker, key) layer of `layers` in
+  // turn -> worker0's head, cross-entropy on y. `loss` is its single-process twin's loss and `expected` the
+  // gradients of x and of every layer's weight and bias, from one autograd::grad over the twins.
+  struct LayerChain {
     Tensor x;
     Tensor y;
+    Tensor loss;
     std::vector<Expected> expected;
   };
-  TwoWorkerMlp twoWorkerMlp(uint64_t seed) {
-    TwoWorkerMlp m{input({8, 5}, seed), labels(8, 3, seed + 1), {}};
+  LayerChain layerChain(uint64_t seed, const std::vector<std::pair<std::string, std::string>>& layers) {
+    LayerChain c{input({8, 5}, seed), labels(8, 3, seed + 1), {}, {}};
     Reference ref;
-    const Layer& r1 = ref.layer("worker1", "l1");
-    const Layer& r2 = ref.layer("worker0", "l2");
+    const Tensor xr = twin(c.x);
+    Tensor h = xr;
+    std::vector<Tensor> leaves = {xr};
+    for (const auto& [worker, key] : layers) {
+      const Layer& l = ref.layer(worker, key);
+      h = applyLayer(h, l);
+      leaves.push_back(l.weight);
+      leaves.push_back(l.bias);
+    }
     const Layer& rh = ref.layer("worker0", "head");
-    const Tensor xr = twin(m.x);
-    const Tensor lossR = headLoss(applyLayer(applyLayer(xr, r1), r2), rh, m.y);
-    const auto g = Reference::gradients(lossR, {xr, r1.weight, r1.bias, r2.weight, r2.bias, rh.weight, rh.bias});
-    m.expected = {Expected{"worker0", "x", m.x, g[0]}};
-    appendAll(m.expected, layerExpected("worker1", "l1", {g[1], g[2]}));
-    appendAll(m.expected, layerExpected("worker0", "l2", {g[3], g[4]}));
-    appendAll(m.expected, layerExpected("worker0", "head", {g[5], g[6]}));
-    return m;
+    leaves.push_back(rh.weight);
+    leaves.push_back(rh.bias);
+    c.loss = headLoss(h, rh, c.y);
+    const auto g = Reference::gradients(c.loss, leaves);
+    c.expected = {Expected{"worker0", "x", c.x, g[0]}};
+    size_t next = 1;
+    for (const auto& [worker, key] : layers) {
+      appendAll(c.expected, layerExpected(worker, key, {g[next], g[next + 1]}));
+      next += 2;
+    }
+    appendAll(c.expected, layerExpected("worker0", "head", {g[next], g[next + 1]}));
+    return c;
+  }
+  // The two-worker MLP (worker1's l1, worker0's l2 and head) the failure and mode tests train.
+  using TwoWorkerMlp = LayerChain;
+  TwoWorkerMlp twoWorkerMlp(uint64_t seed) { return layerChain(seed, {{"worker1", "l1"}, {"worker0", "l2"}}); }
+  // One distributed backward pass of `loss` in `mode`.
+  static void backward(DistContext& ctx, const Tensor& loss, BackwardMode mode) {
+    BackwardOptions options;
+    options.mode = mode;
+    ctx.backward(loss, options);
   }
   Tensor twoWorkerLoss(const TwoWorkerMlp& m) {
     Tensor h = agent(0).rpcSync(name(1), kLayer, std::string("l1"), m.x);

@@ -19,22 +19,8 @@ class GradientsTest : public DistAutogradFixture {};
 
 TEST_P(GradientsTest, MlpAcrossTwoWorkers) {
   ASSERT_NO_FATAL_FAILURE(start(2));
-  const Tensor x = input({8, 5}, 101);
-  const Tensor y = labels(8, 3, 102);
-
   // Single process: worker1's l1, then worker0's l2 and head.
-  Reference ref;
-  const Layer& r1 = ref.layer("worker1", "l1");
-  const Layer& r2 = ref.layer("worker0", "l2");
-  const Layer& rh = ref.layer("worker0", "head");
-  const Tensor xr = twin(x);
-  const Tensor lossR = headLoss(applyLayer(applyLayer(xr, r1), r2), rh, y);
-  const auto g = Reference::gradients(lossR, {xr, r1.weight, r1.bias, r2.weight, r2.bias, rh.weight, rh.bias});
-
-  std::vector<Expected> expected = {Expected{"worker0", "x", x, g[0]}};
-  appendAll(expected, layerExpected("worker1", "l1", {g[1], g[2]}));
-  appendAll(expected, layerExpected("worker0", "l2", {g[3], g[4]}));
-  appendAll(expected, layerExpected("worker0", "head", {g[5], g[6]}));
+  const auto& [x, y, lossR, expected] = layerChain(101, {{"worker1", "l1"}, {"worker0", "l2"}});
 
   for (BackwardMode mode : bothModes()) {
     SCOPED_TRACE(backwardModeName(mode));
@@ -43,34 +29,18 @@ TEST_P(GradientsTest, MlpAcrossTwoWorkers) {
     EXPECT_TRUE(h.requiresGrad());
     Tensor loss = headLoss(applyLayer(h, layer("worker0", "l2")), layer("worker0", "head"), y);
     EXPECT_TRUE(allClose(loss, lossR, 1e-12)) << "forward loss";
-    BackwardOptions options;
-    options.mode = mode;
-    ctx.backward(loss, options);
+    backward(ctx, loss, mode);
     expectGradients(ctx, 0, expected);
     // Read by a handler at the parameter owner, as a user's optimizer handler would.
     Tensor viaHandler = agent(0).rpcSync(name(1), kWeightGradient, ctx.id(), std::string("l1"));
-    EXPECT_TRUE(allClose(viaHandler, g[1])) << "worker1 l1.weight read in a handler";
+    EXPECT_TRUE(allClose(viaHandler, expected[1].gradient)) << "worker1 l1.weight read in a handler";
   }
   EXPECT_TRUE(allReleased()) << liveCounts();
 }
 
 TEST_P(GradientsTest, MlpAcrossThreeWorkersChain) {
   ASSERT_NO_FATAL_FAILURE(start(3));
-  const Tensor x = input({8, 5}, 201);
-  const Tensor y = labels(8, 3, 202);
-
-  Reference ref;
-  const Layer& r1 = ref.layer("worker1", "l1");
-  const Layer& r2 = ref.layer("worker2", "l2");
-  const Layer& rh = ref.layer("worker0", "head");
-  const Tensor xr = twin(x);
-  const Tensor lossR = headLoss(applyLayer(applyLayer(xr, r1), r2), rh, y);
-  const auto g = Reference::gradients(lossR, {xr, r1.weight, r1.bias, r2.weight, r2.bias, rh.weight, rh.bias});
-
-  std::vector<Expected> expected = {Expected{"worker0", "x", x, g[0]}};
-  appendAll(expected, layerExpected("worker1", "l1", {g[1], g[2]}));
-  appendAll(expected, layerExpected("worker2", "l2", {g[3], g[4]}));
-  appendAll(expected, layerExpected("worker0", "head", {g[5], g[6]}));
+  const auto& [x, y, lossR, expected] = layerChain(201, {{"worker1", "l1"}, {"worker2", "l2"}});
 
   for (BackwardMode mode : bothModes()) {
     SCOPED_TRACE(backwardModeName(mode));
@@ -80,9 +50,7 @@ TEST_P(GradientsTest, MlpAcrossThreeWorkersChain) {
                                 static_cast<int64_t>(Behavior::kPlain), std::string(), x);
     Tensor loss = headLoss(h, layer("worker0", "head"), y);
     EXPECT_TRUE(allClose(loss, lossR, 1e-12)) << "forward loss";
-    BackwardOptions options;
-    options.mode = mode;
-    ctx.backward(loss, options);
+    backward(ctx, loss, mode);
     expectGradients(ctx, 0, expected);
   }
   EXPECT_TRUE(allReleased()) << liveCounts();
@@ -91,21 +59,7 @@ TEST_P(GradientsTest, MlpAcrossThreeWorkersChain) {
 TEST_P(GradientsTest, MlpAcrossThreeWorkersSequentialHops) {
   // The same three stages called one after the other by the root (worker0 -> worker1, worker0 -> worker2).
   ASSERT_NO_FATAL_FAILURE(start(3));
-  const Tensor x = input({8, 5}, 251);
-  const Tensor y = labels(8, 3, 252);
-
-  Reference ref;
-  const Layer& r1 = ref.layer("worker1", "l1");
-  const Layer& r2 = ref.layer("worker2", "l2");
-  const Layer& rh = ref.layer("worker0", "head");
-  const Tensor xr = twin(x);
-  const Tensor lossR = headLoss(applyLayer(applyLayer(xr, r1), r2), rh, y);
-  const auto g = Reference::gradients(lossR, {xr, r1.weight, r1.bias, r2.weight, r2.bias, rh.weight, rh.bias});
-
-  std::vector<Expected> expected = {Expected{"worker0", "x", x, g[0]}};
-  appendAll(expected, layerExpected("worker1", "l1", {g[1], g[2]}));
-  appendAll(expected, layerExpected("worker2", "l2", {g[3], g[4]}));
-  appendAll(expected, layerExpected("worker0", "head", {g[5], g[6]}));
+  const auto& [x, y, lossR, expected] = layerChain(251, {{"worker1", "l1"}, {"worker2", "l2"}});
 
   for (BackwardMode mode : bothModes()) {
     SCOPED_TRACE(backwardModeName(mode));
@@ -113,9 +67,7 @@ TEST_P(GradientsTest, MlpAcrossThreeWorkersSequentialHops) {
     Tensor h1 = agent(0).rpcSync(name(1), kLayer, std::string("l1"), x);
     Tensor h2 = agent(0).rpcSync(name(2), kLayer, std::string("l2"), h1);
     Tensor loss = headLoss(h2, layer("worker0", "head"), y);
-    BackwardOptions options;
-    options.mode = mode;
-    ctx.backward(loss, options);
+    backward(ctx, loss, mode);
     expectGradients(ctx, 0, expected);
   }
   EXPECT_TRUE(allReleased()) << liveCounts();
@@ -125,24 +77,7 @@ TEST_P(GradientsTest, BranchThatBouncesBackToTheCaller) {
   // worker0 -> worker1 (l1) -> worker0 (l2, in worker0's handler, on worker0's parameters) -> back on
   // worker1 (l3, in the handler's continuation) -> worker0 (head and loss).
   ASSERT_NO_FATAL_FAILURE(start(2));
-  const Tensor x = input({8, 5}, 301);
-  const Tensor y = labels(8, 3, 302);
-
-  Reference ref;
-  const Layer& r1 = ref.layer("worker1", "l1");
-  const Layer& r02 = ref.layer("worker0", "l2");
-  const Layer& r13 = ref.layer("worker1", "l3");
-  const Layer& rh = ref.layer("worker0", "head");
-  const Tensor xr = twin(x);
-  const Tensor lossR = headLoss(applyLayer(applyLayer(applyLayer(xr, r1), r02), r13), rh, y);
-  const auto g = Reference::gradients(
-      lossR, {xr, r1.weight, r1.bias, r02.weight, r02.bias, r13.weight, r13.bias, rh.weight, rh.bias});
-
-  std::vector<Expected> expected = {Expected{"worker0", "x", x, g[0]}};
-  appendAll(expected, layerExpected("worker1", "l1", {g[1], g[2]}));
-  appendAll(expected, layerExpected("worker0", "l2", {g[3], g[4]}));
-  appendAll(expected, layerExpected("worker1", "l3", {g[5], g[6]}));
-  appendAll(expected, layerExpected("worker0", "head", {g[7], g[8]}));
+  const auto& [x, y, lossR, expected] = layerChain(301, {{"worker1", "l1"}, {"worker0", "l2"}, {"worker1", "l3"}});
 
   for (BackwardMode mode : bothModes()) {
     SCOPED_TRACE(backwardModeName(mode));
@@ -151,9 +86,7 @@ TEST_P(GradientsTest, BranchThatBouncesBackToTheCaller) {
                                 static_cast<int64_t>(Behavior::kPlain), std::string("l3"), x);
     Tensor loss = headLoss(h, layer("worker0", "head"), y);
     EXPECT_TRUE(allClose(loss, lossR, 1e-12)) << "forward loss";
-    BackwardOptions options;
-    options.mode = mode;
-    ctx.backward(loss, options);
+    backward(ctx, loss, mode);
     expectGradients(ctx, 0, expected);
   }
   EXPECT_TRUE(allReleased()) << liveCounts();
@@ -182,9 +115,7 @@ TEST_P(GradientsTest, CnnWithItsConvStageARemoteModule) {
     EXPECT_EQ(features.shape(), (Shape{4, 12}));
     Tensor loss = headLoss(features, layer("worker0", "cnn_head"), y);
     EXPECT_TRUE(allClose(loss, lossR, 1e-12)) << "forward loss";
-    BackwardOptions options;
-    options.mode = mode;
-    ctx.backward(loss, options);
+    backward(ctx, loss, mode);
 
     // The module exists at its owner once forward returned.
     const std::vector<Tensor> remoteParams = world_.module(kSeed)->parameters();
@@ -229,9 +160,7 @@ TEST_P(GradientsTest, MlpRemoteModuleForwardAndForwardRemote) {
     EXPECT_TRUE(h2.requiresGrad());
     Tensor loss = add(headLoss(h1, layer("worker0", "head"), y1), headLoss(h2, layer("worker0", "head"), y2));
     EXPECT_TRUE(allClose(loss, lossR, 1e-12)) << "forward loss";
-    BackwardOptions options;
-    options.mode = mode;
-    ctx.backward(loss, options);
+    backward(ctx, loss, mode);
 
     const std::vector<Tensor> remoteParams = world_.module(kSeed)->parameters();
     ASSERT_EQ(remoteParams.size(), 4u);
@@ -251,21 +180,7 @@ TEST_P(GradientsTest, ThroughRemoteAndToHereOfAFunction) {
   // remote() a stage with a grad-requiring argument (the value stays at worker1), toHere() inside the same
   // context, loss here: the gradient reaches worker1's parameters and the caller's input leaf.
   ASSERT_NO_FATAL_FAILURE(start(2));
-  const Tensor x = input({8, 5}, 601);
-  const Tensor y = labels(8, 3, 602);
-
-  Reference ref;
-  const Layer& r1 = ref.layer("worker1", "l1");
-  const Layer& r2 = ref.layer("worker0", "l2");
-  const Layer& rh = ref.layer("worker0", "head");
-  const Tensor xr = twin(x);
-  const Tensor lossR = headLoss(applyLayer(applyLayer(xr, r1), r2), rh, y);
-  const auto g = Reference::gradients(lossR, {xr, r1.weight, r1.bias, r2.weight, r2.bias, rh.weight, rh.bias});
-
-  std::vector<Expected> expected = {Expected{"worker0", "x", x, g[0]}};
-  appendAll(expected, layerExpected("worker1", "l1", {g[1], g[2]}));
-  appendAll(expected, layerExpected("worker0", "l2", {g[3], g[4]}));
-  appendAll(expected, layerExpected("worker0", "head", {g[5], g[6]}));
+  const auto& [x, y, lossR, expected] = layerChain(601, {{"worker1", "l1"}, {"worker0", "l2"}});
 
   for (BackwardMode mode : bothModes()) {
     SCOPED_TRACE(backwardModeName(mode));
@@ -276,9 +191,7 @@ TEST_P(GradientsTest, ThroughRemoteAndToHereOfAFunction) {
     EXPECT_TRUE(fetched.requiresGrad());
     Tensor loss = headLoss(applyLayer(fetched, layer("worker0", "l2")), layer("worker0", "head"), y);
     EXPECT_TRUE(allClose(loss, lossR, 1e-12)) << "forward loss";
-    BackwardOptions options;
-    options.mode = mode;
-    ctx.backward(loss, options);
+    backward(ctx, loss, mode);
     expectGradients(ctx, 0, expected);
   }
   EXPECT_TRUE(allReleased()) << liveCounts();
@@ -320,9 +233,7 @@ TEST_P(GradientsTest, ParametersFetchedFromTheirOwnerAndTensorsEchoedBack) {
     Tensor squared = agent(0).rpcSync(name(1), kProduct, x, x);
     Tensor loss = lossOf(x, fetched, layer("worker0", "l2"), layer("worker0", "head"), echoed, squared);
     EXPECT_TRUE(allClose(loss, lossR, 1e-12)) << "forward loss";
-    BackwardOptions options;
-    options.mode = mode;
-    ctx.backward(loss, options);
+    backward(ctx, loss, mode);
     expectGradients(ctx, 0, expected);
   }
   EXPECT_TRUE(allReleased()) << liveCounts();
@@ -332,21 +243,7 @@ TEST_P(GradientsTest, ThroughAnRRefFetchedByAThirdWorker) {
   // worker0 remote()s l1 on worker1 (the value stays there), hands the RRef to worker2, whose handler
   // fetches it (toHereAsync inside the context) and applies its l2; the loss is on worker0.
   ASSERT_NO_FATAL_FAILURE(start(3));
-  const Tensor x = input({8, 5}, 661);
-  const Tensor y = labels(8, 3, 662);
-
-  Reference ref;
-  const Layer& r1 = ref.layer("worker1", "l1");
-  const Layer& r2 = ref.layer("worker2", "l2");
-  const Layer& rh = ref.layer("worker0", "head");
-  const Tensor xr = twin(x);
-  const Tensor lossR = headLoss(applyLayer(applyLayer(xr, r1), r2), rh, y);
-  const auto g = Reference::gradients(lossR, {xr, r1.weight, r1.bias, r2.weight, r2.bias, rh.weight, rh.bias});
-
-  std::vector<Expected> expected = {Expected{"worker0", "x", x, g[0]}};
-  appendAll(expected, layerExpected("worker1", "l1", {g[1], g[2]}));
-  appendAll(expected, layerExpected("worker2", "l2", {g[3], g[4]}));
-  appendAll(expected, layerExpected("worker0", "head", {g[5], g[6]}));
+  const auto& [x, y, lossR, expected] = layerChain(661, {{"worker1", "l1"}, {"worker2", "l2"}});
 
   for (BackwardMode mode : bothModes()) {
     SCOPED_TRACE(backwardModeName(mode));
@@ -355,9 +252,7 @@ TEST_P(GradientsTest, ThroughAnRRefFetchedByAThirdWorker) {
     Tensor h = agent(0).rpcSync(name(2), kConsumeRef, std::string("l2"), r);
     Tensor loss = headLoss(h, layer("worker0", "head"), y);
     EXPECT_TRUE(allClose(loss, lossR, 1e-12)) << "forward loss";
-    BackwardOptions options;
-    options.mode = mode;
-    ctx.backward(loss, options);
+    backward(ctx, loss, mode);
     expectGradients(ctx, 0, expected);
   }
   EXPECT_TRUE(allReleased()) << liveCounts();

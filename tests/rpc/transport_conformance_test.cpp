@@ -60,6 +60,22 @@ class TransportTest : public ::testing::TestWithParam<std::string> {
     return pair;
   }
 
+  // The opening of most tests: two contexts, a connection between them, a Collector started on each end.
+  // Members in the order the tests used to declare them, so they are destroyed in the same order.
+  struct Session {
+    std::unique_ptr<Context> server, client;
+    Pair pair;
+    Collector atServer, atClient;
+  };
+  // `serverOptions` configure the server's context, `serverAllocate` is its end's PayloadAllocator.
+  void open(Session& session, const ContextOptions& serverOptions = {}, PayloadAllocator serverAllocate = nullptr) {
+    session.server = makeContext(serverOptions);
+    session.client = makeContext();
+    session.pair = connectPair(*session.server, *session.client);
+    session.atServer.start(session.pair.server, std::move(serverAllocate));
+    session.atClient.start(session.pair.client);
+  }
+
   std::shared_ptr<inproc::InprocHub> hub_ = std::make_shared<inproc::InprocHub>();
   int names_ = 0;
 };
@@ -73,12 +89,9 @@ void expectSameBytes(const PayloadBuffer& got, const Bytes& want, const std::str
 }
 
 TEST_P(TransportTest, ExchangesFramesWithZeroToManyPayloadsOfVariousSizes) {
-  auto server = makeContext();
-  auto client = makeContext();
-  auto pair = connectPair(*server, *client);
-  Collector atServer, atClient;
-  atServer.start(pair.server);
-  atClient.start(pair.client);
+  Session session;
+  open(session);
+  auto& [server, client, pair, atServer, atClient] = session;
 
   const std::vector<std::vector<size_t>> layouts = {
       {}, {0}, {1}, {63}, {64}, {65}, {0, 1, 2, 3}, {100003, 7, 4097, 0, 65536}, {1 << 20}};
@@ -123,13 +136,9 @@ TEST_P(TransportTest, ExchangesFramesWithZeroToManyPayloadsOfVariousSizes) {
 }
 
 TEST_P(TransportTest, SixtyFourMegabytePayloadArrivesIntactAndInprocSharesTheBuffer) {
-  auto server = makeContext();
-  auto client = makeContext();
-  auto pair = connectPair(*server, *client);
-  Collector atServer, atClient;
   std::atomic<int> allocations{0};
-  atServer.start(pair.server, [&](std::span<const uint8_t>, std::span<const uint64_t> sizes)
-                                  -> Result<std::vector<PayloadBuffer>> {
+  Session session;
+  open(session, {}, [&](std::span<const uint8_t>, std::span<const uint64_t> sizes) -> Result<std::vector<PayloadBuffer>> {
     ++allocations;
     std::vector<PayloadBuffer> out;
     for (uint64_t s : sizes) {
@@ -138,7 +147,7 @@ TEST_P(TransportTest, SixtyFourMegabytePayloadArrivesIntactAndInprocSharesTheBuf
     }
     return out;
   });
-  atClient.start(pair.client);
+  auto& [server, client, pair, atServer, atClient] = session;
   Bytes big = patternBytes(64u << 20, 9);
   Bytes small = patternBytes(3, 1);
   OutgoingFrame frame;
@@ -163,12 +172,9 @@ TEST_P(TransportTest, SixtyFourMegabytePayloadArrivesIntactAndInprocSharesTheBuf
 }
 
 TEST_P(TransportTest, TenThousandFramesArriveInOrderWithOneCallbackEach) {
-  auto server = makeContext();
-  auto client = makeContext();
-  auto pair = connectPair(*server, *client);
-  Collector atServer, atClient;
-  atServer.start(pair.server);
-  atClient.start(pair.client);
+  Session session;
+  open(session);
+  auto& [server, client, pair, atServer, atClient] = session;
   constexpr size_t kFrames = 10000;
   SendTracker sends(kFrames);
   Bytes payload = patternBytes(100, 3);
@@ -190,12 +196,9 @@ TEST_P(TransportTest, TenThousandFramesArriveInOrderWithOneCallbackEach) {
 }
 
 TEST_P(TransportTest, ManyFramesInFlightBothWaysFromSeveralThreadsLargeInterleavedWithSmall) {
-  auto server = makeContext();
-  auto client = makeContext();
-  auto pair = connectPair(*server, *client);
-  Collector atServer, atClient;
-  atServer.start(pair.server);
-  atClient.start(pair.client);
+  Session session;
+  open(session);
+  auto& [server, client, pair, atServer, atClient] = session;
   constexpr size_t kThreads = 3, kPerThread = 300;
   Bytes large = patternBytes((1 << 20) + 5, 11);
   Bytes small = patternBytes(17, 12);
@@ -236,12 +239,9 @@ TEST_P(TransportTest, ManyFramesInFlightBothWaysFromSeveralThreadsLargeInterleav
 }
 
 TEST_P(TransportTest, PeerCloseReportsDisconnectedOnceAndLaterSendsFail) {
-  auto server = makeContext();
-  auto client = makeContext();
-  auto pair = connectPair(*server, *client);
-  Collector atServer, atClient;
-  atServer.start(pair.server);
-  atClient.start(pair.client);
+  Session session;
+  open(session);
+  auto& [server, client, pair, atServer, atClient] = session;
   SendTracker before(5);
   for (size_t i = 0; i < 5; ++i) {
     OutgoingFrame frame;
@@ -333,12 +333,9 @@ TEST_P(TransportTest, ListeningTwiceOnOneAddressIsAnError) {
 TEST_P(TransportTest, EnvelopeOverTheReceiversLimitClosesTheConnectionWithAnError) {
   ContextOptions tight;
   tight.limits.maxEnvelopeBytes = 1024;
-  auto server = makeContext(tight);
-  auto client = makeContext();
-  auto pair = connectPair(*server, *client);
-  Collector atServer, atClient;
-  atServer.start(pair.server);
-  atClient.start(pair.client);
+  Session session;
+  open(session, tight);
+  auto& [server, client, pair, atServer, atClient] = session;
   SendTracker sends(2);
   OutgoingFrame ok;
   ok.envelope = envelopeWithIndex(0, 1024);
@@ -357,12 +354,9 @@ TEST_P(TransportTest, EnvelopeOverTheReceiversLimitClosesTheConnectionWithAnErro
 TEST_P(TransportTest, PayloadBytesOverTheReceiversLimitCloseTheConnectionWithAnError) {
   ContextOptions tight;
   tight.limits.maxPayloadBytes = 4096;
-  auto server = makeContext(tight);
-  auto client = makeContext();
-  auto pair = connectPair(*server, *client);
-  Collector atServer, atClient;
-  atServer.start(pair.server);
-  atClient.start(pair.client);
+  Session session;
+  open(session, tight);
+  auto& [server, client, pair, atServer, atClient] = session;
   Bytes a = patternBytes(3000, 1), b = patternBytes(1200, 2);
   OutgoingFrame frame;
   frame.envelope = envelopeWithIndex(0);
@@ -378,19 +372,16 @@ TEST_P(TransportTest, PayloadBytesOverTheReceiversLimitCloseTheConnectionWithAnE
 }
 
 TEST_P(TransportTest, AllocatorErrorClosesTheConnection) {
-  auto server = makeContext();
-  auto client = makeContext();
-  auto pair = connectPair(*server, *client);
-  Collector atServer, atClient;
   std::atomic<int> calls{0};
-  atServer.start(pair.server, [&](std::span<const uint8_t> envelope, std::span<const uint64_t> sizes)
-                                  -> Result<std::vector<PayloadBuffer>> {
+  Session session;
+  open(session, {}, [&](std::span<const uint8_t> envelope, std::span<const uint64_t> sizes)
+                        -> Result<std::vector<PayloadBuffer>> {
     ++calls;
     EXPECT_EQ(sizes.size(), 1u);
     EXPECT_EQ(envelope.size(), 16u);
     return Error::failed("tensor descriptor does not match payload 0");
   });
-  atClient.start(pair.client);
+  auto& [server, client, pair, atServer, atClient] = session;
   Bytes payload = patternBytes(100, 1);
   OutgoingFrame frame;
   frame.envelope = envelopeWithIndex(0);
@@ -414,12 +405,9 @@ TEST_P(TransportTest, AllocatorErrorClosesTheConnection) {
 }
 
 TEST_P(TransportTest, ContextCloseWithLiveConnectionsReturnsAndReportsClosed) {
-  auto server = makeContext();
-  auto client = makeContext();
-  auto pair = connectPair(*server, *client);
-  Collector atServer, atClient;
-  atServer.start(pair.server);
-  atClient.start(pair.client);
+  Session session;
+  open(session);
+  auto& [server, client, pair, atServer, atClient] = session;
   Bytes big = patternBytes(8 << 20, 4);
   SendTracker sends(20);
   for (size_t i = 0; i < 20; ++i) {

@@ -107,6 +107,49 @@ std::vector<uint8_t> head(FramePrefix prefix, const std::vector<uint64_t>& sizes
   return out;
 }
 
+// A raw client on a fresh listener of `server`, with its hello sent and the server's end of the connection
+// accepted and started into `atServer`. open() is false (the failure recorded) when a step fails.
+struct RawSession {
+  std::promise<std::shared_ptr<Connection>> accepted;
+  std::unique_ptr<Listener> listener;
+  std::unique_ptr<RawUcpClient> client;
+  Collector atServer;
+
+  bool open(Context& server) {
+    auto listening =
+        server.listen("127.0.0.1:0", [this](std::shared_ptr<Connection> c) { accepted.set_value(std::move(c)); });
+    if (!listening.ok()) {
+      ADD_FAILURE() << "listen: " << listening.error().message;
+      return false;
+    }
+    listener = std::move(listening).value();
+    client = std::make_unique<RawUcpClient>(listener->address());
+    client->send(AmId::kHello, {}, {});
+    auto acceptedFuture = accepted.get_future();
+    if (!client->progressUntil(
+            [&] { return acceptedFuture.wait_for(std::chrono::seconds(0)) == std::future_status::ready; })) {
+      ADD_FAILURE() << "the ucx listener did not accept the raw client";
+      return false;
+    }
+    atServer.start(acceptedFuture.get());
+    return true;
+  }
+  // Progresses the client (the server's goodbye needs answers) until the server's end holds `n` frames.
+  bool waitFrames(size_t n) {
+    return client->progressUntil([&] {
+      std::lock_guard lock(atServer.mutex);
+      return atServer.frames.size() >= n;
+    });
+  }
+  // Likewise until the server's end reported its close.
+  bool waitClosed() {
+    return client->progressUntil([&] {
+      std::lock_guard lock(atServer.mutex);
+      return atServer.closed.has_value();
+    });
+  }
+};
+
 struct Case {
   const char* name;
   AmId id;
@@ -149,23 +192,11 @@ TEST(UcxWire, MalformedActiveMessagesCloseTheConnectionWithANamedError) {
   auto server = createContext("ucx").value();
   for (const auto& c : malformedCases()) {
     SCOPED_TRACE(c.name);
-    std::promise<std::shared_ptr<Connection>> accepted;
-    auto listener = server->listen("127.0.0.1:0", [&](std::shared_ptr<Connection> connection) {
-      accepted.set_value(std::move(connection));
-    });
-    ASSERT_TRUE(listener.ok());
-    RawUcpClient client(listener.value()->address());
-    client.send(AmId::kHello, {}, {});
-    auto acceptedFuture = accepted.get_future();
-    ASSERT_TRUE(client.progressUntil(
-        [&] { return acceptedFuture.wait_for(std::chrono::seconds(0)) == std::future_status::ready; }));
-    Collector atServer;
-    atServer.start(acceptedFuture.get());
-    client.send(c.id, c.header, c.data);
-    ASSERT_TRUE(client.progressUntil([&] {
-      std::lock_guard lock(atServer.mutex);
-      return atServer.closed.has_value();
-    }));
+    RawSession session;
+    ASSERT_TRUE(session.open(*server));
+    session.client->send(c.id, c.header, c.data);
+    ASSERT_TRUE(session.waitClosed());
+    auto& atServer = session.atServer;
     std::lock_guard lock(atServer.mutex);
     EXPECT_TRUE(atServer.frames.empty());
     EXPECT_EQ(atServer.closed->kind, ErrorKind::kFailed);
@@ -173,25 +204,15 @@ TEST(UcxWire, MalformedActiveMessagesCloseTheConnectionWithANamedError) {
     EXPECT_NE(atServer.closed->message.find(c.expected), std::string::npos) << atServer.closed->message;
   }
   // The context is still serving: a well-formed frame from a fresh raw client arrives.
-  std::promise<std::shared_ptr<Connection>> accepted;
-  auto listener = server->listen("127.0.0.1:0", [&](std::shared_ptr<Connection> c) { accepted.set_value(std::move(c)); });
-  ASSERT_TRUE(listener.ok());
-  RawUcpClient client(listener.value()->address());
-  client.send(AmId::kHello, {}, {});
-  auto acceptedFuture = accepted.get_future();
-  ASSERT_TRUE(client.progressUntil(
-      [&] { return acceptedFuture.wait_for(std::chrono::seconds(0)) == std::future_status::ready; }));
-  Collector atServer;
-  atServer.start(acceptedFuture.get());
+  RawSession session;
+  ASSERT_TRUE(session.open(*server));
   FramePrefix prefix;
   prefix.envelopeBytes = 16;
   prefix.payloadCount = 2;
   prefix.payloadBytes = 5;
-  client.send(AmId::kFrame, head(prefix, {2, 3}, 16), {1, 2, 3, 4, 5});
-  ASSERT_TRUE(client.progressUntil([&] {
-    std::lock_guard lock(atServer.mutex);
-    return !atServer.frames.empty();
-  }));
+  session.client->send(AmId::kFrame, head(prefix, {2, 3}, 16), {1, 2, 3, 4, 5});
+  ASSERT_TRUE(session.waitFrames(1));
+  auto& atServer = session.atServer;
   std::lock_guard lock(atServer.mutex);
   ASSERT_EQ(atServer.frames[0].payloads.size(), 2u);
   EXPECT_EQ(std::memcmp(atServer.frames[0].payloads[1].data, "\x03\x04\x05", 3), 0);
@@ -203,29 +224,20 @@ TEST(UcxWire, MalformedActiveMessagesCloseTheConnectionWithANamedError) {
 TEST(UcxWire, UnknownActiveMessageIdsAreDroppedAndTheConnectionStaysUp) {
   if (!ucxUnavailableReason().empty()) GTEST_SKIP() << "ucx is not viable here: " << ucxUnavailableReason();
   auto server = createContext("ucx").value();
-  std::promise<std::shared_ptr<Connection>> accepted;
-  auto listener = server->listen("127.0.0.1:0", [&](std::shared_ptr<Connection> c) { accepted.set_value(std::move(c)); });
-  ASSERT_TRUE(listener.ok());
-  RawUcpClient client(listener.value()->address());
-  client.send(AmId::kHello, {}, {});
-  auto acceptedFuture = accepted.get_future();
-  ASSERT_TRUE(client.progressUntil(
-      [&] { return acceptedFuture.wait_for(std::chrono::seconds(0)) == std::future_status::ready; }));
-  Collector atServer;
-  atServer.start(acceptedFuture.get());
+  RawSession session;
+  ASSERT_TRUE(session.open(*server));
   FramePrefix prefix;
   prefix.envelopeBytes = 16;
-  client.send(AmId::kFrame, head(prefix, {}, 16), {});
-  client.send(static_cast<AmId>(9), {1, 2, 3}, {});
-  client.send(static_cast<AmId>(200), {1, 2, 3}, {4});
+  session.client->send(AmId::kFrame, head(prefix, {}, 16), {});
+  session.client->send(static_cast<AmId>(9), {1, 2, 3}, {});
+  session.client->send(static_cast<AmId>(200), {1, 2, 3}, {4});
   prefix.flags = 7;
-  client.send(AmId::kFrame, head(prefix, {}, 16), {});
-  ASSERT_TRUE(client.progressUntil([&] {
-    std::lock_guard lock(atServer.mutex);
-    return atServer.frames.size() == 2;
-  }));
+  session.client->send(AmId::kFrame, head(prefix, {}, 16), {});
+  ASSERT_TRUE(session.waitFrames(2));
+  auto& atServer = session.atServer;
   std::lock_guard lock(atServer.mutex);
   EXPECT_FALSE(atServer.closed.has_value());
+  EXPECT_EQ(atServer.frames.size(), 2u);
   EXPECT_EQ(atServer.frames[0].flags, 0);
   EXPECT_EQ(atServer.frames[1].flags, 7);
 }

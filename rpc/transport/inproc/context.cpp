@@ -142,30 +142,22 @@ std::shared_ptr<InprocListener> InprocHub::find(const std::string& name) {
 }
 
 InprocContext::InprocContext(std::shared_ptr<InprocHub> hub, const ContextOptions& options)
-    : hub_(std::move(hub)), options_(options), loop_(std::make_shared<InprocLoop>()) {
+    : LoopContext("inproc", std::make_shared<InprocLoop>(), options.limits), hub_(std::move(hub)) {
   DG_CHECK(hub_ != nullptr, "createInprocContext: hub must not be null");
-}
-
-InprocContext::~InprocContext() {
-  if (loop_->inLoop()) {
-    std::fprintf(stderr, "distgrad inproc: Context destroyed on its own loop thread; not joining it\n");
-    return;
-  }
-  close();
 }
 
 Result<std::unique_ptr<Listener>> InprocContext::listen(const std::string& address, AcceptCallback onAccept) {
   if (address.empty()) return Error::failed("inproc listen: the address (a name) must not be empty");
   if (!onAccept) return Error::failed("inproc listen: onAccept must be set");
-  if (closed_.load()) return Error::failed("inproc listen on '" + address + "': the context is closed");
-  auto listener = std::make_shared<InprocListener>(address, hub_, loop_, options_.limits, std::move(onAccept));
+  if (closeCalled()) return Error::failed("inproc listen on '" + address + "': the context is closed");
+  auto listener = std::make_shared<InprocListener>(address, hub_, loop_, limits(), std::move(onAccept));
   auto added = hub_->add(address, listener);
   if (!added.ok()) return added.error();
   if (!loop_->track(listener)) {
     hub_->remove(address, listener.get());
     return Error::failed("inproc listen on '" + address + "': the context is closed");
   }
-  return std::unique_ptr<Listener>(std::make_unique<InprocListenerHandle>(std::move(listener)));
+  return std::unique_ptr<Listener>(std::make_unique<ListenerHandle<InprocListener>>(std::move(listener)));
 }
 
 void InprocContext::connect(const std::string& address, ConnectCallback done) {
@@ -179,7 +171,7 @@ void InprocContext::connect(const std::string& address, ConnectCallback done) {
     return;
   }
   std::string clientName = "inproc-client-" + std::to_string(hub_->nextClientId());
-  auto client = std::make_shared<InprocConnection>(loop_, options_.limits, clientName, address);
+  auto client = std::make_shared<InprocConnection>(loop_, limits(), clientName, address);
   auto server = std::make_shared<InprocConnection>(listener->loop(), listener->limits(), address, clientName);
   InprocConnection::pair(client, server);
   if (!loop_->track(client)) {
@@ -192,15 +184,6 @@ void InprocContext::connect(const std::string& address, ConnectCallback done) {
     client->close();
     done(Error::disconnected("inproc connect to '" + address + "': the context is closed"));
   }
-}
-
-void InprocContext::defer(std::function<void()> fn) {
-  DG_CHECK(loop_->post(std::move(fn)), "inproc Context::defer after close()");
-}
-
-void InprocContext::close() {
-  closed_.store(true);
-  loop_->shutdown();
 }
 
 std::unique_ptr<Context> createInprocContext(std::shared_ptr<InprocHub> hub, const ContextOptions& options) {

@@ -26,6 +26,7 @@
 #include <thread>
 #include <vector>
 
+#include "rpc/transport/loop_context.h"
 #include "rpc/transport/transport.h"
 
 namespace distgrad::rpc::transport::inproc {
@@ -80,25 +81,15 @@ class InprocHub {
   std::atomic<uint64_t> clients_{0};
 };
 
-class InprocContext final : public Context {
+class InprocContext final : public LoopContext<InprocLoop> {
  public:
   InprocContext(std::shared_ptr<InprocHub> hub, const ContextOptions& options);
-  ~InprocContext() override;
 
-  const std::string& name() const override { return name_; }
   Result<std::unique_ptr<Listener>> listen(const std::string& address, AcceptCallback onAccept) override;
   void connect(const std::string& address, ConnectCallback done) override;
-  void defer(std::function<void()> fn) override;
-  bool inLoop() const override { return loop_->inLoop(); }
-  void close() override;
-  const FrameLimits& limits() const override { return options_.limits; }
 
  private:
-  const std::string name_ = "inproc";
   std::shared_ptr<InprocHub> hub_;
-  ContextOptions options_;
-  std::shared_ptr<InprocLoop> loop_;
-  std::atomic<bool> closed_{false};
 };
 
 // A context on `hub`: it reaches the listeners of every context created on the same hub.

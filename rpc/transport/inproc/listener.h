@@ -16,7 +16,8 @@ class InprocListener : public std::enable_shared_from_this<InprocListener> {
                  FrameLimits limits, AcceptCallback onAccept);
   ~InprocListener();
 
-  const std::string& name() const { return name_; }
+  // The name it is registered under in the hub (what connect() takes).
+  const std::string& address() const { return name_; }
   const std::shared_ptr<InprocLoop>& loop() const { return loop_; }
   const FrameLimits& limits() const { return limits_; }
   // Hands `connection` to onAccept on the loop thread; closes it if the listener closed meanwhile.
@@ -31,18 +32,6 @@ class InprocListener : public std::enable_shared_from_this<InprocListener> {
   FrameLimits limits_;
   AcceptCallback onAccept_;  // only touched on the loop thread after construction
   std::atomic<bool> closed_{false};
-};
-
-// The handle listen() returns; closing or destroying it unregisters the name.
-class InprocListenerHandle final : public Listener {
- public:
-  explicit InprocListenerHandle(std::shared_ptr<InprocListener> listener) : listener_(std::move(listener)) {}
-  ~InprocListenerHandle() override { listener_->close(); }
-  std::string address() const override { return listener_->name(); }
-  void close() override { listener_->close(); }
-
- private:
-  std::shared_ptr<InprocListener> listener_;
 };
 
 }  // namespace distgrad::rpc::transport::inproc

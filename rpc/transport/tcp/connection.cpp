@@ -2,9 +2,7 @@
 
 #include <bit>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <limits>
 
 namespace distgrad::rpc::transport::tcp {
 
@@ -16,20 +14,6 @@ namespace {
 constexpr uint8_t kZeros[kPayloadAlignment] = {};
 // Envelopes up to this size are copied next to the frame header so a small frame is one contiguous iovec.
 constexpr size_t kInlineEnvelopeBytes = 4096;
-
-// The allocator used when start() gets none: 64-byte aligned heap buffers.
-Result<std::vector<PayloadBuffer>> defaultAllocate(std::span<const uint64_t> sizes) {
-  std::vector<PayloadBuffer> buffers;
-  buffers.reserve(sizes.size());
-  for (uint64_t size : sizes) {
-    size_t rounded = static_cast<size_t>(size) + paddingTo64(static_cast<size_t>(size));
-    void* data = std::aligned_alloc(kPayloadAlignment, rounded == 0 ? kPayloadAlignment : rounded);
-    if (data == nullptr) return Error::failed("tcp: cannot allocate " + std::to_string(size) + " payload bytes");
-    buffers.push_back({data, static_cast<size_t>(size), std::shared_ptr<void>(data, std::free)});
-  }
-  return buffers;
-}
-
 }  // namespace
 
 struct TcpConnection::WriteRequest {
@@ -41,7 +25,7 @@ struct TcpConnection::WriteRequest {
 };
 
 TcpConnection::TcpConnection(std::shared_ptr<TcpLoop> loop, std::string peerAddress)
-    : loop_(std::move(loop)), peerAddress_(std::move(peerAddress)) {
+    : LoopConnection("tcp", std::move(loop), std::move(peerAddress)) {
   handle_.data = this;
 }
 
@@ -58,43 +42,8 @@ void TcpConnection::initFromLoop() {
 
 void TcpConnection::connectedFromLoop() { uv_tcp_nodelay(&handle_, 1); }
 
-void TcpConnection::send(OutgoingFrame frame, SendCallback done) {
-  if (loop_->inLoop()) {
-    sendFromLoop(std::move(frame), std::move(done));
-    return;
-  }
-  // One allocation per frame: the task's only capture is one shared_ptr, which std::function stores in
-  // place.
-  struct Posted {
-    std::shared_ptr<TcpConnection> self;
-    QueuedFrame queued;
-  };
-  auto posted = std::make_shared<Posted>(Posted{shared_from_this(), QueuedFrame{std::move(frame), std::move(done)}});
-  if (!loop_->post([posted] {
-        posted->self->sendFromLoop(std::move(posted->queued.frame), std::move(posted->queued.done));
-      })) {
-    // The context is closed and its loop thread is gone: complete here, once.
-    if (posted->queued.done) {
-      posted->queued.done(Error::disconnected("tcp connection to " + peerAddress_ + ": the context is closed"));
-    }
-  }
-}
-
 void TcpConnection::sendFromLoop(OutgoingFrame frame, SendCallback done) {
-  auto failLater = [&](Error error) {
-    if (!done) return;
-    loop_->post([done = std::move(done), error = std::move(error)] { done(error); });
-  };
-  if (closing_) {
-    failLater(closeError_ ? Error::disconnected("tcp connection to " + peerAddress_ + " is closed: " + closeError_->message)
-                          : Error::disconnected("tcp connection to " + peerAddress_ + " is closed"));
-    return;
-  }
-  if (frame.envelope.size() > std::numeric_limits<uint32_t>::max() ||
-      frame.payloads.size() > std::numeric_limits<uint32_t>::max()) {
-    failLater(Error::failed("tcp send: a frame's envelope and payload count must fit 32 bits"));
-    return;
-  }
+  if (refuseSendFromLoop(frame, done, closing_)) return;
   queue_.push_back({std::move(frame), std::move(done)});
   if (!dirty_) {
     dirty_ = true;
@@ -218,36 +167,7 @@ void TcpConnection::onWrite(uv_write_t* req, int status) {
   if (status != UV_ECANCELED) self.closeFromLoop(error);
 }
 
-void TcpConnection::start(PayloadAllocator allocate, FrameCallback onFrame, CloseCallback onClosed) {
-  DG_CHECK(onFrame && onClosed, "Connection::start: onFrame and onClosed must be set");
-  if (loop_->inLoop()) {
-    startFromLoop(std::move(allocate), std::move(onFrame), std::move(onClosed));
-    return;
-  }
-  auto self = shared_from_this();
-  bool posted = loop_->post([self, allocate = std::move(allocate), onFrame = std::move(onFrame),
-                             onClosed = std::move(onClosed)]() mutable {
-    self->startFromLoop(std::move(allocate), std::move(onFrame), std::move(onClosed));
-  });
-  if (!posted) std::fprintf(stderr, "distgrad tcp: Connection::start after the context closed; ignored\n");
-}
-
-void TcpConnection::startFromLoop(PayloadAllocator allocate, FrameCallback onFrame, CloseCallback onClosed) {
-  DG_CHECK(!started_, "Connection::start called twice on the tcp connection to ", peerAddress_);
-  started_ = true;
-  allocate_ = std::move(allocate);
-  onFrame_ = std::move(onFrame);
-  onClosed_ = std::move(onClosed);
-  if (closed_) {
-    // Closed before start: report it, later, on the loop.
-    auto self = shared_from_this();
-    loop_->post([self] {
-      if (auto cb = std::move(self->onClosed_)) cb(*self->closeError_);
-      self->onFrame_ = nullptr;
-    });
-    return;
-  }
-  if (closing_) return;  // closedFromLoop reports it
+void TcpConnection::beginReadingFromLoop() {
   int rc = uv_read_start(reinterpret_cast<uv_stream_t*>(&handle_), &TcpConnection::onAlloc, &TcpConnection::onRead);
   if (rc < 0) closeFromLoop(Error::disconnected("tcp read from " + peerAddress_ + " failed: " + uvError(rc)));
 }
@@ -326,18 +246,11 @@ void TcpConnection::consumeFromLoop(const uint8_t* data, size_t size) {
   }
 }
 
-void TcpConnection::failFromLoop(const std::string& problem) {
-  Error error = Error::failed("malformed frame from " + peerAddress_ + ": " + problem);
-  std::fprintf(stderr, "distgrad tcp: closing connection to %s: %s\n", peerAddress_.c_str(), error.message.c_str());
-  closeFromLoop(error);
-}
-
 bool TcpConnection::completeStageFromLoop() {
   if (closing_) return false;
-  const FrameLimits& limits = loop_->options().limits;
   switch (stage_) {
     case Stage::kPrefix: {
-      auto valid = validatePrefix(prefix_, limits);
+      auto valid = validatePrefix(prefix_, loop_->options().limits);
       if (!valid.ok()) {
         failFromLoop(valid.error().message);
         return false;
@@ -347,20 +260,7 @@ bool TcpConnection::completeStageFromLoop() {
       return true;
     }
     case Stage::kSizes: {
-      uint64_t sum = 0;
-      for (size_t i = 0; i < sizes_.size(); ++i) {
-        if (sizes_[i] > limits.maxPayloadBytes || sizes_[i] > prefix_.payloadBytes - sum) {
-          failFromLoop("payload " + std::to_string(i) + " declares " + std::to_string(sizes_[i]) +
-                       " bytes, more than the frame's total of " + std::to_string(prefix_.payloadBytes));
-          return false;
-        }
-        sum += sizes_[i];
-      }
-      if (sum != prefix_.payloadBytes) {
-        failFromLoop("payload sizes sum to " + std::to_string(sum) + " bytes but the prefix declares " +
-                     std::to_string(prefix_.payloadBytes));
-        return false;
-      }
+      if (!checkSizeTableFromLoop()) return false;
       current_.flags = prefix_.flags;
       current_.envelope.resize(prefix_.envelopeBytes);
       beginStage(Stage::kEnvelope, current_.envelope.data(), current_.envelope.size());
@@ -389,68 +289,11 @@ bool TcpConnection::completeStageFromLoop() {
   return false;
 }
 
-bool TcpConnection::allocatePayloadsFromLoop() {
-  if (sizes_.empty()) return true;
-  std::span<const uint8_t> envelope(current_.envelope.data(), current_.envelope.size());
-  std::span<const uint64_t> sizes(sizes_.data(), sizes_.size());
-  std::optional<Result<std::vector<PayloadBuffer>>> result;
-  try {
-    result.emplace(allocate_ ? allocate_(envelope, sizes) : defaultAllocate(sizes));
-  } catch (const std::exception& e) {
-    failFromLoop(std::string("the payload allocator threw: ") + e.what());
-    return false;
-  } catch (...) {
-    failFromLoop("the payload allocator threw a non-standard exception");
-    return false;
-  }
-  if (closing_) return false;  // the allocator closed the connection
-  if (!result->ok()) {
-    Error error = result->error();
-    std::fprintf(stderr, "distgrad tcp: closing connection to %s: payload allocation refused: %s\n",
-                 peerAddress_.c_str(), error.message.c_str());
-    closeFromLoop(error);
-    return false;
-  }
-  auto buffers = std::move(*result).value();
-  if (buffers.size() != sizes_.size()) {
-    failFromLoop("the payload allocator returned " + std::to_string(buffers.size()) + " buffers for " +
-                 std::to_string(sizes_.size()) + " payloads");
-    return false;
-  }
-  for (size_t i = 0; i < buffers.size(); ++i) {
-    if (buffers[i].size != sizes_[i] || (buffers[i].data == nullptr && sizes_[i] > 0)) {
-      failFromLoop("the payload allocator returned a buffer of " + std::to_string(buffers[i].size) +
-                   " bytes for payload " + std::to_string(i) + " of " + std::to_string(sizes_[i]) + " bytes");
-      return false;
-    }
-  }
-  current_.payloads = std::move(buffers);
-  return true;
-}
-
 void TcpConnection::deliverFromLoop() {
   IncomingFrame frame = std::move(current_);
   current_ = IncomingFrame{};
   beginStage(Stage::kPrefix, &prefix_, sizeof(FramePrefix));
-  if (!onFrame_) return;
-  try {
-    onFrame_(std::move(frame));
-  } catch (...) {
-    // The handler's state is unknown after it threw mid-frame: drop this connection, keep the loop.
-    std::string message =
-        reportCallbackException("the frame handler of the tcp connection to " + peerAddress_, "closing the connection");
-    closeFromLoop(Error::failed(message));
-  }
-}
-
-void TcpConnection::close() {
-  if (loop_->inLoop()) {
-    closeFromLoop(Error::disconnected("tcp connection to " + peerAddress_ + " closed locally"));
-    return;
-  }
-  auto self = shared_from_this();
-  // Refused only when the context already closed every connection.
-  loop_->post([self] { self->closeFromLoop(Error::disconnected("tcp connection to " + self->peerAddress_ + " closed locally")); });
+  handFrameFromLoop(std::move(frame));
 }
 
 void TcpConnection::closeFromLoop(const Error& error) {
@@ -473,9 +316,7 @@ void TcpConnection::onClose(uv_handle_t* handle) {
 }
 
 void TcpConnection::closedFromLoop() {
-  auto keep = std::move(self_);  // released when this function returns
-  closed_ = true;
-  loop_->removeFromLoop(this);
+  auto keep = markClosedFromLoop();  // the self reference, released when this function returns
   Error error = *closeError_;
   auto queued = std::move(queue_);
   queue_.clear();
@@ -485,28 +326,7 @@ void TcpConnection::closedFromLoop() {
                            Error::disconnected("tcp connection to " + peerAddress_ + " closed: " + error.message));
     }
   }
-  current_ = IncomingFrame{};
-  sizes_.clear();
-  allocate_ = nullptr;
-  onFrame_ = nullptr;
-  if (auto onClosed = std::move(onClosed_)) {
-    try {
-      onClosed(error);
-    } catch (...) {
-      reportCallbackException("the close callback of the tcp connection to " + peerAddress_, "ignored");
-    }
-  }
-}
-
-void TcpConnection::completeSendFromLoop(SendCallback& done, const Result<void>& result) {
-  try {
-    done(result);
-  } catch (...) {
-    // The connection cannot tell what state its owner is in after that: close it (a no-op if closing).
-    std::string message =
-        reportCallbackException("a send callback of the tcp connection to " + peerAddress_, "closing the connection");
-    closeFromLoop(Error::failed(message));
-  }
+  reportClosedFromLoop(error);
 }
 
 }  // namespace distgrad::rpc::transport::tcp

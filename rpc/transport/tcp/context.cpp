@@ -249,38 +249,11 @@ std::string formatAddress(const sockaddr* address) {
   return "<unknown address family>";
 }
 
-TcpContext::TcpContext(const ContextOptions& options) : loop_(std::make_shared<TcpLoop>(options)) {}
-
-TcpContext::~TcpContext() {
-  if (loop_->inLoop()) {
-    std::fprintf(stderr, "distgrad tcp: Context destroyed on its own loop thread; not joining it\n");
-    return;
-  }
-  close();
-}
-
-void TcpContext::close() { loop_->shutdown(); }
-
-void TcpContext::defer(std::function<void()> fn) {
-  DG_CHECK(loop_->post(std::move(fn)), "tcp Context::defer after close()");
-}
+TcpContext::TcpContext(const ContextOptions& options)
+    : LoopContext("tcp", std::make_shared<TcpLoop>(options), options.limits) {}
 
 Result<std::unique_ptr<Listener>> TcpContext::listen(const std::string& address, AcceptCallback onAccept) {
-  if (!onAccept) return Error::failed("tcp listen: onAccept must be set");
-  auto impl = std::make_shared<TcpListenerImpl>(loop_, std::move(onAccept));
-  if (loop_->inLoop()) {
-    auto opened = impl->openFromLoop(address);
-    if (!opened.ok()) return opened.error();
-  } else {
-    std::promise<Result<void>> promise;
-    auto future = promise.get_future();
-    if (!loop_->post([&] { promise.set_value(impl->openFromLoop(address)); })) {
-      return Error::failed("tcp listen on '" + address + "': the context is closed");
-    }
-    auto opened = future.get();
-    if (!opened.ok()) return opened.error();
-  }
-  return std::unique_ptr<Listener>(std::make_unique<TcpListener>(std::move(impl)));
+  return listenOnLoop<TcpListenerImpl>(address, std::move(onAccept));
 }
 
 namespace {

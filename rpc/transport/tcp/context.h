@@ -21,6 +21,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "rpc/transport/loop_context.h"
 #include "rpc/transport/transport.h"
 
 namespace distgrad::rpc::transport::tcp {
@@ -47,6 +48,9 @@ class TcpLoop {
   // thread itself (those tasks still run during the final drain).
   bool post(std::function<void()> fn);
   bool inLoop() const { return std::this_thread::get_id() == threadId_; }
+  // Runs fn later on the loop (never inline); loop thread only. Tasks the loop posts to itself run before it
+  // next blocks, which is what the ucx loop's deferred queue gives (the shared LoopConnection uses both).
+  void deferFromLoop(std::function<void()> fn) { post(std::move(fn)); }
   // Closes every connection and listener, drains the loop, joins the thread. Not on the loop thread.
   void shutdown();
 
@@ -94,24 +98,12 @@ class TcpLoop {
   std::vector<std::shared_ptr<TcpConnection>> spareDirty_;  // flushDirtyFromLoop's storage, kept
 };
 
-class TcpContext final : public Context {
+class TcpContext final : public LoopContext<TcpLoop> {
  public:
   explicit TcpContext(const ContextOptions& options);
-  ~TcpContext() override;
 
-  const std::string& name() const override { return name_; }
   Result<std::unique_ptr<Listener>> listen(const std::string& address, AcceptCallback onAccept) override;
   void connect(const std::string& address, ConnectCallback done) override;
-  void defer(std::function<void()> fn) override;
-  bool inLoop() const override { return loop_->inLoop(); }
-  void close() override;
-  const FrameLimits& limits() const override { return loop_->options().limits; }
-
- private:
-  void connectFromLoop(const std::string& address, ConnectCallback done);
-
-  const std::string name_ = "tcp";
-  std::shared_ptr<TcpLoop> loop_;
 };
 
 std::unique_ptr<Context> createTcpContext(const ContextOptions& options = {});

@@ -2,6 +2,7 @@
 
 #include <cstdio>
 
+#include "rpc/transport/loop_context.h"
 #include "rpc/transport/tcp/connection.h"
 
 namespace distgrad::rpc::transport::tcp {
@@ -86,12 +87,8 @@ void TcpListenerImpl::closeFromLoop() {
 }
 
 void TcpListenerImpl::close() {
-  if (loop_->inLoop()) {
-    closeFromLoop();
-    return;
-  }
   auto self = shared_from_this();
-  loop_->post([self] { self->closeFromLoop(); });  // refused only after the context closed everything
+  runOnLoop(*loop_, [self] { self->closeFromLoop(); });  // refused only after the context closed everything
 }
 
 }  // namespace distgrad::rpc::transport::tcp

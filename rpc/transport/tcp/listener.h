@@ -1,5 +1,5 @@
 // A TCP listener: a bound, listening uv_tcp_t that hands accepted connections to onAccept on the loop.
-// Thread-safety: TcpListener methods may be called from any thread; TcpListenerImpl lives on the loop.
+// Thread-safety: close() and address() may be called from any thread; the rest runs on the loop.
 #pragma once
 
 #include <memory>
@@ -28,17 +28,6 @@ class TcpListenerImpl : public std::enable_shared_from_this<TcpListenerImpl> {
   bool open_ = false;
   bool closing_ = false;
   std::shared_ptr<TcpListenerImpl> self_;  // keeps this alive until the handle's close callback
-};
-
-class TcpListener final : public Listener {
- public:
-  explicit TcpListener(std::shared_ptr<TcpListenerImpl> impl) : impl_(std::move(impl)) {}
-  ~TcpListener() override { impl_->close(); }
-  std::string address() const override { return impl_->address(); }
-  void close() override { impl_->close(); }
-
- private:
-  std::shared_ptr<TcpListenerImpl> impl_;
 };
 
 }  // namespace distgrad::rpc::transport::tcp

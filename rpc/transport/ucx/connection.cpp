@@ -2,10 +2,8 @@
 
 #include <bit>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <future>
-#include <limits>
 
 namespace distgrad::rpc::transport::ucx {
 
@@ -13,19 +11,6 @@ namespace distgrad::rpc::transport::ucx {
 static_assert(std::endian::native == std::endian::little, "the wire format is little-endian");
 
 namespace {
-
-// The allocator used when start() gets none: 64-byte aligned heap buffers.
-Result<std::vector<PayloadBuffer>> defaultAllocate(std::span<const uint64_t> sizes) {
-  std::vector<PayloadBuffer> buffers;
-  buffers.reserve(sizes.size());
-  for (uint64_t size : sizes) {
-    size_t rounded = static_cast<size_t>(size) + paddingTo64(static_cast<size_t>(size));
-    void* data = std::aligned_alloc(kPayloadAlignment, rounded == 0 ? kPayloadAlignment : rounded);
-    if (data == nullptr) return Error::failed("ucx: cannot allocate " + std::to_string(size) + " payload bytes");
-    buffers.push_back({data, static_cast<size_t>(size), std::shared_ptr<void>(data, std::free)});
-  }
-  return buffers;
-}
 
 // A ucp request handle that completes without a callback of ours (goodbye messages): freed when done.
 void freeWhenDone(ucs_status_ptr_t request) {
@@ -56,7 +41,7 @@ struct UcxConnection::RecvRequest {
 };
 
 UcxConnection::UcxConnection(std::shared_ptr<UcxLoop> loop, std::string peerAddress)
-    : loop_(std::move(loop)), peerAddress_(std::move(peerAddress)) {}
+    : LoopConnection("ucx", std::move(loop), std::move(peerAddress)) {}
 
 UcxConnection::~UcxConnection() = default;
 
@@ -137,37 +122,8 @@ void UcxConnection::handshakeDoneFromLoop(ConnectCallback done, ucs_status_t sta
 
 // ---------------------------------------------------------------------------------------------- sending
 
-void UcxConnection::send(OutgoingFrame frame, SendCallback done) {
-  if (loop_->inLoop()) {
-    sendFromLoop(std::move(frame), std::move(done));
-    return;
-  }
-  struct Posted {
-    std::shared_ptr<UcxConnection> self;
-    OutgoingFrame frame;
-    SendCallback done;
-  };
-  auto posted = std::make_shared<Posted>(Posted{shared_from_this(), std::move(frame), std::move(done)});
-  if (!loop_->post([posted] { posted->self->sendFromLoop(std::move(posted->frame), std::move(posted->done)); })) {
-    if (posted->done) posted->done(Error::disconnected("ucx connection to " + peerAddress_ + ": the context is closed"));
-  }
-}
-
 void UcxConnection::sendFromLoop(OutgoingFrame frame, SendCallback done) {
-  auto failLater = [&](Error error) {
-    if (!done) return;
-    loop_->deferFromLoop([done = std::move(done), error = std::move(error)] { done(error); });
-  };
-  if (closing_ || ep_ == nullptr) {
-    failLater(closeError_ ? Error::disconnected("ucx connection to " + peerAddress_ + " is closed: " + closeError_->message)
-                          : Error::disconnected("ucx connection to " + peerAddress_ + " is closed"));
-    return;
-  }
-  if (frame.envelope.size() > std::numeric_limits<uint32_t>::max() ||
-      frame.payloads.size() > std::numeric_limits<uint32_t>::max()) {
-    failLater(Error::failed("ucx send: a frame's envelope and payload count must fit 32 bits"));
-    return;
-  }
+  if (refuseSendFromLoop(frame, done, closing_ || ep_ == nullptr)) return;
   auto* request = new SendRequest{shared_from_this(), std::move(frame), std::move(done), {}, {}, 1, UCS_OK};
   const OutgoingFrame& f = request->frame;
   FramePrefix prefix;
@@ -263,46 +219,9 @@ void UcxConnection::partDoneFromLoop(SendRequest* request, ucs_status_t status) 
   });
 }
 
-void UcxConnection::completeSendFromLoop(SendCallback& done, const Result<void>& result) {
-  try {
-    done(result);
-  } catch (...) {
-    std::string message =
-        reportCallbackException("a send callback of the ucx connection to " + peerAddress_, "closing the connection");
-    closeFromLoop(Error::failed(message));
-  }
-}
-
 // -------------------------------------------------------------------------------------------- receiving
 
-void UcxConnection::start(PayloadAllocator allocate, FrameCallback onFrame, CloseCallback onClosed) {
-  DG_CHECK(onFrame && onClosed, "Connection::start: onFrame and onClosed must be set");
-  if (loop_->inLoop()) {
-    startFromLoop(std::move(allocate), std::move(onFrame), std::move(onClosed));
-    return;
-  }
-  auto self = shared_from_this();
-  bool posted = loop_->post([self, allocate = std::move(allocate), onFrame = std::move(onFrame),
-                             onClosed = std::move(onClosed)]() mutable {
-    self->startFromLoop(std::move(allocate), std::move(onFrame), std::move(onClosed));
-  });
-  if (!posted) std::fprintf(stderr, "distgrad ucx: Connection::start after the context closed; ignored\n");
-}
-
-void UcxConnection::startFromLoop(PayloadAllocator allocate, FrameCallback onFrame, CloseCallback onClosed) {
-  DG_CHECK(!started_, "Connection::start called twice on the ucx connection to ", peerAddress_);
-  started_ = true;
-  allocate_ = std::move(allocate);
-  onFrame_ = std::move(onFrame);
-  onClosed_ = std::move(onClosed);
-  if (closed_) {
-    auto self = shared_from_this();
-    loop_->deferFromLoop([self] {
-      if (auto cb = std::move(self->onClosed_)) cb(*self->closeError_);
-      self->onFrame_ = nullptr;
-    });
-    return;
-  }
+void UcxConnection::beginReadingFromLoop() {
   // Messages that arrived before start() wait in inbound_.
   if (!inbound_.empty() && !inboundMarked_) {
     inboundMarked_ = true;
@@ -358,12 +277,6 @@ void UcxConnection::processInboundFromLoop() {
     releaseFromLoop(message);  // a no-op when a receive took the descriptor
     if (!carryOn) return;
   }
-}
-
-void UcxConnection::failFromLoop(const std::string& problem) {
-  Error error = Error::failed("malformed frame from " + peerAddress_ + ": " + problem);
-  std::fprintf(stderr, "distgrad ucx: closing connection to %s: %s\n", peerAddress_.c_str(), error.message.c_str());
-  closeFromLoop(error);
 }
 
 bool UcxConnection::handleFromLoop(Inbound& message) {
@@ -453,68 +366,14 @@ bool UcxConnection::handleFromLoop(Inbound& message) {
 }
 
 bool UcxConnection::parseHeadFromLoop(const uint8_t* sizesAndEnvelope, size_t bytes) {
-  const FrameLimits& limits = loop_->options().limits;
   DG_ASSERT(bytes == 8ull * prefix_.payloadCount + prefix_.envelopeBytes);
   sizes_.resize(prefix_.payloadCount);
   if (!sizes_.empty()) std::memcpy(sizes_.data(), sizesAndEnvelope, 8 * sizes_.size());
-  uint64_t sum = 0;
-  for (size_t i = 0; i < sizes_.size(); ++i) {
-    if (sizes_[i] > limits.maxPayloadBytes || sizes_[i] > prefix_.payloadBytes - sum) {
-      failFromLoop("payload " + std::to_string(i) + " declares " + std::to_string(sizes_[i]) +
-                   " bytes, more than the frame's total of " + std::to_string(prefix_.payloadBytes));
-      return false;
-    }
-    sum += sizes_[i];
-  }
-  if (sum != prefix_.payloadBytes) {
-    failFromLoop("payload sizes sum to " + std::to_string(sum) + " bytes but the prefix declares " +
-                 std::to_string(prefix_.payloadBytes));
-    return false;
-  }
+  if (!checkSizeTableFromLoop()) return false;
   current_ = IncomingFrame{};
   current_.flags = prefix_.flags;
   const uint8_t* envelope = sizesAndEnvelope + 8 * sizes_.size();
   current_.envelope.assign(envelope, envelope + prefix_.envelopeBytes);
-  return true;
-}
-
-bool UcxConnection::allocatePayloadsFromLoop() {
-  current_.payloads.clear();
-  if (sizes_.empty()) return true;
-  std::span<const uint8_t> envelope(current_.envelope.data(), current_.envelope.size());
-  std::span<const uint64_t> sizes(sizes_.data(), sizes_.size());
-  std::optional<Result<std::vector<PayloadBuffer>>> result;
-  try {
-    result.emplace(allocate_ ? allocate_(envelope, sizes) : defaultAllocate(sizes));
-  } catch (const std::exception& e) {
-    failFromLoop(std::string("the payload allocator threw: ") + e.what());
-    return false;
-  } catch (...) {
-    failFromLoop("the payload allocator threw a non-standard exception");
-    return false;
-  }
-  if (closing_) return false;
-  if (!result->ok()) {
-    Error error = result->error();
-    std::fprintf(stderr, "distgrad ucx: closing connection to %s: payload allocation refused: %s\n",
-                 peerAddress_.c_str(), error.message.c_str());
-    closeFromLoop(error);
-    return false;
-  }
-  auto buffers = std::move(*result).value();
-  if (buffers.size() != sizes_.size()) {
-    failFromLoop("the payload allocator returned " + std::to_string(buffers.size()) + " buffers for " +
-                 std::to_string(sizes_.size()) + " payloads");
-    return false;
-  }
-  for (size_t i = 0; i < buffers.size(); ++i) {
-    if (buffers[i].size != sizes_[i] || (buffers[i].data == nullptr && sizes_[i] > 0)) {
-      failFromLoop("the payload allocator returned a buffer of " + std::to_string(buffers[i].size) +
-                   " bytes for payload " + std::to_string(i) + " of " + std::to_string(sizes_[i]) + " bytes");
-      return false;
-    }
-  }
-  current_.payloads = std::move(buffers);
   return true;
 }
 
@@ -600,27 +459,10 @@ void UcxConnection::deliverFromLoop() {
   IncomingFrame frame = std::move(current_);
   current_ = IncomingFrame{};
   expect_ = Expect::kHead;
-  if (!onFrame_) return;
-  try {
-    onFrame_(std::move(frame));
-  } catch (...) {
-    std::string message =
-        reportCallbackException("the frame handler of the ucx connection to " + peerAddress_, "closing the connection");
-    closeFromLoop(Error::failed(message));
-  }
+  handFrameFromLoop(std::move(frame));
 }
 
 // ---------------------------------------------------------------------------------------------- closing
-
-void UcxConnection::close() {
-  auto self = shared_from_this();
-  auto task = [self] { self->closeFromLoop(Error::disconnected("ucx connection to " + self->peerAddress_ + " closed locally")); };
-  if (loop_->inLoop()) {
-    task();
-    return;
-  }
-  loop_->post(std::move(task));  // refused only when the context already closed every connection
-}
 
 void UcxConnection::closeFromLoop(const Error& error) { closeFromLoop(error, false); }
 
@@ -703,21 +545,9 @@ void UcxConnection::forceCloseFromLoop() {
 
 void UcxConnection::closedFromLoop() {
   if (closed_) return;
-  auto keep = std::move(self_);
-  closed_ = true;
-  loop_->removeFromLoop(this);
+  auto keep = markClosedFromLoop();  // the self reference, released when this function returns
   Error error = *closeError_;
-  current_ = IncomingFrame{};
-  sizes_.clear();
-  allocate_ = nullptr;
-  onFrame_ = nullptr;
-  if (auto onClosed = std::move(onClosed_)) {
-    try {
-      onClosed(error);
-    } catch (...) {
-      reportCallbackException("the close callback of the ucx connection to " + peerAddress_, "ignored");
-    }
-  }
+  reportClosedFromLoop(error);
 }
 
 std::string UcxConnection::transportsFromLoop() const {

@@ -18,6 +18,7 @@
 // `disconnected`. The peer reports `disconnected` when it reads the kBye (after every frame sent before it),
 // answers with its own kBye, flushes and force-closes; or when ucp reports the endpoint failed (peer
 // process gone).
+// Callbacks, state, posting to the loop and close reporting: LoopConnection (rpc/transport/loop_connection.h).
 // Lifetime: the connection keeps itself alive while its endpoint is open; call close().
 // Thread-safety: public methods may be called from any thread; everything else runs on the loop thread.
 #pragma once
@@ -28,21 +29,18 @@
 #include <string>
 #include <vector>
 
+#include "rpc/transport/loop_connection.h"
 #include "rpc/transport/ucx/context.h"
 
 namespace distgrad::rpc::transport::ucx {
 
-class UcxConnection final : public Connection, public std::enable_shared_from_this<UcxConnection> {
+class UcxConnection final : public LoopConnection<UcxConnection, UcxLoop> {
  public:
   static constexpr auto kCloseFlushTimeout = std::chrono::milliseconds(1000);
 
   UcxConnection(std::shared_ptr<UcxLoop> loop, std::string peerAddress);
   ~UcxConnection() override;
 
-  void send(OutgoingFrame frame, SendCallback done) override;
-  void start(PayloadAllocator allocate, FrameCallback onFrame, CloseCallback onClosed) override;
-  void close() override;
-  std::string peerAddress() const override { return peerAddress_; }
   // The transports ucp chose for this endpoint (UcxLoop::describeEndpoint); "" once closed. Waits for the
   // loop when called from another thread.
   std::string transports();
@@ -54,7 +52,7 @@ class UcxConnection final : public Connection, public std::enable_shared_from_th
   void attachFromLoop(ucp_ep_h ep);
   // Client side: sends kHello and reports through `done` once the endpoint is wired up (or failed).
   void handshakeFromLoop(ConnectCallback done);
-  void closeFromLoop(const Error& error);
+  void closeFromLoop(const Error& error) override;
   // peerSaidBye: the peer closed first; our goodbye answers it and the endpoint closes once that is out.
   void closeFromLoop(const Error& error, bool peerSaidBye);
   // Called from the AM callback: queues one message (returns whether ucp's data is kept).
@@ -78,18 +76,16 @@ class UcxConnection final : public Connection, public std::enable_shared_from_th
   struct RecvRequest;
   enum class Expect { kHead, kPayloads };
 
-  void sendFromLoop(OutgoingFrame frame, SendCallback done);
-  void startFromLoop(PayloadAllocator allocate, FrameCallback onFrame, CloseCallback onClosed);
+  void sendFromLoop(OutgoingFrame frame, SendCallback done) override;
+  void beginReadingFromLoop() override;  // processes what arrived before start()
   // Issues one AM of a frame; its completion (now or later) goes to partDoneFromLoop.
   void issueFromLoop(SendRequest* request, AmId id, const void* header, size_t headerLength, const void* data,
                      size_t count, bool iov);
   void partDoneFromLoop(SendRequest* request, ucs_status_t status);
   void handshakeDoneFromLoop(ConnectCallback done, ucs_status_t status);
-  void failFromLoop(const std::string& problem);
   // Handles the front message; false when processing must stop (waiting for a receive, or closed).
   bool handleFromLoop(Inbound& message);
   bool parseHeadFromLoop(const uint8_t* sizesAndEnvelope, size_t bytes);
-  bool allocatePayloadsFromLoop();
   // Moves message data (eager or rendezvous) into `targets`; false when a rendezvous receive is pending.
   bool receiveFromLoop(Inbound& message, std::vector<std::pair<void*, size_t>> targets, bool isHead);
   void receivedFromLoop(bool isHead);
@@ -98,35 +94,21 @@ class UcxConnection final : public Connection, public std::enable_shared_from_th
   void byeSentFromLoop();
   void forceCloseFromLoop();
   void closedFromLoop();
-  void completeSendFromLoop(SendCallback& done, const Result<void>& result);
 
-  std::shared_ptr<UcxLoop> loop_;
-  std::string peerAddress_;
   ucp_ep_h ep_ = nullptr;
-  std::shared_ptr<UcxConnection> self_;
   // Loop-thread state.
   bool attached_ = false;
-  bool started_ = false;
-  bool closing_ = false;
   bool closeStarted_ = false;  // forceCloseFromLoop ran
   bool countedClosing_ = false;  // counted in the loop's closing connections
   bool peerSaidBye_ = false;     // we are closing because the peer said goodbye
-  bool closed_ = false;
   bool inboundMarked_ = false;
   bool receiving_ = false;     // a rendezvous receive is in flight
   bool endpointFailed_ = false;  // ucp reported the endpoint failed: no goodbye, close at once
   void* recvRequest_ = nullptr;  // the rendezvous receive in flight (cancelled by close)
   size_t pendingSends_ = 0;
-  std::optional<Error> closeError_;
-  PayloadAllocator allocate_;
-  FrameCallback onFrame_;
-  CloseCallback onClosed_;
   std::deque<Inbound> inbound_;
   Expect expect_ = Expect::kHead;
-  FramePrefix prefix_;
-  std::vector<uint64_t> sizes_;
   std::vector<uint8_t> headBytes_;  // a kHead's data (sizes | envelope)
-  IncomingFrame current_;
 };
 
 }  // namespace distgrad::rpc::transport::ucx

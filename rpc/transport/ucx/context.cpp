@@ -398,36 +398,10 @@ bool resolveAddress(const std::string& address, sockaddr_storage& out, socklen_t
   return true;
 }
 
-UcxContext::~UcxContext() {
-  if (loop_->inLoop()) {
-    std::fprintf(stderr, "distgrad ucx: Context destroyed on its own loop thread; not joining it\n");
-    return;
-  }
-  close();
-}
-
-void UcxContext::close() { loop_->shutdown(); }
-
-void UcxContext::defer(std::function<void()> fn) {
-  DG_CHECK(loop_->post(std::move(fn)), "ucx Context::defer after close()");
-}
+UcxContext::UcxContext(std::shared_ptr<UcxLoop> loop) : LoopContext("ucx", loop, loop->options().limits) {}
 
 Result<std::unique_ptr<Listener>> UcxContext::listen(const std::string& address, AcceptCallback onAccept) {
-  if (!onAccept) return Error::failed("ucx listen: onAccept must be set");
-  auto impl = std::make_shared<UcxListenerImpl>(loop_, std::move(onAccept));
-  if (loop_->inLoop()) {
-    auto opened = impl->openFromLoop(address);
-    if (!opened.ok()) return opened.error();
-  } else {
-    std::promise<Result<void>> promise;
-    auto future = promise.get_future();
-    if (!loop_->post([&] { promise.set_value(impl->openFromLoop(address)); })) {
-      return Error::failed("ucx listen on '" + address + "': the context is closed");
-    }
-    auto opened = future.get();
-    if (!opened.ok()) return opened.error();
-  }
-  return std::unique_ptr<Listener>(std::make_unique<UcxListener>(std::move(impl)));
+  return listenOnLoop<UcxListenerImpl>(address, std::move(onAccept));
 }
 
 void UcxContext::connect(const std::string& address, ConnectCallback done) {

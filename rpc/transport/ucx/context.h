@@ -30,6 +30,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "rpc/transport/loop_context.h"
 #include "rpc/transport/transport.h"
 
 namespace distgrad::rpc::transport::ucx {
@@ -149,22 +150,12 @@ class UcxLoop : public std::enable_shared_from_this<UcxLoop> {
   std::unordered_map<ucp_ep_h, UcxConnection*> endpoints_;
 };
 
-class UcxContext final : public Context {
+class UcxContext final : public LoopContext<UcxLoop> {
  public:
-  explicit UcxContext(std::shared_ptr<UcxLoop> loop) : loop_(std::move(loop)) {}
-  ~UcxContext() override;
+  explicit UcxContext(std::shared_ptr<UcxLoop> loop);
 
-  const std::string& name() const override { return name_; }
   Result<std::unique_ptr<Listener>> listen(const std::string& address, AcceptCallback onAccept) override;
   void connect(const std::string& address, ConnectCallback done) override;
-  void defer(std::function<void()> fn) override;
-  bool inLoop() const override { return loop_->inLoop(); }
-  void close() override;
-  const FrameLimits& limits() const override { return loop_->options().limits; }
-
- private:
-  const std::string name_ = "ucx";
-  std::shared_ptr<UcxLoop> loop_;
 };
 
 Result<std::unique_ptr<Context>> createUcxContext(const ContextOptions& options = {});

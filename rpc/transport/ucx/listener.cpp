@@ -2,6 +2,7 @@
 
 #include <cstdio>
 
+#include "rpc/transport/loop_context.h"
 #include "rpc/transport/tcp/context.h"
 #include "rpc/transport/ucx/connection.h"
 
@@ -102,12 +103,8 @@ void UcxListenerImpl::closeFromLoop() {
 }
 
 void UcxListenerImpl::close() {
-  if (loop_->inLoop()) {
-    closeFromLoop();
-    return;
-  }
   auto self = shared_from_this();
-  loop_->post([self] { self->closeFromLoop(); });
+  runOnLoop(*loop_, [self] { self->closeFromLoop(); });
 }
 
 }  // namespace distgrad::rpc::transport::ucx

@@ -1,6 +1,6 @@
 // A UCX listener: a ucp listener on a sockaddr that accepts every connection request with a new endpoint
 // (peer error handling) and hands the connection to onAccept from the loop's deferred queue.
-// Thread-safety: UcxListener methods may be called from any thread; UcxListenerImpl lives on the loop.
+// Thread-safety: close() and address() may be called from any thread; the rest runs on the loop.
 #pragma once
 
 #include <memory>
@@ -27,17 +27,6 @@ class UcxListenerImpl : public std::enable_shared_from_this<UcxListenerImpl> {
   ucp_listener_h listener_ = nullptr;
   std::string address_;  // written once by openFromLoop before listen() returns
   std::shared_ptr<UcxListenerImpl> self_;  // keeps this alive while the ucp listener exists
-};
-
-class UcxListener final : public Listener {
- public:
-  explicit UcxListener(std::shared_ptr<UcxListenerImpl> impl) : impl_(std::move(impl)) {}
-  ~UcxListener() override { impl_->close(); }
-  std::string address() const override { return impl_->address(); }
-  void close() override { impl_->close(); }
-
- private:
-  std::shared_ptr<UcxListenerImpl> impl_;
 };
 
 }  // namespace distgrad::rpc::transport::ucx
