@@ -51,7 +51,7 @@ class Storage {
 
 // Bytes currently held by CPU storages allocated through Storage::allocate (for memory benchmarks/tests).
 size_t cpuBytesInUse();
-// Freed CPU blocks of 1 MiB and more are cached for reuse (Note [Large block cache] in storage.cpp; limit
+// Freed CPU blocks of 64 KiB and more are cached for reuse (Note [Large block cache] in storage.cpp; limit
 // DISTGRAD_CPU_CACHE_MB, default 512, 0 = off). Bytes held by the cache now, and a way to return them.
 size_t cpuBytesCached();
 void emptyCpuCache();

@@ -40,12 +40,6 @@ void checkStages(int64_t units, int64_t stages) {
   DG_CHECK(stages <= units, "pipeline stages must be <= the number of units (", units, "), got ", stages);
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 // Seconds of one forward + backward of `unit` on `input` (whose requires-grad decides whether the input
 // gradient is computed, as in a pipeline stage); returns the output, detached, in `output`.
 double timeForwardBackward(Module& unit, const Tensor& input, Tensor& output) {
@@ -162,7 +156,7 @@ std::vector<double> unitCosts(const std::vector<std::shared_ptr<Module>>& units,
     timeForwardBackward(unit, input, output);  // warm-up: first-touch allocations, oneDNN primitive caches
     std::vector<double> runs;
     for (int r = 0; r < repeats; ++r) runs.push_back(timeForwardBackward(unit, input, output));
-    costs.push_back(median(runs));
+    costs.push_back(*std::min_element(runs.begin(), runs.end()));  // see the header
     for (size_t b = 0; b < buffers.size(); ++b) buffers[b].copyFrom(saved[b]);
     for (size_t p = 0; p < params.size(); ++p) params[p].setGrad(grads[p]);
     x = output;

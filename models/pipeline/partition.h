@@ -44,11 +44,12 @@ struct Partition {
 Partition balanceCosts(const std::vector<double>& unitCosts, int64_t stages, BalanceBy by = BalanceBy::kParameters);
 
 // Per-unit costs: parameter counts, or seconds of forward + backward of each unit, in the units' current
-// mode (training, for a pipeline), on the activations `sample` produces (one warm-up run, then the median of `repeats`
-// runs). Measuring leaves the units as they were: gradients are cleared and buffers (BatchNorm running statistics)
+// mode (training, for a pipeline), on the activations `sample` produces (one warm-up run, then the fastest of `repeats`
+// runs: other processes' load only ever adds time, so the minimum is the estimate it disturbs least, and
+// programs measuring at different moments of a busy machine still agree on the split). Measuring leaves the units as they were: gradients are cleared and buffers (BatchNorm running statistics)
 // restored.
 std::vector<double> unitCosts(const std::vector<std::shared_ptr<Module>>& units, BalanceBy by,
-                              const Tensor& sample = {}, int repeats = 3);
+                              const Tensor& sample = {}, int repeats = 5);
 
 // balanceCosts(unitCosts(units, by, sample), stages, by). kTime needs a sample batch (ValueError without).
 Partition balance(const std::vector<std::shared_ptr<Module>>& units, int64_t stages, BalanceBy by,

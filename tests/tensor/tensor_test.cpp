@@ -78,8 +78,32 @@ TEST(TensorFactories, LargeFreedBlocksAreCachedAndReused) {
   emptyCpuCache();
   EXPECT_EQ(cpuBytesCached(), 0u);
   {
-    Storage small = Storage::allocate(4096);  // below 1 MiB: never cached
+    Storage small = Storage::allocate(4096);  // below 64 KiB: never cached
   }
+  EXPECT_EQ(cpuBytesCached(), 0u);
+}
+
+TEST(TensorFactories, MidSizeFreedBlocksAreCachedAtTheirOwnSize) {
+  // 64 KiB .. 1 MiB (activations and received payloads of small micro-batches): kept at their size rounded
+  // to the alignment only, not to a 1 MiB granule.
+  emptyCpuCache();
+  const size_t bytes = (size_t{200} << 10) + 3;
+  const size_t rounded = (bytes + kStorageAlignment - 1) / kStorageAlignment * kStorageAlignment;
+  void* first = nullptr;
+  {
+    Storage s = Storage::allocate(bytes);
+    first = s.data();
+  }
+  EXPECT_EQ(cpuBytesCached(), rounded);
+  {
+    Storage again = Storage::allocate(rounded);
+    EXPECT_EQ(again.data(), first);
+    EXPECT_EQ(cpuBytesCached(), 0u);
+    Storage other = Storage::allocate(bytes + kStorageAlignment);  // another size: a fresh block
+    EXPECT_NE(other.data(), first);
+  }
+  EXPECT_EQ(cpuBytesCached(), 2 * rounded + kStorageAlignment);
+  emptyCpuCache();
   EXPECT_EQ(cpuBytesCached(), 0u);
 }
 
