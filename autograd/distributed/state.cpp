@@ -575,6 +575,11 @@ rpc::Future<void> DistAutogradState::backward(uint64_t contextId, const std::vec
     std::lock_guard<std::mutex> l(ctx->mutex);
     pass->cancelRegistration.emplace(std::move(registration));
   }
+  // A token cancelled before the pass starts aborts it here, before any gradient moves: the posted abort
+  // above could be overtaken by a pass that finishes at once (startGradients skips a finished pass).
+  if (auto reason = options.cancel.reason()) {
+    abortWith(localError(rpc::ErrorKind::kCancelled, "distributed backward cancelled: " + reason->message));
+  }
   if (drainHere) {
     auto result = discovered.result();
     if (!result.ok()) {
