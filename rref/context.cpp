@@ -4,6 +4,8 @@
 #include <iostream>
 #include <thread>
 
+#include <capnp/message.h>
+
 #include "rpc/autograd_hook.h"
 #include "rpc/trace.h"
 #include "rref/rref.h"
@@ -18,6 +20,9 @@ const rpc::Function<void(RRefId, uint64_t)> kForkRequest{"dg.rref.fork"};
 const rpc::Function<void(RRefId, uint64_t)> kUserDelete{"dg.rref.delete"};
 const rpc::Function<void(uint64_t)> kChildAccept{"dg.rref.accept"};
 constexpr int kControlAttempts = 5;
+// Note [Value in creation reply]: the largest value (its Cap'n Proto encoding, in 8-byte words) a creation
+// reply carries.
+constexpr size_t kMaxCarriedWords = 512;
 constexpr size_t kMaxTombstones = size_t{1} << 16;
 
 std::pair<uint32_t, uint64_t> keyOf(RRefId id) { return {id.ownerWorkerId, id.localId}; }
@@ -31,6 +36,32 @@ rpc::Future<rpc::EncodeValueFn> failedFuture(rpc::Executor& executor, rpc::Error
   rpc::Promise<rpc::EncodeValueFn> promise(executor);
   promise.setError(std::move(error));
   return promise.getFuture();
+}
+
+// Note [Value in creation reply]: whether `value` may travel in a creation reply. It is encoded once
+// into a scratch message without an agent's scope (so an RRef inside fails to encode and forks nothing):
+// carried only when that succeeds with no payload (tensors stay with fetch, which hands each toHere its
+// own buffers) and at most kMaxCarriedWords words. Small values cost well under a microsecond here.
+bool carriable(const rpc::EncodeValueFn& value) {
+  if (!value) return false;
+  try {
+    capnp::word first[64] = {};  // the scratch's first segment (zeroed, as capnp requires): no allocation
+    capnp::MallocMessageBuilder scratch(kj::arrayPtr(first, 64));
+    rpc::EncodeContext ctx;
+    value(scratch.initRoot<rpc::wire::Value>(), ctx);
+    return ctx.payloads().empty() && ctx.references().empty() && scratch.sizeInWords() <= kMaxCarriedWords;
+  } catch (...) {
+    return false;
+  }
+}
+
+// The value of a creation reply: null (no value), or a struct whose one field is the value.
+rpc::EncodeValueFn creationReply(rpc::EncodeValueFn carried) {
+  if (!carried) return {};
+  return [carried = std::move(carried)](rpc::wire::Value::Builder out, rpc::EncodeContext& ctx) {
+    auto fields = out.initStruct(1);
+    carried(fields[0].initValue(), ctx);
+  };
 }
 
 }  // namespace
@@ -56,6 +87,59 @@ RRefState::~RRefState() {
   } catch (const std::exception& e) {
     std::cerr << "[distgrad rref] releasing " << describe(id) << " failed: " << e.what() << "\n";
   }
+}
+
+void CreationReply::whenReplied(Waiter waiter) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!replied_) {
+      waiters_.push_back(std::move(waiter));
+      return;
+    }
+  }
+  // The outcome is immutable once replied_ is set: read it without the lock.
+  waiter(view());
+}
+
+void CreationReply::complete(rpc::Result<rpc::DecodedMessage> reply) {
+  // The carried value is the reply's only field; a reply without one is null.
+  bool carries = false;
+  if (reply.ok()) {
+    try {
+      carries = reply.value().value().isStruct();
+    } catch (...) {
+      carries = true;  // malformed: decoding the view reports it
+    }
+  }
+  std::vector<Waiter> waiters;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (replied_) return;
+    replied_ = true;
+    if (!reply.ok()) {
+      error_ = reply.error();
+    } else if (carries) {
+      reply_.emplace(std::move(reply).value());
+    } else {
+      error_ = rpc::Error::failed("the creation reply carries no value");
+      error_.remoteType = kNotCarriedType;
+    }
+    waiters.swap(waiters_);
+  }
+  for (auto& waiter : waiters) waiter(view());
+}
+
+std::optional<rpc::Result<rpc::DecodedMessage>> CreationReply::ifReplied() const {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!replied_) return std::nullopt;
+  }
+  return view();
+}
+
+rpc::Result<rpc::DecodedMessage> CreationReply::view() const {
+  if (!reply_) return error_;
+  return reply_->fieldView(0);
 }
 
 }  // namespace detail
@@ -228,6 +312,35 @@ void RRefContext::callOwner(const std::string& owner, const detail::CallHeader& 
   endUse();
 }
 
+// Note [Value in creation reply] (the user's side): toHere of a value made by this process's remote()
+// takes it from the creation reply when that carried it; one issued before the reply came waits for it
+// instead of sending a fetch, so remote() + toHere() is one message each way. When the reply carries no
+// value (too large, tensors or RRefs inside, an error, an object) or the call did not end with a reply
+// (timed out: the value took longer than the agent's default timeout), a fetch follows, which answers as
+// before; only OwnerLost ends the wait at once. An explicit timeout bounds this toHere alone, so it
+// fetches at once unless the value is already here.
+void RRefContext::valueOf(const std::shared_ptr<detail::RRefState>& state, std::chrono::milliseconds timeout,
+                          std::function<void(rpc::Result<rpc::DecodedMessage>&&)> done) {
+  auto fetchValue = [self = shared_from_this(), state, timeout](
+                        std::function<void(rpc::Result<rpc::DecodedMessage>&&)> then) {
+    // The handle is kept until the answer, so the user's deletion cannot overtake the fetch.
+    self->fetch(state->owner, state->id, timeout,
+                [keep = state, then = std::move(then)](rpc::Result<rpc::DecodedMessage>&& reply) {
+                  then(std::move(reply));
+                });
+  };
+  if (!state->creation) return fetchValue(std::move(done));
+  auto onReply = [fetchValue, done](rpc::Result<rpc::DecodedMessage> value) mutable {
+    if (value.ok() || isOwnerLost(value.error())) return done(std::move(value));
+    fetchValue(std::move(done));
+  };
+  if (timeout.count() == 0) return state->creation->whenReplied(std::move(onReply));
+  // Only a value already here; otherwise the fetch, bounded by `timeout`.
+  auto ready = state->creation->ifReplied();
+  if (ready && ready->ok()) return done(std::move(*ready));
+  fetchValue(std::move(done));
+}
+
 void RRefContext::fetch(const std::string& owner, RRefId id, std::chrono::milliseconds timeout,
                         std::function<void(rpc::Result<rpc::DecodedMessage>&&)> done) {
   rpc::Agent* agent = beginUse();
@@ -271,8 +384,14 @@ void RRefContext::sendControl(const std::string& worker, std::function<rpc::Futu
   }();
   endUse();
   auto self = shared_from_this();
-  (void)std::move(future).then([self, worker, send = std::move(send), done = std::move(done),
-                                attempt](rpc::Result<void>&& result) mutable {
+  // Note [Control answers inline]: what follows an answer is bookkeeping and more asynchronous sends
+  // (confirm a fork, send a deferred deletion or a child accept, retry): short, non-blocking and
+  // thread-agnostic, so it runs on the thread that completed the call (the transport loop, as a creation
+  // reply's confirmation already does) instead of waking an executor thread per control message. Those
+  // wake-ups competed with the RPCs being measured on the same workers (bench_rref: one per operation in
+  // remote_tohere, three in fork_third_fetch).
+  (void)std::move(future).then(rpc::kInlineSafe, [self, worker, send = std::move(send), done = std::move(done),
+                                                  attempt](rpc::Result<void>&& result) mutable {
     if (!result.ok()) {
       const auto kind = result.error().kind;
       if ((kind == rpc::ErrorKind::kTimeout || kind == rpc::ErrorKind::kOverloaded) &&
@@ -740,8 +859,9 @@ rpc::Future<rpc::EncodeValueFn> RRefContext::serveCall(const rpc::DecodedMessage
     return failedFuture(*executor_, rpc::Error::failed("unknown rref call kind " + std::to_string(h.kind)).onWorker(name_));
   }
   {
-    // Note [Creation confirms]: the owner registers the caller's fork before it answers, and answers
-    // before the value exists; that answer is what confirms the caller's reference.
+    // Note [Creation confirms]: the owner registers the caller's fork as the call arrives, before it
+    // answers; that answer (whenever it comes, Note [Value in creation reply]) is what confirms the
+    // caller's reference.
     std::lock_guard<std::mutex> lock(mutex_);
     OwnerEntry& entry = entryLocked(h.result);
     entry.created = true;
@@ -750,26 +870,53 @@ rpc::Future<rpc::EncodeValueFn> RRefContext::serveCall(const rpc::DecodedMessage
     }
   }
   const RRefId result = h.result;
-  auto store = [self, result](rpc::Result<rpc::EncodeValueFn>&& value) {
-    if (!value.ok()) return self->resolve(result, value.error());
-    self->resolve(result, detail::OwnedValue{{}, std::move(value).value()});
+  // Note [Value in creation reply]
+  // remote() + toHere() used to be two calls travelling back to back (the creating call, answered at
+  // once, and a fetch answered with the value): two messages to decode and dispatch at the owner, two
+  // replies and two wake-ups at the caller, measured 1.26-2.02x a plain round trip. Now the owner answers
+  // the creating call of a value (function, method-store) once the value is resolved — right away for a
+  // function that returns it, which is the common case — and the answer carries the value when it is
+  // small and plain (carriable(): no tensor, no RRef, at most kMaxCarriedWords), and only when a user
+  // made the RRef (the owner's own toHere is local). The caller's toHere takes the value from that answer,
+  // waiting for it when issued before it came (RRefContext::valueOf): one message each way, as a plain
+  // RPC. Objects are answered at once (their toHere is an ordered copy call, Note [Copying objects]).
+  // Reference counting is unchanged: the fork is registered as the call arrives (Note [Creation
+  // confirms]), the answer still confirms it, and a deletion of an unconfirmed fork still waits for it
+  // (Note [User deletion]) — only for longer when the value takes long, which keeps nothing alive that
+  // the fork did not keep anyway. A creation that outlives the caller's default timeout is treated as
+  // before (a timed-out creation is taken as known: the deletion is idempotent), and its toHere falls
+  // back to a fetch; a carried value contains no RRef, so a late answer settles nothing. Errors are not
+  // carried (the fetch that follows reports them).
+  auto reply = std::make_shared<rpc::Promise<rpc::EncodeValueFn>>(*executor_);
+  auto replied = reply->getFuture();
+  const bool offer = h.resultFork != 0 && ctx.caller != name_;  // a user made it: it may want the value
+  auto store = [self, result, reply, offer](rpc::Result<rpc::EncodeValueFn>&& value) {
+    rpc::EncodeValueFn carried;
+    if (value.ok() && offer && carriable(value.value())) carried = value.value();
+    if (!value.ok()) {
+      self->resolve(result, value.error());
+    } else {
+      self->resolve(result, detail::OwnedValue{{}, std::move(value).value()});
+    }
+    reply->setValue(creationReply(std::move(carried)));
   };
   if (kind == detail::CallKind::kFunction) {
     auto fn = ctx.agent->registry().find(h.target);
     if (!fn) {
-      resolve(result, rpc::Error::unimplemented("no function '" + h.target + "' on " + name_).onWorker(name_));
+      store(rpc::Error::unimplemented("no function '" + h.target + "' on " + name_).onWorker(name_));
     } else if (fn->hash != h.hash) {
-      resolve(result, rpc::Error::unimplemented("function '" + h.target + "' on " + name_ + " has signature " +
-                                                fn->signature + ", which does not match the caller's")
-                          .onWorker(name_));
+      store(rpc::Error::unimplemented("function '" + h.target + "' on " + name_ + " has signature " +
+                                      fn->signature + ", which does not match the caller's")
+                .onWorker(name_));
     } else {
       (void)fn->invoke(*args, ctx, *executor_).then(rpc::kInlineSafe, store);
     }
   } else if (kind == detail::CallKind::kConstruct) {
     resolve(result, construct(h, *args, ctx));
+    reply->setValue(creationReply({}));
   } else {
     onReceiver([self, h, args, ctx, store](rpc::Result<detail::OwnedValue> receiver) mutable {
-      if (!receiver.ok()) return self->resolve(h.result, receiver.error());
+      if (!receiver.ok()) return store(receiver.error());
       rpc::AutogradContextScope active(ctx.autogradContext);  // as for kMethodValue above
       (void)self->invokeMethod(receiver.value(), h, args, ctx).then(rpc::kInlineSafe, std::move(store));
     });
@@ -779,9 +926,7 @@ rpc::Future<rpc::EncodeValueFn> RRefContext::serveCall(const rpc::DecodedMessage
     std::lock_guard<std::mutex> lock(mutex_);
     freed = maybeFreeLocked(result);
   }
-  rpc::Promise<rpc::EncodeValueFn> done(*executor_);
-  done.setValue(rpc::EncodeValueFn{});
-  return done.getFuture();
+  return replied;
 }
 
 // Note [Call order]: the method calls one reference issues on its RRef (rpcAsync, rpcSync, remote, and
