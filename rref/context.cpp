@@ -17,8 +17,10 @@ namespace {
 const char* const kExtensionKey = "dg.rref";
 // Control messages (Note [Control messages]). Each is idempotent: a retry after a lost answer is harmless.
 const rpc::Function<void(RRefId, uint64_t)> kForkRequest{"dg.rref.fork"};
-const rpc::Function<void(RRefId, uint64_t)> kUserDelete{"dg.rref.delete"};
-const rpc::Function<void(uint64_t)> kChildAccept{"dg.rref.accept"};
+// Note [Batched settlements]: user deletions and child accepts for one worker, sent together.
+const rpc::Function<void(std::vector<detail::WireRRef>, std::vector<uint64_t>)> kSettle{"dg.rref.settle"};
+// How long a deletion or accept waits in the outbox for others to join it.
+constexpr auto kSettleWindow = std::chrono::microseconds(1000);
 constexpr int kControlAttempts = 5;
 // Note [Value in creation reply]: the largest value (its Cap'n Proto encoding, in 8-byte words) a creation
 // reply carries.
@@ -159,11 +161,11 @@ void RRefContext::install(rpc::Registry& registry) {
   registry.bind(kForkRequest, [](const rpc::CallContext& ctx, RRefId id, uint64_t fork) {
     RRefContext::of(*ctx.agent)->serveForkRequest(id, fork, ctx.caller);
   });
-  registry.bind(kUserDelete, [](const rpc::CallContext& ctx, RRefId id, uint64_t fork) {
-    RRefContext::of(*ctx.agent)->serveDelete(id, fork);
-  });
-  registry.bind(kChildAccept, [](const rpc::CallContext& ctx, uint64_t fork) {
-    RRefContext::of(*ctx.agent)->serveChildAccept(fork);
+  registry.bind(kSettle, [](const rpc::CallContext& ctx, std::vector<detail::WireRRef> deletes,
+                            std::vector<uint64_t> accepts) {
+    auto self = RRefContext::of(*ctx.agent);
+    for (const detail::WireRRef& d : deletes) self->serveDelete(d.id, d.fork);
+    for (uint64_t fork : accepts) self->serveChildAccept(fork);
   });
   rpc::BoundFunction call;
   call.name = detail::kCallFunction;
@@ -193,7 +195,7 @@ RRefContext::RRefContext(rpc::Agent& agent)
       executor_(&agent.executor()),
       agent_(&agent) {}
 
-RRefContext::~RRefContext() = default;
+RRefContext::~RRefContext() { stopFlusher(); }
 
 std::string RRefContext::workerOfRank(uint32_t rank) const {
   if (rank >= workers_.size()) {
@@ -260,7 +262,7 @@ size_t RRefContext::pendingChildCount() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return children_.size();
 }
-size_t RRefContext::pendingControlCount() const { return pendingControl_.load(); }
+size_t RRefContext::pendingControlCount() const { return pendingControl_.load() + queuedSettlements_.load(); }
 
 // ---- sending ----
 
@@ -410,12 +412,94 @@ void RRefContext::sendControl(const std::string& worker, std::function<rpc::Futu
   });
 }
 
+// Note [Batched settlements]
+// A user deletion and a child accept used to be one call each, sent by the thread that dropped the last
+// handle: in remote() + toHere() + drop, the deletion's encoding and send ran inside the operation, and its
+// call, answer and wake-ups on both workers competed with the next operation (bench_rref remote_tohere).
+// Both are now queued per worker (the outbox) and sent as one "dg.rref.settle(deletes, accepts)" call by
+// the context's flusher thread, at most kSettleWindow after the first of them was queued (a graceful
+// shutdown flushes at once). The guarantees are unchanged: the owner still hears of every deletion, only
+// later (which can only keep a value longer); a deletion is still queued only once its fork is confirmed
+// (Note [User deletion]); each entry is idempotent, so the batch is retried as a whole (Note [Control
+// messages]); a batch to a dead worker is dropped (its death settled the count); queued entries count in
+// pendingControlCount(), so shutdown and the leak checks wait for them.
 void RRefContext::sendDelete(const std::string& owner, RRefId id, ForkId fork) {
-  sendControl(owner, [owner, id, fork](rpc::Agent& agent) { return agent.rpcAsync(owner, kUserDelete, id, fork); });
+  queueSettlement(owner, [&](Outbox& box) { box.deletes.push_back(detail::WireRRef{id, fork}); });
 }
 
 void RRefContext::sendChildAccept(const std::string& parent, ForkId fork) {
-  sendControl(parent, [parent, fork](rpc::Agent& agent) { return agent.rpcAsync(parent, kChildAccept, fork); });
+  queueSettlement(parent, [&](Outbox& box) { box.accepts.push_back(fork); });
+}
+
+void RRefContext::queueSettlement(const std::string& worker, const std::function<void(Outbox&)>& add) {
+  bool wake = false;
+  {
+    std::lock_guard<std::mutex> lock(outboxMutex_);
+    if (flusherStopped_) return;  // the agent closed: nothing is sent any more (Note [Agent lifetime])
+    add(outbox_[worker]);
+    ++queuedSettlements_;
+    if (!flusher_.joinable()) flusher_ = std::thread([this] { runFlusher(); });
+    wake = flusherIdle_;
+    flusherIdle_ = false;
+  }
+  if (wake) outboxChanged_.notify_one();
+}
+
+void RRefContext::runFlusher() {
+  std::unique_lock<std::mutex> lock(outboxMutex_);
+  while (!flusherStopped_) {
+    if (outbox_.empty()) {
+      flusherIdle_ = true;
+      outboxChanged_.wait(lock, [&] { return flusherStopped_ || !outbox_.empty(); });
+      flusherIdle_ = false;
+      continue;
+    }
+    // Let more settlements join the batch (woken early by a flush request or the agent closing).
+    outboxChanged_.wait_for(lock, kSettleWindow, [&] { return flusherStopped_ || flushNow_; });
+    if (flusherStopped_) break;
+    lock.unlock();
+    flushOutbox();
+    lock.lock();
+  }
+}
+
+void RRefContext::flushOutbox() {
+  std::map<std::string, Outbox> batches;
+  size_t count = 0;
+  {
+    std::lock_guard<std::mutex> lock(outboxMutex_);
+    batches.swap(outbox_);
+    for (const auto& [worker, box] : batches) count += box.deletes.size() + box.accepts.size();
+  }
+  // Counted as control calls from here (sendControl) before the queue count drops, so the total never
+  // reads zero in between.
+  for (auto& [worker, box] : batches) {
+    auto batch = std::make_shared<Outbox>(std::move(box));
+    const std::string peer = worker;
+    sendControl(peer, [peer, batch](rpc::Agent& agent) {
+      return agent.rpcAsync(peer, kSettle, batch->deletes, batch->accepts);
+    });
+  }
+  std::lock_guard<std::mutex> lock(outboxMutex_);
+  if (!flusherStopped_) queuedSettlements_ -= count;  // stopFlusher zeroed it
+}
+
+void RRefContext::stopFlusher() {
+  std::thread flusher;
+  {
+    std::lock_guard<std::mutex> lock(outboxMutex_);
+    flusherStopped_ = true;
+    queuedSettlements_ = 0;
+    outbox_.clear();
+    flusher.swap(flusher_);
+  }
+  outboxChanged_.notify_all();
+  if (!flusher.joinable()) return;
+  if (flusher.get_id() == std::this_thread::get_id()) {
+    flusher.detach();  // the flusher dropped the context's last reference: it returns right after
+  } else {
+    flusher.join();
+  }
 }
 
 // ---- handles of this process ----
@@ -1125,6 +1209,14 @@ void RRefContext::onShutdown(std::chrono::steady_clock::time_point deadline) {
     }
   }
   for (const auto& [fork, entry] : toDelete) sendDelete(entry.owner, entry.id, fork);
+  // Settlements queued from now on go out without waiting (Note [Batched settlements]); and those queued so
+  // far.
+  {
+    std::lock_guard<std::mutex> lock(outboxMutex_);
+    flushNow_ = true;
+  }
+  outboxChanged_.notify_all();
+  flushOutbox();
   while (userCount() != 0 || pendingControlCount() != 0 || pendingChildCount() != 0) {
     if (std::chrono::steady_clock::now() >= deadline) {
       std::cerr << "[distgrad rref] " << name_ << ": shutdown deadline reached with " << userCount()
@@ -1145,6 +1237,7 @@ void RRefContext::onAgentClosed() {
     agent_ = nullptr;
     useChanged_.wait(lock, [&] { return activeUses_ == 0; });
   }
+  stopFlusher();
   std::map<std::pair<uint32_t, uint64_t>, std::unique_ptr<OwnerEntry>> owned;
   std::unordered_map<ForkId, PendingChild> children;
   {

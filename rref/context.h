@@ -23,6 +23,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -335,8 +336,18 @@ class RRefContext : public rpc::AgentExtension,
   // `send` issues the call; `done(delivered)` runs once it ended (delivered: the worker answered).
   void sendControl(const std::string& worker, std::function<rpc::Future<void>(rpc::Agent&)> send,
                    std::function<void(bool delivered)> done = {}, int attempt = 0);
+  // Note [Batched settlements]: deletions and child accepts wait in a per-worker outbox, sent together by
+  // the flusher thread.
+  struct Outbox {
+    std::vector<detail::WireRRef> deletes;
+    std::vector<uint64_t> accepts;
+  };
   void sendDelete(const std::string& owner, RRefId id, ForkId fork);
   void sendChildAccept(const std::string& parent, ForkId fork);
+  void queueSettlement(const std::string& worker, const std::function<void(Outbox&)>& add);
+  void runFlusher();
+  void flushOutbox();   // sends everything queued now (any thread)
+  void stopFlusher();   // the agent closed (or the context dies): drop the outbox, join the flusher
   // The agent for one send, or nullptr once it closed (Note [Agent lifetime]).
   rpc::Agent* beginUse();
   void endUse();
@@ -360,6 +371,15 @@ class RRefContext : public rpc::AgentExtension,
   std::deque<ForkId> tombstoneOrder_;                                             // GUARDED_BY(mutex_)
   std::set<std::string> deadPeers_;                                               // GUARDED_BY(mutex_)
   std::atomic<size_t> pendingControl_{0};
+
+  std::mutex outboxMutex_;
+  std::condition_variable outboxChanged_;
+  std::map<std::string, Outbox> outbox_;          // GUARDED_BY(outboxMutex_)
+  std::atomic<size_t> queuedSettlements_{0};      // entries in outbox_ (written under outboxMutex_)
+  std::thread flusher_;                           // GUARDED_BY(outboxMutex_): started on first use
+  bool flusherIdle_ = false;                      // GUARDED_BY(outboxMutex_): waiting for an entry
+  bool flushNow_ = false;                         // GUARDED_BY(outboxMutex_): shutting down, send at once
+  bool flusherStopped_ = false;                   // GUARDED_BY(outboxMutex_)
 };
 
 }  // namespace distgrad::rref
