@@ -16,9 +16,9 @@ namespace {
 
 const char* const kExtensionKey = "dg.rref";
 // Control messages (Note [Control messages]). Each is idempotent: a retry after a lost answer is harmless.
-const rpc::Function<void(RRefId, uint64_t)> kForkRequest{"dg.rref.fork"};
-// Note [Batched settlements]: user deletions and child accepts for one worker, sent together.
-const rpc::Function<void(std::vector<detail::WireRRef>, std::vector<uint64_t>)> kSettle{"dg.rref.settle"};
+// Note [Batched settlements]: fork requests, user deletions and child accepts for one worker, sent together.
+const rpc::Function<void(std::vector<detail::WireRRef>, std::vector<detail::WireRRef>, std::vector<uint64_t>)>
+    kSettle{"dg.rref.settle"};
 // How long a deletion or accept waits in the outbox for others to join it.
 constexpr auto kSettleWindow = std::chrono::microseconds(1000);
 constexpr int kControlAttempts = 5;
@@ -158,12 +158,12 @@ std::shared_ptr<RRefContext> RRefContext::of(rpc::Agent& agent) {
 void RRefContext::install(rpc::Registry& registry) {
   // Note [Unclaimed references]: forks carried by messages nobody decodes come back here.
   registry.setReferenceSink([](rpc::Agent& agent) -> std::shared_ptr<rpc::ReferenceSink> { return of(agent); });
-  registry.bind(kForkRequest, [](const rpc::CallContext& ctx, RRefId id, uint64_t fork) {
-    RRefContext::of(*ctx.agent)->serveForkRequest(id, fork, ctx.caller);
-  });
-  registry.bind(kSettle, [](const rpc::CallContext& ctx, std::vector<detail::WireRRef> deletes,
-                            std::vector<uint64_t> accepts) {
+  registry.bind(kSettle, [](const rpc::CallContext& ctx, std::vector<detail::WireRRef> forks,
+                            std::vector<detail::WireRRef> deletes, std::vector<uint64_t> accepts) {
     auto self = RRefContext::of(*ctx.agent);
+    // Registrations first: a fork is never deleted in the batch that registers it (its deletion waits for
+    // this answer, Note [User deletion]), but keep the order obvious.
+    for (const detail::WireRRef& f : forks) self->serveForkRequest(f.id, f.fork, ctx.caller);
     for (const detail::WireRRef& d : deletes) self->serveDelete(d.id, d.fork);
     for (uint64_t fork : accepts) self->serveChildAccept(fork);
   });
@@ -469,16 +469,44 @@ void RRefContext::flushOutbox() {
   {
     std::lock_guard<std::mutex> lock(outboxMutex_);
     batches.swap(outbox_);
-    for (const auto& [worker, box] : batches) count += box.deletes.size() + box.accepts.size();
+    for (const auto& [worker, box] : batches) {
+      count += box.forkRequests.size() + box.deletes.size() + box.accepts.size();
+    }
+  }
+  // Fork requests: sent now unless their handle was released meanwhile (release() cancelled them).
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& [worker, box] : batches) {
+      std::erase_if(box.forkRequests, [&](const ForkRequest& request) {
+        auto it = users_table_.find(request.fork.fork);
+        if (it == users_table_.end() || !it->second.requestQueued) return true;
+        it->second.requestQueued = false;  // in flight: its answer confirms the fork
+        return false;
+      });
+    }
   }
   // Counted as control calls from here (sendControl) before the queue count drops, so the total never
   // reads zero in between.
+  auto self = shared_from_this();
   for (auto& [worker, box] : batches) {
+    if (box.forkRequests.empty() && box.deletes.empty() && box.accepts.empty()) continue;
     auto batch = std::make_shared<Outbox>(std::move(box));
     const std::string peer = worker;
-    sendControl(peer, [peer, batch](rpc::Agent& agent) {
-      return agent.rpcAsync(peer, kSettle, batch->deletes, batch->accepts);
-    });
+    std::vector<detail::WireRRef> forks;
+    for (const ForkRequest& request : batch->forkRequests) forks.push_back(request.fork);
+    sendControl(
+        peer,
+        [peer, batch, forks = std::move(forks)](rpc::Agent& agent) {
+          return agent.rpcAsync(peer, kSettle, forks, batch->deletes, batch->accepts);
+        },
+        [self, batch](bool delivered) {
+          // Note [Fork on receive]: the owner knows the forks now; their parents may let go (even when the
+          // owner is gone).
+          for (const ForkRequest& request : batch->forkRequests) {
+            self->confirmUser(request.fork.fork, delivered);
+            self->sendChildAccept(request.parent, request.fork.fork);
+          }
+        });
   }
   std::lock_guard<std::mutex> lock(outboxMutex_);
   if (!flusherStopped_) queuedSettlements_ -= count;  // stopFlusher zeroed it
@@ -557,12 +585,18 @@ void RRefContext::release(detail::RRefState& state) {
   }
   bool sendNow = false;
   bool ownerDead = false;
+  std::string cancelledParent;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = users_table_.find(state.fork);
     if (it == users_table_.end()) return;
     ownerDead = deadPeers_.count(it->second.owner) != 0;
-    if (it->second.confirmed || ownerDead) {
+    if (it->second.requestQueued && state.lastCall.load() == 0) {
+      // Note [Deferred fork requests]: the owner never heard of this fork and never will: the parent's
+      // reference covered it all along. A child accept settles it.
+      cancelledParent = it->second.parent;
+      users_table_.erase(it);
+    } else if (it->second.confirmed || ownerDead) {
       users_table_.erase(it);
       sendNow = !ownerDead;
     } else {
@@ -570,6 +604,20 @@ void RRefContext::release(detail::RRefState& state) {
     }
   }
   if (sendNow) sendDelete(state.owner, state.id, state.fork);
+  if (!cancelledParent.empty()) {
+    {
+      std::lock_guard<std::mutex> lock(outboxMutex_);
+      auto box = outbox_.find(state.owner);
+      if (box != outbox_.end()) {
+        // Still queued: take it out (the flusher, if it took the batch already, drops it: the entry is gone).
+        const size_t before = box->second.forkRequests.size();
+        std::erase_if(box->second.forkRequests,
+                      [&](const ForkRequest& request) { return request.fork.fork == state.fork; });
+        queuedSettlements_ -= before - box->second.forkRequests.size();
+      }
+    }
+    sendChildAccept(cancelledParent, state.fork);
+  }
 }
 
 void RRefContext::confirmUser(ForkId fork, bool ownerKnowsIt) {
@@ -675,13 +723,29 @@ void RRefContext::onUnclaimedReferences(const std::string& from, std::vector<rpc
   }
 }
 
+// Note [Deferred fork requests]
+// A user receiving a fork from another user used to send its fork request to the owner at once; in the
+// usual pattern (a handler receives an RRef, fetches it or calls it, returns) that request, its answer and
+// the deletion that followed were three control messages on the owner's connection around the one fetch
+// that mattered (bench_rref fork_third_fetch). The request now waits in the outbox (Note [Batched
+// settlements]) like a deletion, for at most the settle window. When the handle is released before it was
+// sent, and it issued no ordered method call (whose stream the owner would keep), the request is taken out
+// and a child accept to the parent is all that is sent: the owner never hears of the fork, exactly as for a
+// fork nobody decoded (Note [Unclaimed references]). This is safe because the parent keeps its reference
+// until the child accepts (Note [Parent kept], G1): everything the child did — fetches and calls, which
+// also keep the handle until answered — happened while the owner's count could not reach zero. Otherwise
+// the request goes out with the batch and its answer confirms the fork and sends the child accept, as
+// before. Cost: a long-lived fork is confirmed (and its parent released) up to one window later, and a
+// parent that dies meanwhile leaves the child unregistered for that much longer than the request's flight.
+
 // Note [Fork on receive]: the receiver of a fork, sent by `from` (the parent):
 //  - the owner itself: a local reference. From itself (a self call) it removes the fork it registered on
 //    send; from a user it answers child accept at once (Note [Phantom fork]: the fork never enters the
 //    owner's table, the local reference counts instead).
 //  - a user, from the owner: already registered, confirmed.
-//  - a user, from another user: a fork request to the owner; once answered, the reference is confirmed
-//    and a child accept goes to the parent, which then drops its pending child.
+//  - a user, from another user: a fork request to the owner (Note [Deferred fork requests]); once
+//    answered, the reference is confirmed and a child accept goes to the parent, which then drops its
+//    pending child.
 std::shared_ptr<detail::RRefState> RRefContext::receive(const detail::WireRRef& wire, const std::string& from) {
   const std::string owner = workerOfRank(wire.id.ownerWorkerId);
   if (owner == name_) {
@@ -696,16 +760,16 @@ std::shared_ptr<detail::RRefState> RRefContext::receive(const detail::WireRRef& 
   }
   if (from == owner) return makeUserHandle(wire.id, wire.fork, /*confirmed=*/true);
   auto handle = makeUserHandle(wire.id, wire.fork, /*confirmed=*/false);
-  auto self = shared_from_this();
-  const RRefId id = wire.id;
-  const ForkId fork = wire.fork;
-  sendControl(
-      owner, [owner, id, fork](rpc::Agent& agent) { return agent.rpcAsync(owner, kForkRequest, id, fork); },
-      [self, from, fork](bool delivered) {
-        self->confirmUser(fork, delivered);
-        // Even when the owner is gone the parent may let go of its pending child.
-        self->sendChildAccept(from, fork);
-      });
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = users_table_.find(wire.fork);
+    if (it != users_table_.end()) {
+      it->second.requestQueued = true;
+      it->second.parent = from;
+    }
+  }
+  // Note [Deferred fork requests]: queued, not sent; its answer confirms the fork and sends the child accept.
+  queueSettlement(owner, [&](Outbox& box) { box.forkRequests.push_back(ForkRequest{wire, from}); });
   return handle;
 }
 

@@ -318,6 +318,10 @@ class RRefContext : public rpc::AgentExtension,
     std::weak_ptr<detail::RRefState> state;
     bool confirmed = false;
     bool released = false;  // every handle is gone: delete once confirmed
+    // Note [Deferred fork requests]: a fork received from another user whose fork request still waits in
+    // the outbox (not sent yet), and that user (the parent).
+    bool requestQueued = false;
+    std::string parent;
   };
   struct PendingChild {
     std::shared_ptr<detail::RRefState> parent;  // kept until the child is accepted (Note [Parent kept])
@@ -338,7 +342,12 @@ class RRefContext : public rpc::AgentExtension,
                    std::function<void(bool delivered)> done = {}, int attempt = 0);
   // Note [Batched settlements]: deletions and child accepts wait in a per-worker outbox, sent together by
   // the flusher thread.
+  struct ForkRequest {
+    detail::WireRRef fork;
+    std::string parent;
+  };
   struct Outbox {
+    std::vector<ForkRequest> forkRequests;  // Note [Deferred fork requests]
     std::vector<detail::WireRRef> deletes;
     std::vector<uint64_t> accepts;
   };
