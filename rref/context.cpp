@@ -1240,7 +1240,9 @@ void RRefContext::onPeerDown(const std::string& peer, const rpc::Error&) {
       }
     }
     for (auto it = users_table_.begin(); it != users_table_.end();) {
-      if (it->second.owner == peer && it->second.released) {
+      // A fork whose request still waits in the outbox stays: the flusher's attempt (refused: the owner is
+      // dead) confirms it and sends the parent its child accept (Note [Deferred fork requests]).
+      if (it->second.owner == peer && it->second.released && !it->second.requestQueued) {
         it = users_table_.erase(it);
       } else {
         ++it;
