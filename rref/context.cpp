@@ -323,8 +323,12 @@ void RRefContext::callOwner(const std::string& owner, const detail::CallHeader& 
 // fetches at once unless the value is already here.
 void RRefContext::valueOf(const std::shared_ptr<detail::RRefState>& state, std::chrono::milliseconds timeout,
                           std::function<void(rpc::Result<rpc::DecodedMessage>&&)> done) {
-  auto fetchValue = [self = shared_from_this(), state, timeout](
+  // A fetch sent later (from the thread that completes the creation call) belongs to this toHere's
+  // distributed autograd context all the same: its answer's tensors join the caller's graph.
+  const uint64_t autogradContext = rpc::activeAutogradContext();
+  auto fetchValue = [self = shared_from_this(), state, timeout, autogradContext](
                         std::function<void(rpc::Result<rpc::DecodedMessage>&&)> then) {
+    rpc::AutogradContextScope active(autogradContext);
     // The handle is kept until the answer, so the user's deletion cannot overtake the fetch.
     self->fetch(state->owner, state->id, timeout,
                 [keep = state, then = std::move(then)](rpc::Result<rpc::DecodedMessage>&& reply) {
