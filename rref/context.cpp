@@ -370,12 +370,14 @@ void RRefContext::fetch(const std::string& owner, RRefId id, std::chrono::millis
 // death itself settles the count (Note [Worker death]).
 void RRefContext::sendControl(const std::string& worker, std::function<rpc::Future<void>(rpc::Agent&)> send,
                               std::function<void(bool)> done, int attempt) {
+  bool dead = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (deadPeers_.count(worker) != 0) {
-      if (done) done(false);
-      return;
-    }
+    dead = deadPeers_.count(worker) != 0;
+  }
+  if (dead) {
+    if (done) done(false);  // outside the lock: it confirms forks (confirmUser takes mutex_)
+    return;
   }
   rpc::Agent* agent = beginUse();
   if (agent == nullptr) {
