@@ -4,6 +4,8 @@
 #include <iostream>
 #include <thread>
 
+#include <capnp/message.h>
+
 #include "rpc/autograd_hook.h"
 #include "rpc/trace.h"
 #include "rref/rref.h"
@@ -14,10 +16,15 @@ namespace {
 
 const char* const kExtensionKey = "dg.rref";
 // Control messages (Note [Control messages]). Each is idempotent: a retry after a lost answer is harmless.
-const rpc::Function<void(RRefId, uint64_t)> kForkRequest{"dg.rref.fork"};
-const rpc::Function<void(RRefId, uint64_t)> kUserDelete{"dg.rref.delete"};
-const rpc::Function<void(uint64_t)> kChildAccept{"dg.rref.accept"};
+// Note [Batched settlements]: fork requests, user deletions and child accepts for one worker, sent together.
+const rpc::Function<void(std::vector<detail::WireRRef>, std::vector<detail::WireRRef>, std::vector<uint64_t>)>
+    kSettle{"dg.rref.settle"};
+// How long a deletion or accept waits in the outbox for others to join it.
+constexpr auto kSettleWindow = std::chrono::microseconds(1000);
 constexpr int kControlAttempts = 5;
+// Note [Value in creation reply]: the largest value (its Cap'n Proto encoding, in 8-byte words) a creation
+// reply carries.
+constexpr size_t kMaxCarriedWords = 512;
 constexpr size_t kMaxTombstones = size_t{1} << 16;
 
 std::pair<uint32_t, uint64_t> keyOf(RRefId id) { return {id.ownerWorkerId, id.localId}; }
@@ -31,6 +38,32 @@ rpc::Future<rpc::EncodeValueFn> failedFuture(rpc::Executor& executor, rpc::Error
   rpc::Promise<rpc::EncodeValueFn> promise(executor);
   promise.setError(std::move(error));
   return promise.getFuture();
+}
+
+// Note [Value in creation reply]: whether `value` may travel in a creation reply. It is encoded once
+// into a scratch message without an agent's scope (so an RRef inside fails to encode and forks nothing):
+// carried only when that succeeds with no payload (tensors stay with fetch, which hands each toHere its
+// own buffers) and at most kMaxCarriedWords words. Small values cost well under a microsecond here.
+bool carriable(const rpc::EncodeValueFn& value) {
+  if (!value) return false;
+  try {
+    capnp::word first[64] = {};  // the scratch's first segment (zeroed, as capnp requires): no allocation
+    capnp::MallocMessageBuilder scratch(kj::arrayPtr(first, 64));
+    rpc::EncodeContext ctx;
+    value(scratch.initRoot<rpc::wire::Value>(), ctx);
+    return ctx.payloads().empty() && ctx.references().empty() && scratch.sizeInWords() <= kMaxCarriedWords;
+  } catch (...) {
+    return false;
+  }
+}
+
+// The value of a creation reply: null (no value), or a struct whose one field is the value.
+rpc::EncodeValueFn creationReply(rpc::EncodeValueFn carried) {
+  if (!carried) return {};
+  return [carried = std::move(carried)](rpc::wire::Value::Builder out, rpc::EncodeContext& ctx) {
+    auto fields = out.initStruct(1);
+    carried(fields[0].initValue(), ctx);
+  };
 }
 
 }  // namespace
@@ -58,6 +91,59 @@ RRefState::~RRefState() {
   }
 }
 
+void CreationReply::whenReplied(Waiter waiter) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!replied_) {
+      waiters_.push_back(std::move(waiter));
+      return;
+    }
+  }
+  // The outcome is immutable once replied_ is set: read it without the lock.
+  waiter(view());
+}
+
+void CreationReply::complete(rpc::Result<rpc::DecodedMessage> reply) {
+  // The carried value is the reply's only field; a reply without one is null.
+  bool carries = false;
+  if (reply.ok()) {
+    try {
+      carries = reply.value().value().isStruct();
+    } catch (...) {
+      carries = true;  // malformed: decoding the view reports it
+    }
+  }
+  std::vector<Waiter> waiters;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (replied_) return;
+    replied_ = true;
+    if (!reply.ok()) {
+      error_ = reply.error();
+    } else if (carries) {
+      reply_.emplace(std::move(reply).value());
+    } else {
+      error_ = rpc::Error::failed("the creation reply carries no value");
+      error_.remoteType = kNotCarriedType;
+    }
+    waiters.swap(waiters_);
+  }
+  for (auto& waiter : waiters) waiter(view());
+}
+
+std::optional<rpc::Result<rpc::DecodedMessage>> CreationReply::ifReplied() const {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!replied_) return std::nullopt;
+  }
+  return view();
+}
+
+rpc::Result<rpc::DecodedMessage> CreationReply::view() const {
+  if (!reply_) return error_;
+  return reply_->fieldView(0);
+}
+
 }  // namespace detail
 
 // ---- setup ----
@@ -72,14 +158,14 @@ std::shared_ptr<RRefContext> RRefContext::of(rpc::Agent& agent) {
 void RRefContext::install(rpc::Registry& registry) {
   // Note [Unclaimed references]: forks carried by messages nobody decodes come back here.
   registry.setReferenceSink([](rpc::Agent& agent) -> std::shared_ptr<rpc::ReferenceSink> { return of(agent); });
-  registry.bind(kForkRequest, [](const rpc::CallContext& ctx, RRefId id, uint64_t fork) {
-    RRefContext::of(*ctx.agent)->serveForkRequest(id, fork, ctx.caller);
-  });
-  registry.bind(kUserDelete, [](const rpc::CallContext& ctx, RRefId id, uint64_t fork) {
-    RRefContext::of(*ctx.agent)->serveDelete(id, fork);
-  });
-  registry.bind(kChildAccept, [](const rpc::CallContext& ctx, uint64_t fork) {
-    RRefContext::of(*ctx.agent)->serveChildAccept(fork);
+  registry.bind(kSettle, [](const rpc::CallContext& ctx, std::vector<detail::WireRRef> forks,
+                            std::vector<detail::WireRRef> deletes, std::vector<uint64_t> accepts) {
+    auto self = RRefContext::of(*ctx.agent);
+    // Registrations first: a fork is never deleted in the batch that registers it (its deletion waits for
+    // this answer, Note [User deletion]), but keep the order obvious.
+    for (const detail::WireRRef& f : forks) self->serveForkRequest(f.id, f.fork, ctx.caller);
+    for (const detail::WireRRef& d : deletes) self->serveDelete(d.id, d.fork);
+    for (uint64_t fork : accepts) self->serveChildAccept(fork);
   });
   rpc::BoundFunction call;
   call.name = detail::kCallFunction;
@@ -109,7 +195,7 @@ RRefContext::RRefContext(rpc::Agent& agent)
       executor_(&agent.executor()),
       agent_(&agent) {}
 
-RRefContext::~RRefContext() = default;
+RRefContext::~RRefContext() { stopFlusher(); }
 
 std::string RRefContext::workerOfRank(uint32_t rank) const {
   if (rank >= workers_.size()) {
@@ -176,7 +262,7 @@ size_t RRefContext::pendingChildCount() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return children_.size();
 }
-size_t RRefContext::pendingControlCount() const { return pendingControl_.load(); }
+size_t RRefContext::pendingControlCount() const { return pendingControl_.load() + queuedSettlements_.load(); }
 
 // ---- sending ----
 
@@ -228,6 +314,39 @@ void RRefContext::callOwner(const std::string& owner, const detail::CallHeader& 
   endUse();
 }
 
+// Note [Value in creation reply] (the user's side): toHere of a value made by this process's remote()
+// takes it from the creation reply when that carried it; one issued before the reply came waits for it
+// instead of sending a fetch, so remote() + toHere() is one message each way. When the reply carries no
+// value (too large, tensors or RRefs inside, an error, an object) or the call did not end with a reply
+// (timed out: the value took longer than the agent's default timeout), a fetch follows, which answers as
+// before; only OwnerLost ends the wait at once. An explicit timeout bounds this toHere alone, so it
+// fetches at once unless the value is already here.
+void RRefContext::valueOf(const std::shared_ptr<detail::RRefState>& state, std::chrono::milliseconds timeout,
+                          std::function<void(rpc::Result<rpc::DecodedMessage>&&)> done) {
+  // A fetch sent later (from the thread that completes the creation call) belongs to this toHere's
+  // distributed autograd context all the same: its answer's tensors join the caller's graph.
+  const uint64_t autogradContext = rpc::activeAutogradContext();
+  auto fetchValue = [self = shared_from_this(), state, timeout, autogradContext](
+                        std::function<void(rpc::Result<rpc::DecodedMessage>&&)> then) {
+    rpc::AutogradContextScope active(autogradContext);
+    // The handle is kept until the answer, so the user's deletion cannot overtake the fetch.
+    self->fetch(state->owner, state->id, timeout,
+                [keep = state, then = std::move(then)](rpc::Result<rpc::DecodedMessage>&& reply) {
+                  then(std::move(reply));
+                });
+  };
+  if (!state->creation) return fetchValue(std::move(done));
+  auto onReply = [fetchValue, done](rpc::Result<rpc::DecodedMessage> value) mutable {
+    if (value.ok() || isOwnerLost(value.error())) return done(std::move(value));
+    fetchValue(std::move(done));
+  };
+  if (timeout.count() == 0) return state->creation->whenReplied(std::move(onReply));
+  // Only a value already here; otherwise the fetch, bounded by `timeout`.
+  auto ready = state->creation->ifReplied();
+  if (ready && ready->ok()) return done(std::move(*ready));
+  fetchValue(std::move(done));
+}
+
 void RRefContext::fetch(const std::string& owner, RRefId id, std::chrono::milliseconds timeout,
                         std::function<void(rpc::Result<rpc::DecodedMessage>&&)> done) {
   rpc::Agent* agent = beginUse();
@@ -251,12 +370,14 @@ void RRefContext::fetch(const std::string& owner, RRefId id, std::chrono::millis
 // death itself settles the count (Note [Worker death]).
 void RRefContext::sendControl(const std::string& worker, std::function<rpc::Future<void>(rpc::Agent&)> send,
                               std::function<void(bool)> done, int attempt) {
+  bool dead = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (deadPeers_.count(worker) != 0) {
-      if (done) done(false);
-      return;
-    }
+    dead = deadPeers_.count(worker) != 0;
+  }
+  if (dead) {
+    if (done) done(false);  // outside the lock: it confirms forks (confirmUser takes mutex_)
+    return;
   }
   rpc::Agent* agent = beginUse();
   if (agent == nullptr) {
@@ -271,8 +392,14 @@ void RRefContext::sendControl(const std::string& worker, std::function<rpc::Futu
   }();
   endUse();
   auto self = shared_from_this();
-  (void)std::move(future).then([self, worker, send = std::move(send), done = std::move(done),
-                                attempt](rpc::Result<void>&& result) mutable {
+  // Note [Control answers inline]: what follows an answer is bookkeeping and more asynchronous sends
+  // (confirm a fork, send a deferred deletion or a child accept, retry): short, non-blocking and
+  // thread-agnostic, so it runs on the thread that completed the call (the transport loop, as a creation
+  // reply's confirmation already does) instead of waking an executor thread per control message. Those
+  // wake-ups competed with the RPCs being measured on the same workers (bench_rref: one per operation in
+  // remote_tohere, three in fork_third_fetch).
+  (void)std::move(future).then(rpc::kInlineSafe, [self, worker, send = std::move(send), done = std::move(done),
+                                                  attempt](rpc::Result<void>&& result) mutable {
     if (!result.ok()) {
       const auto kind = result.error().kind;
       if ((kind == rpc::ErrorKind::kTimeout || kind == rpc::ErrorKind::kOverloaded) &&
@@ -291,12 +418,122 @@ void RRefContext::sendControl(const std::string& worker, std::function<rpc::Futu
   });
 }
 
+// Note [Batched settlements]
+// A user deletion and a child accept used to be one call each, sent by the thread that dropped the last
+// handle: in remote() + toHere() + drop, the deletion's encoding and send ran inside the operation, and its
+// call, answer and wake-ups on both workers competed with the next operation (bench_rref remote_tohere).
+// Both are now queued per worker (the outbox) and sent as one "dg.rref.settle(deletes, accepts)" call by
+// the context's flusher thread, at most kSettleWindow after the first of them was queued (a graceful
+// shutdown flushes at once). The guarantees are unchanged: the owner still hears of every deletion, only
+// later (which can only keep a value longer); a deletion is still queued only once its fork is confirmed
+// (Note [User deletion]); each entry is idempotent, so the batch is retried as a whole (Note [Control
+// messages]); a batch to a dead worker is dropped (its death settled the count); queued entries count in
+// pendingControlCount(), so shutdown and the leak checks wait for them.
 void RRefContext::sendDelete(const std::string& owner, RRefId id, ForkId fork) {
-  sendControl(owner, [owner, id, fork](rpc::Agent& agent) { return agent.rpcAsync(owner, kUserDelete, id, fork); });
+  queueSettlement(owner, [&](Outbox& box) { box.deletes.push_back(detail::WireRRef{id, fork}); });
 }
 
 void RRefContext::sendChildAccept(const std::string& parent, ForkId fork) {
-  sendControl(parent, [parent, fork](rpc::Agent& agent) { return agent.rpcAsync(parent, kChildAccept, fork); });
+  queueSettlement(parent, [&](Outbox& box) { box.accepts.push_back(fork); });
+}
+
+void RRefContext::queueSettlement(const std::string& worker, const std::function<void(Outbox&)>& add) {
+  bool wake = false;
+  {
+    std::lock_guard<std::mutex> lock(outboxMutex_);
+    if (flusherStopped_) return;  // the agent closed: nothing is sent any more (Note [Agent lifetime])
+    add(outbox_[worker]);
+    ++queuedSettlements_;
+    if (!flusher_.joinable()) flusher_ = std::thread([this] { runFlusher(); });
+    wake = flusherIdle_;
+    flusherIdle_ = false;
+  }
+  if (wake) outboxChanged_.notify_one();
+}
+
+void RRefContext::runFlusher() {
+  std::unique_lock<std::mutex> lock(outboxMutex_);
+  while (!flusherStopped_) {
+    if (outbox_.empty()) {
+      flusherIdle_ = true;
+      outboxChanged_.wait(lock, [&] { return flusherStopped_ || !outbox_.empty(); });
+      flusherIdle_ = false;
+      continue;
+    }
+    // Let more settlements join the batch (woken early by a flush request or the agent closing).
+    outboxChanged_.wait_for(lock, kSettleWindow, [&] { return flusherStopped_ || flushNow_; });
+    if (flusherStopped_) break;
+    lock.unlock();
+    flushOutbox();
+    lock.lock();
+  }
+}
+
+void RRefContext::flushOutbox() {
+  std::map<std::string, Outbox> batches;
+  size_t count = 0;
+  {
+    std::lock_guard<std::mutex> lock(outboxMutex_);
+    batches.swap(outbox_);
+    for (const auto& [worker, box] : batches) {
+      count += box.forkRequests.size() + box.deletes.size() + box.accepts.size();
+    }
+  }
+  // Fork requests: sent now unless their handle was released meanwhile (release() cancelled them).
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& [worker, box] : batches) {
+      std::erase_if(box.forkRequests, [&](const ForkRequest& request) {
+        auto it = users_table_.find(request.fork.fork);
+        if (it == users_table_.end() || !it->second.requestQueued) return true;
+        it->second.requestQueued = false;  // in flight: its answer confirms the fork
+        return false;
+      });
+    }
+  }
+  // Counted as control calls from here (sendControl) before the queue count drops, so the total never
+  // reads zero in between.
+  auto self = shared_from_this();
+  for (auto& [worker, box] : batches) {
+    if (box.forkRequests.empty() && box.deletes.empty() && box.accepts.empty()) continue;
+    auto batch = std::make_shared<Outbox>(std::move(box));
+    const std::string peer = worker;
+    std::vector<detail::WireRRef> forks;
+    for (const ForkRequest& request : batch->forkRequests) forks.push_back(request.fork);
+    sendControl(
+        peer,
+        [peer, batch, forks = std::move(forks)](rpc::Agent& agent) {
+          return agent.rpcAsync(peer, kSettle, forks, batch->deletes, batch->accepts);
+        },
+        [self, batch](bool delivered) {
+          // Note [Fork on receive]: the owner knows the forks now; their parents may let go (even when the
+          // owner is gone).
+          for (const ForkRequest& request : batch->forkRequests) {
+            self->confirmUser(request.fork.fork, delivered);
+            self->sendChildAccept(request.parent, request.fork.fork);
+          }
+        });
+  }
+  std::lock_guard<std::mutex> lock(outboxMutex_);
+  if (!flusherStopped_) queuedSettlements_ -= count;  // stopFlusher zeroed it
+}
+
+void RRefContext::stopFlusher() {
+  std::thread flusher;
+  {
+    std::lock_guard<std::mutex> lock(outboxMutex_);
+    flusherStopped_ = true;
+    queuedSettlements_ = 0;
+    outbox_.clear();
+    flusher.swap(flusher_);
+  }
+  outboxChanged_.notify_all();
+  if (!flusher.joinable()) return;
+  if (flusher.get_id() == std::this_thread::get_id()) {
+    flusher.detach();  // the flusher dropped the context's last reference: it returns right after
+  } else {
+    flusher.join();
+  }
 }
 
 // ---- handles of this process ----
@@ -354,12 +591,18 @@ void RRefContext::release(detail::RRefState& state) {
   }
   bool sendNow = false;
   bool ownerDead = false;
+  std::string cancelledParent;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = users_table_.find(state.fork);
     if (it == users_table_.end()) return;
     ownerDead = deadPeers_.count(it->second.owner) != 0;
-    if (it->second.confirmed || ownerDead) {
+    if (it->second.requestQueued && state.lastCall.load() == 0) {
+      // Note [Deferred fork requests]: the owner never heard of this fork and never will: the parent's
+      // reference covered it all along. A child accept settles it.
+      cancelledParent = it->second.parent;
+      users_table_.erase(it);
+    } else if (it->second.confirmed || ownerDead) {
       users_table_.erase(it);
       sendNow = !ownerDead;
     } else {
@@ -367,6 +610,20 @@ void RRefContext::release(detail::RRefState& state) {
     }
   }
   if (sendNow) sendDelete(state.owner, state.id, state.fork);
+  if (!cancelledParent.empty()) {
+    {
+      std::lock_guard<std::mutex> lock(outboxMutex_);
+      auto box = outbox_.find(state.owner);
+      if (box != outbox_.end()) {
+        // Still queued: take it out (the flusher, if it took the batch already, drops it: the entry is gone).
+        const size_t before = box->second.forkRequests.size();
+        std::erase_if(box->second.forkRequests,
+                      [&](const ForkRequest& request) { return request.fork.fork == state.fork; });
+        queuedSettlements_ -= before - box->second.forkRequests.size();
+      }
+    }
+    sendChildAccept(cancelledParent, state.fork);
+  }
 }
 
 void RRefContext::confirmUser(ForkId fork, bool ownerKnowsIt) {
@@ -472,13 +729,29 @@ void RRefContext::onUnclaimedReferences(const std::string& from, std::vector<rpc
   }
 }
 
+// Note [Deferred fork requests]
+// A user receiving a fork from another user used to send its fork request to the owner at once; in the
+// usual pattern (a handler receives an RRef, fetches it or calls it, returns) that request, its answer and
+// the deletion that followed were three control messages on the owner's connection around the one fetch
+// that mattered (bench_rref fork_third_fetch). The request now waits in the outbox (Note [Batched
+// settlements]) like a deletion, for at most the settle window. When the handle is released before it was
+// sent, and it issued no ordered method call (whose stream the owner would keep), the request is taken out
+// and a child accept to the parent is all that is sent: the owner never hears of the fork, exactly as for a
+// fork nobody decoded (Note [Unclaimed references]). This is safe because the parent keeps its reference
+// until the child accepts (Note [Parent kept], G1): everything the child did — fetches and calls, which
+// also keep the handle until answered — happened while the owner's count could not reach zero. Otherwise
+// the request goes out with the batch and its answer confirms the fork and sends the child accept, as
+// before. Cost: a long-lived fork is confirmed (and its parent released) up to one window later, and a
+// parent that dies meanwhile leaves the child unregistered for that much longer than the request's flight.
+
 // Note [Fork on receive]: the receiver of a fork, sent by `from` (the parent):
 //  - the owner itself: a local reference. From itself (a self call) it removes the fork it registered on
 //    send; from a user it answers child accept at once (Note [Phantom fork]: the fork never enters the
 //    owner's table, the local reference counts instead).
 //  - a user, from the owner: already registered, confirmed.
-//  - a user, from another user: a fork request to the owner; once answered, the reference is confirmed
-//    and a child accept goes to the parent, which then drops its pending child.
+//  - a user, from another user: a fork request to the owner (Note [Deferred fork requests]); once
+//    answered, the reference is confirmed and a child accept goes to the parent, which then drops its
+//    pending child.
 std::shared_ptr<detail::RRefState> RRefContext::receive(const detail::WireRRef& wire, const std::string& from) {
   const std::string owner = workerOfRank(wire.id.ownerWorkerId);
   if (owner == name_) {
@@ -493,16 +766,16 @@ std::shared_ptr<detail::RRefState> RRefContext::receive(const detail::WireRRef& 
   }
   if (from == owner) return makeUserHandle(wire.id, wire.fork, /*confirmed=*/true);
   auto handle = makeUserHandle(wire.id, wire.fork, /*confirmed=*/false);
-  auto self = shared_from_this();
-  const RRefId id = wire.id;
-  const ForkId fork = wire.fork;
-  sendControl(
-      owner, [owner, id, fork](rpc::Agent& agent) { return agent.rpcAsync(owner, kForkRequest, id, fork); },
-      [self, from, fork](bool delivered) {
-        self->confirmUser(fork, delivered);
-        // Even when the owner is gone the parent may let go of its pending child.
-        self->sendChildAccept(from, fork);
-      });
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = users_table_.find(wire.fork);
+    if (it != users_table_.end()) {
+      it->second.requestQueued = true;
+      it->second.parent = from;
+    }
+  }
+  // Note [Deferred fork requests]: queued, not sent; its answer confirms the fork and sends the child accept.
+  queueSettlement(owner, [&](Outbox& box) { box.forkRequests.push_back(ForkRequest{wire, from}); });
   return handle;
 }
 
@@ -740,8 +1013,9 @@ rpc::Future<rpc::EncodeValueFn> RRefContext::serveCall(const rpc::DecodedMessage
     return failedFuture(*executor_, rpc::Error::failed("unknown rref call kind " + std::to_string(h.kind)).onWorker(name_));
   }
   {
-    // Note [Creation confirms]: the owner registers the caller's fork before it answers, and answers
-    // before the value exists; that answer is what confirms the caller's reference.
+    // Note [Creation confirms]: the owner registers the caller's fork as the call arrives, before it
+    // answers; that answer (whenever it comes, Note [Value in creation reply]) is what confirms the
+    // caller's reference.
     std::lock_guard<std::mutex> lock(mutex_);
     OwnerEntry& entry = entryLocked(h.result);
     entry.created = true;
@@ -750,26 +1024,53 @@ rpc::Future<rpc::EncodeValueFn> RRefContext::serveCall(const rpc::DecodedMessage
     }
   }
   const RRefId result = h.result;
-  auto store = [self, result](rpc::Result<rpc::EncodeValueFn>&& value) {
-    if (!value.ok()) return self->resolve(result, value.error());
-    self->resolve(result, detail::OwnedValue{{}, std::move(value).value()});
+  // Note [Value in creation reply]
+  // remote() + toHere() used to be two calls travelling back to back (the creating call, answered at
+  // once, and a fetch answered with the value): two messages to decode and dispatch at the owner, two
+  // replies and two wake-ups at the caller, measured 1.26-2.02x a plain round trip. Now the owner answers
+  // the creating call of a value (function, method-store) once the value is resolved — right away for a
+  // function that returns it, which is the common case — and the answer carries the value when it is
+  // small and plain (carriable(): no tensor, no RRef, at most kMaxCarriedWords), and only when a user
+  // made the RRef (the owner's own toHere is local). The caller's toHere takes the value from that answer,
+  // waiting for it when issued before it came (RRefContext::valueOf): one message each way, as a plain
+  // RPC. Objects are answered at once (their toHere is an ordered copy call, Note [Copying objects]).
+  // Reference counting is unchanged: the fork is registered as the call arrives (Note [Creation
+  // confirms]), the answer still confirms it, and a deletion of an unconfirmed fork still waits for it
+  // (Note [User deletion]) — only for longer when the value takes long, which keeps nothing alive that
+  // the fork did not keep anyway. A creation that outlives the caller's default timeout is treated as
+  // before (a timed-out creation is taken as known: the deletion is idempotent), and its toHere falls
+  // back to a fetch; a carried value contains no RRef, so a late answer settles nothing. Errors are not
+  // carried (the fetch that follows reports them).
+  auto reply = std::make_shared<rpc::Promise<rpc::EncodeValueFn>>(*executor_);
+  auto replied = reply->getFuture();
+  const bool offer = h.resultFork != 0 && ctx.caller != name_;  // a user made it: it may want the value
+  auto store = [self, result, reply, offer](rpc::Result<rpc::EncodeValueFn>&& value) {
+    rpc::EncodeValueFn carried;
+    if (value.ok() && offer && carriable(value.value())) carried = value.value();
+    if (!value.ok()) {
+      self->resolve(result, value.error());
+    } else {
+      self->resolve(result, detail::OwnedValue{{}, std::move(value).value()});
+    }
+    reply->setValue(creationReply(std::move(carried)));
   };
   if (kind == detail::CallKind::kFunction) {
     auto fn = ctx.agent->registry().find(h.target);
     if (!fn) {
-      resolve(result, rpc::Error::unimplemented("no function '" + h.target + "' on " + name_).onWorker(name_));
+      store(rpc::Error::unimplemented("no function '" + h.target + "' on " + name_).onWorker(name_));
     } else if (fn->hash != h.hash) {
-      resolve(result, rpc::Error::unimplemented("function '" + h.target + "' on " + name_ + " has signature " +
-                                                fn->signature + ", which does not match the caller's")
-                          .onWorker(name_));
+      store(rpc::Error::unimplemented("function '" + h.target + "' on " + name_ + " has signature " +
+                                      fn->signature + ", which does not match the caller's")
+                .onWorker(name_));
     } else {
       (void)fn->invoke(*args, ctx, *executor_).then(rpc::kInlineSafe, store);
     }
   } else if (kind == detail::CallKind::kConstruct) {
     resolve(result, construct(h, *args, ctx));
+    reply->setValue(creationReply({}));
   } else {
     onReceiver([self, h, args, ctx, store](rpc::Result<detail::OwnedValue> receiver) mutable {
-      if (!receiver.ok()) return self->resolve(h.result, receiver.error());
+      if (!receiver.ok()) return store(receiver.error());
       rpc::AutogradContextScope active(ctx.autogradContext);  // as for kMethodValue above
       (void)self->invokeMethod(receiver.value(), h, args, ctx).then(rpc::kInlineSafe, std::move(store));
     });
@@ -779,9 +1080,7 @@ rpc::Future<rpc::EncodeValueFn> RRefContext::serveCall(const rpc::DecodedMessage
     std::lock_guard<std::mutex> lock(mutex_);
     freed = maybeFreeLocked(result);
   }
-  rpc::Promise<rpc::EncodeValueFn> done(*executor_);
-  done.setValue(rpc::EncodeValueFn{});
-  return done.getFuture();
+  return replied;
 }
 
 // Note [Call order]: the method calls one reference issues on its RRef (rpcAsync, rpcSync, remote, and
@@ -947,7 +1246,9 @@ void RRefContext::onPeerDown(const std::string& peer, const rpc::Error&) {
       }
     }
     for (auto it = users_table_.begin(); it != users_table_.end();) {
-      if (it->second.owner == peer && it->second.released) {
+      // A fork whose request still waits in the outbox stays: the flusher's attempt (refused: the owner is
+      // dead) confirms it and sends the parent its child accept (Note [Deferred fork requests]).
+      if (it->second.owner == peer && it->second.released && !it->second.requestQueued) {
         it = users_table_.erase(it);
       } else {
         ++it;
@@ -980,6 +1281,14 @@ void RRefContext::onShutdown(std::chrono::steady_clock::time_point deadline) {
     }
   }
   for (const auto& [fork, entry] : toDelete) sendDelete(entry.owner, entry.id, fork);
+  // Settlements queued from now on go out without waiting (Note [Batched settlements]); and those queued so
+  // far.
+  {
+    std::lock_guard<std::mutex> lock(outboxMutex_);
+    flushNow_ = true;
+  }
+  outboxChanged_.notify_all();
+  flushOutbox();
   while (userCount() != 0 || pendingControlCount() != 0 || pendingChildCount() != 0) {
     if (std::chrono::steady_clock::now() >= deadline) {
       std::cerr << "[distgrad rref] " << name_ << ": shutdown deadline reached with " << userCount()
@@ -1000,6 +1309,7 @@ void RRefContext::onAgentClosed() {
     agent_ = nullptr;
     useChanged_.wait(lock, [&] { return activeUses_ == 0; });
   }
+  stopFlusher();
   std::map<std::pair<uint32_t, uint64_t>, std::unique_ptr<OwnerEntry>> owned;
   std::unordered_map<ForkId, PendingChild> children;
   {

@@ -23,6 +23,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -57,6 +58,36 @@ struct OwnedValue {
   rpc::EncodeValueFn value;
 };
 
+// The reply to the call that created a user's RRef (Note [Value in creation reply] in context.cpp): the
+// owner answers a value-creating call once the value is resolved, with the value itself when it is small
+// and plain (no tensors, no RRefs). A toHere issued before the reply waits for it instead of fetching.
+// Shared by the handle and the call's completion (which may outlive the handle).
+class CreationReply {
+ public:
+  // Gets a view of the carried value (decodable as the RRef's type), or the error: the creation call
+  // failed, or the reply carries no value (remoteType kNotCarriedType).
+  using Waiter = std::function<void(rpc::Result<rpc::DecodedMessage>)>;
+  // Runs `waiter` once the reply is in: at once (on this thread) when it is already, else on the thread
+  // that completes the call (a transport loop: it must not block).
+  void whenReplied(Waiter waiter);
+  // The same as whenReplied's argument if the reply is in, else nothing.
+  std::optional<rpc::Result<rpc::DecodedMessage>> ifReplied() const;
+  // The creation call ended with `reply` (the owner's answer) or an error; runs the waiters.
+  void complete(rpc::Result<rpc::DecodedMessage> reply);
+
+ private:
+  rpc::Result<rpc::DecodedMessage> view() const;  // replied_ is set
+
+  mutable std::mutex mutex_;
+  bool replied_ = false;  // GUARDED_BY(mutex_); once set, reply_ and error_ never change
+  std::optional<rpc::DecodedMessage> reply_;  // the answer, when it carries the value
+  rpc::Error error_;                          // else why there is no value
+  std::vector<Waiter> waiters_;               // GUARDED_BY(mutex_)
+};
+
+// Marks a creation reply that carries no value (the reply's error when a caller asks for the value).
+inline constexpr const char* kNotCarriedType = "distgrad::rref::NotCarried";
+
 // One reference of this process to an RRef: all copies of an RRef<T> share it; its destructor tells the
 // context (the owner's local count, or a user deletion, Note [User deletion]).
 class RRefState {
@@ -76,6 +107,10 @@ class RRefState {
   const uint64_t stream;
   std::atomic<uint64_t> lastCall{0};
   std::atomic<bool> confirmed{false};
+  // A user's reference made by this process's remote() of a value: the creating call's reply (Note [Value
+  // in creation reply]); null on the owner, for received forks and for objects. Set before the handle is
+  // shared.
+  std::shared_ptr<CreationReply> creation;
 };
 
 // The header of a "dg.rref.call" message; its value is the struct (header, arguments tuple).
@@ -215,6 +250,11 @@ class RRefContext : public rpc::AgentExtension,
   void callOwner(const std::string& owner, const detail::CallHeader& header, rpc::EncodeValueFn args,
                  std::function<void(rpc::Result<rpc::DecodedMessage>&&)> done,
                  detail::RRefState* orderedBy = nullptr, const rpc::CallOptions& options = {});
+  // toHere of a value on a user: the value from the creation reply when it carried one (waiting for the
+  // reply if it is not in yet, Note [Value in creation reply]), else a "dg.rref.fetch" to the owner. `done`
+  // gets a message whose value decodes as the RRef's type, or the error.
+  void valueOf(const std::shared_ptr<detail::RRefState>& state, std::chrono::milliseconds timeout,
+               std::function<void(rpc::Result<rpc::DecodedMessage>&&)> done);
   // Sends a "dg.rref.fetch" of `id` to `owner` (reply: the value).
   void fetch(const std::string& owner, RRefId id, std::chrono::milliseconds timeout,
              std::function<void(rpc::Result<rpc::DecodedMessage>&&)> done);
@@ -278,6 +318,10 @@ class RRefContext : public rpc::AgentExtension,
     std::weak_ptr<detail::RRefState> state;
     bool confirmed = false;
     bool released = false;  // every handle is gone: delete once confirmed
+    // Note [Deferred fork requests]: a fork received from another user whose fork request still waits in
+    // the outbox (not sent yet), and that user (the parent).
+    bool requestQueued = false;
+    std::string parent;
   };
   struct PendingChild {
     std::shared_ptr<detail::RRefState> parent;  // kept until the child is accepted (Note [Parent kept])
@@ -296,8 +340,23 @@ class RRefContext : public rpc::AgentExtension,
   // `send` issues the call; `done(delivered)` runs once it ended (delivered: the worker answered).
   void sendControl(const std::string& worker, std::function<rpc::Future<void>(rpc::Agent&)> send,
                    std::function<void(bool delivered)> done = {}, int attempt = 0);
+  // Note [Batched settlements]: deletions and child accepts wait in a per-worker outbox, sent together by
+  // the flusher thread.
+  struct ForkRequest {
+    detail::WireRRef fork;
+    std::string parent;
+  };
+  struct Outbox {
+    std::vector<ForkRequest> forkRequests;  // Note [Deferred fork requests]
+    std::vector<detail::WireRRef> deletes;
+    std::vector<uint64_t> accepts;
+  };
   void sendDelete(const std::string& owner, RRefId id, ForkId fork);
   void sendChildAccept(const std::string& parent, ForkId fork);
+  void queueSettlement(const std::string& worker, const std::function<void(Outbox&)>& add);
+  void runFlusher();
+  void flushOutbox();   // sends everything queued now (any thread)
+  void stopFlusher();   // the agent closed (or the context dies): drop the outbox, join the flusher
   // The agent for one send, or nullptr once it closed (Note [Agent lifetime]).
   rpc::Agent* beginUse();
   void endUse();
@@ -321,6 +380,15 @@ class RRefContext : public rpc::AgentExtension,
   std::deque<ForkId> tombstoneOrder_;                                             // GUARDED_BY(mutex_)
   std::set<std::string> deadPeers_;                                               // GUARDED_BY(mutex_)
   std::atomic<size_t> pendingControl_{0};
+
+  std::mutex outboxMutex_;
+  std::condition_variable outboxChanged_;
+  std::map<std::string, Outbox> outbox_;          // GUARDED_BY(outboxMutex_)
+  std::atomic<size_t> queuedSettlements_{0};      // entries in outbox_ (written under outboxMutex_)
+  std::thread flusher_;                           // GUARDED_BY(outboxMutex_): started on first use
+  bool flusherIdle_ = false;                      // GUARDED_BY(outboxMutex_): waiting for an entry
+  bool flushNow_ = false;                         // GUARDED_BY(outboxMutex_): shutting down, send at once
+  bool flusherStopped_ = false;                   // GUARDED_BY(outboxMutex_)
 };
 
 }  // namespace distgrad::rref

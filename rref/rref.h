@@ -204,11 +204,11 @@ rpc::Future<T> RRef<T>::valueHere(std::chrono::milliseconds timeout) const {
         rpc::kInlineSafe);
     return future;
   }
-  context->fetch(state.owner, state.id, timeout,
-                 [promise, keep = state_](rpc::Result<rpc::DecodedMessage>&& reply) {
-                   if (!reply.ok()) return promise->setError(reply.error());
-                   promise->setResult(reply.value().decodeValue<T>());
-                 });
+  // The creation reply's value (Note [Value in creation reply]) or a fetch.
+  context->valueOf(state_, timeout, [promise](rpc::Result<rpc::DecodedMessage>&& reply) {
+    if (!reply.ok()) return promise->setError(reply.error());
+    promise->setResult(reply.value().decodeValue<T>());
+  });
   return future;
 }
 
@@ -268,13 +268,24 @@ RRef<R> storeAt(const std::shared_ptr<RRefContext>& context, const std::string& 
     result = context->makeUserHandle(header.result, header.resultFork, /*confirmed=*/false);
   }
   const ForkId fork = header.resultFork;
+  // Note [Value in creation reply]: the owner answers the creation of a value with the value when it is
+  // small and plain; a toHere issued meanwhile waits for that answer instead of fetching. (Objects stay at
+  // their owner: toHere of one is an ordered copy call.)
+  std::shared_ptr<CreationReply> creation;
+  if constexpr (!DeclaredClass<R>) {
+    if (!callerOwns) {
+      creation = std::make_shared<CreationReply>();
+      result->creation = creation;
+    }
+  }
   RRefState* receiver = keep.get();  // method calls are ordered through their receiver's reference
   context->callOwner(owner, header, std::move(args),
-                     [context, fork, keep = std::move(keep)](rpc::Result<rpc::DecodedMessage>&& reply) {
+                     [context, fork, creation, keep = std::move(keep)](rpc::Result<rpc::DecodedMessage>&& reply) {
                        // Note [Creation confirms]: the reply means the owner registered the caller's fork.
                        // A timed-out call may still have arrived: the deletion is sent anyway (idempotent).
                        bool known = reply.ok() || reply.error().kind == rpc::ErrorKind::kTimeout;
                        if (fork != 0) context->confirmUser(fork, known);
+                       if (creation) creation->complete(std::move(reply));
                      },
                      receiver);
   return RRef<R>(std::move(result));

@@ -106,7 +106,9 @@ TEST_P(LayerTraceTest, RRefWaitsBackwardNodesGradientsAndOptimizerStepsAreTraced
   {
     rref::RRef<int64_t> seed = rrefs(0)->remote(name(1), rref::testing::kGated, int64_t{1});
     ASSERT_TRUE(world_.gateEntered.waitFor());
-    auto pending = seed.toHereAsync();
+    // With an explicit timeout toHere fetches at once (without one it would wait for the creation
+    // answer, which carries the value: docs/rref_protocol.md, Note [Value in creation reply]).
+    auto pending = seed.toHereAsync(std::chrono::milliseconds(60000));
     // The gate opens by a call sent after the fetch on the same link: worker1's single executor thread runs
     // the fetch first (it finds no value and is queued by whenResolved), then opens the gate.
     EXPECT_EQ(agent(0).rpcSync(name(1), kOpenGate), 0);

@@ -196,8 +196,9 @@ TEST_P(RRefFixture, PromisePipeliningOneRoundTrip) {
     RRef<int64_t> y = c.remote(&Counter::add, int64_t{10});  // 111
     auto pending = seed.toHereAsync();
     EXPECT_FALSE(pending.isReady());
-    // Four calls left for the owner (seed, c, x, y) and one fetch; nothing waited for a value.
-    EXPECT_EQ(agent(0).metrics(name(1)).callsSent - before, 5u);
+    // Four calls left for the owner (seed, c, x, y); nothing waited for a value. No fetch: the toHere
+    // waits for seed's creation answer, which carries the value (Note [Value in creation reply]).
+    EXPECT_EQ(agent(0).metrics(name(1)).callsSent - before, 4u);
     {
       std::lock_guard<std::mutex> lock(world_.mutex);
       world_.gate->setValue(int64_t{41});
