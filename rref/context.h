@@ -8,7 +8,9 @@
 // its messages are ordinary calls of the "dg.rref.*" functions that rref::install(registry) binds before
 // Agent::start, and RRefs travel in values through Codec<RRef<T>> with the agent's rpc::CodecScope.
 // Thread-safety: every method may be called from any thread (one mutex guards the tables; no callback,
-// send or value destructor runs under it). Nothing here blocks an executor thread.
+// send or value destructor runs under it). Nothing here blocks an executor thread. Each RRefContext owns
+// one flusher thread (started at the first queued entry) that sends the batched deletions, accepts and fork requests (Note [Batched
+// settlements] in context.cpp); it is joined when the context closes.
 #pragma once
 
 #include <atomic>
