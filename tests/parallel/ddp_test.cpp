@@ -107,6 +107,26 @@ void onEveryRank(int n, const std::function<void(int)>& body) {
 
 enum class Mode { kLocal, kDistAutograd };
 
+// The gradients distributed autograd gathered in `ctx` for `model`'s parameters (copies), checking that
+// .grad stayed untouched.
+std::vector<Tensor> contextGradients(autograd::distributed::DistContext& ctx, Module& model) {
+  std::vector<Tensor> grads;
+  auto inContext = ctx.gradients();
+  for (const Tensor& p : model.parameters()) {
+    EXPECT_FALSE(p.grad().defined()) << "distributed autograd must not touch .grad";
+    grads.push_back(inContext.get(p).cloneData());
+  }
+  return grads;
+}
+
+void expectGradients(const std::vector<Tensor>& grads, const std::vector<Tensor>& reference, int rank, int step) {
+  ASSERT_EQ(grads.size(), reference.size());
+  for (size_t i = 0; i < grads.size(); ++i) {
+    expectClose(grads[i], reference[i], 1e-6,
+                "rank " + std::to_string(rank) + " step " + std::to_string(step) + " gradient " + std::to_string(i));
+  }
+}
+
 class Ddp : public ::testing::TestWithParam<std::tuple<std::string, int, Mode>> {};
 
 TEST_P(Ddp, GradientsEqualSingleProcessOnTheConcatenatedBatch) {
@@ -156,17 +176,10 @@ TEST_P(Ddp, GradientsEqualSingleProcessOnTheConcatenatedBatch) {
       } else {
         autograd::distributed::DistContext ctx(agent);
         ddp.backward(ctx, distgrad::mseLoss(ddp.forward(x), y));
-        auto inContext = ctx.gradients();
-        for (const Tensor& p : model->parameters()) {
-          EXPECT_FALSE(p.grad().defined()) << "distributed autograd must not touch .grad";
-          grads.push_back(inContext.get(p).cloneData());
-        }
+        grads = contextGradients(ctx, *model);
         optimizer.step(grads);
       }
-      for (size_t i = 0; i < grads.size(); ++i) {
-        expectClose(grads[i], referenceGrads[static_cast<size_t>(step)][i], 1e-6,
-                    "rank " + std::to_string(rank) + " step " + std::to_string(step) + " gradient " + std::to_string(i));
-      }
+      expectGradients(grads, referenceGrads[static_cast<size_t>(step)], rank, step);
       if (step == 0) overlapped[static_cast<size_t>(rank)] = ddp.bucketsLaunchedDuringBackward();
     }
   });
@@ -262,17 +275,10 @@ TEST_P(DdpNoSync, AccumulatedThenSynchronisedGradientsEqualSingleProcessOnAllBat
           }
         }
         ddp.backward(ctx, lossOf(kAccumulate));
-        auto inContext = ctx.gradients();
-        for (const Tensor& p : model->parameters()) {
-          EXPECT_FALSE(p.grad().defined()) << "distributed autograd must not touch .grad";
-          grads.push_back(inContext.get(p).cloneData());
-        }
+        grads = contextGradients(ctx, *model);
         optimizer.step(grads);
       }
-      for (size_t i = 0; i < grads.size(); ++i) {
-        expectClose(grads[i], referenceGrads[static_cast<size_t>(step)][i], 1e-6,
-                    "rank " + std::to_string(rank) + " step " + std::to_string(step) + " gradient " + std::to_string(i));
-      }
+      expectGradients(grads, referenceGrads[static_cast<size_t>(step)], rank, step);
     }
   });
   // Under noSync() nothing was averaged: after the first pass each rank holds the gradient of its own
