@@ -105,6 +105,30 @@ void onEveryRank(int n, const std::function<void(int)>& body) {
   }
 }
 
+// Single-process SGD + momentum on the whole of `data` for `steps` steps from rank 0's initial weights
+// (seed 100): each step's gradients and the parameters after it.
+struct Reference {
+  std::vector<std::vector<Tensor>> grads;
+  std::vector<std::vector<Tensor>> params;
+};
+Reference singleProcessReference(const Data& data, int steps) {
+  auto model = makeModel(100);
+  SGD optimizer(model->parameters(), SgdOptions{0.1, 0.9});
+  Reference out;
+  for (int step = 0; step < steps; ++step) {
+    model->zeroGrad();
+    autograd::backward(std::vector<Tensor>{distgrad::mseLoss(model->forward(data.x), data.y)});
+    std::vector<Tensor> grads;
+    for (const Tensor& p : model->parameters()) grads.push_back(p.grad().cloneData());
+    out.grads.push_back(std::move(grads));
+    optimizer.step();
+    std::vector<Tensor> params;
+    for (const Tensor& p : model->parameters()) params.push_back(p.detach().cloneData());
+    out.params.push_back(std::move(params));
+  }
+  return out;
+}
+
 enum class Mode { kLocal, kDistAutograd };
 
 // The gradients distributed autograd gathered in `ctx` for `model`'s parameters (copies), checking that
@@ -136,22 +160,7 @@ TEST_P(Ddp, GradientsEqualSingleProcessOnTheConcatenatedBatch) {
   auto job = startJob(transport, n);
   const Data data = makeData(n * kPerRank);
 
-  // The single-process reference starts from rank 0's initial weights (seed 100).
-  auto reference = makeModel(100);
-  SGD referenceOptimizer(reference->parameters(), SgdOptions{0.1, 0.9});
-  std::vector<std::vector<Tensor>> referenceGrads;
-  std::vector<std::vector<Tensor>> referenceParams;
-  for (int step = 0; step < kSteps; ++step) {
-    reference->zeroGrad();
-    autograd::backward(std::vector<Tensor>{distgrad::mseLoss(reference->forward(data.x), data.y)});
-    std::vector<Tensor> grads;
-    for (const Tensor& p : reference->parameters()) grads.push_back(p.grad().cloneData());
-    referenceGrads.push_back(grads);
-    referenceOptimizer.step();
-    std::vector<Tensor> params;
-    for (const Tensor& p : reference->parameters()) params.push_back(p.detach().cloneData());
-    referenceParams.push_back(params);
-  }
+  const auto [referenceGrads, referenceParams] = singleProcessReference(data, kSteps);
 
   std::vector<std::shared_ptr<Sequential>> models(static_cast<size_t>(n));
   std::vector<size_t> overlapped(static_cast<size_t>(n));
@@ -221,17 +230,7 @@ TEST_P(DdpNoSync, AccumulatedThenSynchronisedGradientsEqualSingleProcessOnAllBat
     return distgrad::narrow(t, 0, (static_cast<int64_t>(micro) * n + rank) * kPerRank, kPerRank).cloneData();
   };
 
-  auto reference = makeModel(100);
-  SGD referenceOptimizer(reference->parameters(), SgdOptions{0.1, 0.9});
-  std::vector<std::vector<Tensor>> referenceGrads;
-  for (int step = 0; step < kSteps; ++step) {
-    reference->zeroGrad();
-    autograd::backward(std::vector<Tensor>{distgrad::mseLoss(reference->forward(data.x), data.y)});
-    std::vector<Tensor> grads;
-    for (const Tensor& p : reference->parameters()) grads.push_back(p.grad().cloneData());
-    referenceGrads.push_back(grads);
-    referenceOptimizer.step();
-  }
+  const auto referenceGrads = singleProcessReference(data, kSteps).grads;
 
   // Each rank's gradients right after its first pass under noSync() in step 0.
   std::vector<std::vector<Tensor>> afterFirstPass(static_cast<size_t>(n));
