@@ -1,10 +1,12 @@
 // tcp-only tests: hostile bytes from a raw socket close that connection with an error, and the listener
 // keeps serving well-behaved clients afterwards.
 #include <arpa/inet.h>
+#include <signal.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <future>
 
 #include "rpc/transport/tcp/context.h"
@@ -189,6 +191,22 @@ TEST_F(TcpHostileInputTest, GarbageStream) {
   Error error = expectClosedAfter(garbage, false, 1);
   EXPECT_EQ(error.kind, ErrorKind::kFailed);
   expectWellBehavedClientServed(2);
+}
+
+// A write to a peer that has gone raises SIGPIPE, whose default action would kill the process: a tcp
+// context leaves it ignored, so the write fails with EPIPE and only that connection closes.
+TEST(TcpSignals, AContextLeavesSigpipeIgnoredSoADeadPeerCannotKillTheProcess) {
+  auto context = createContext("tcp").value();
+  struct sigaction current {};
+  ASSERT_EQ(::sigaction(SIGPIPE, nullptr, &current), 0);
+  EXPECT_EQ(current.sa_handler, SIG_IGN);
+  int fds[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, fds), 0);
+  ::close(fds[1]);
+  const char byte = 1;
+  EXPECT_EQ(::write(fds[0], &byte, 1), -1) << "the process is still alive to see the error";
+  EXPECT_EQ(errno, EPIPE);
+  ::close(fds[0]);
 }
 
 TEST(TcpAddress, ListenerReportsTheRealPortAndMalformedAddressesAreErrors) {

@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <pthread.h>
+#include <signal.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -9,6 +10,7 @@
 #include <cstdio>
 #include <cstring>
 #include <future>
+#include <mutex>
 
 #include "rpc/transport/tcp/connection.h"
 #include "rpc/transport/tcp/listener.h"
@@ -249,8 +251,26 @@ std::string formatAddress(const sockaddr* address) {
   return "<unknown address family>";
 }
 
+namespace {
+
+// libuv writes with write()/writev(), which raise SIGPIPE on a connection whose peer has gone; its default
+// action kills the whole process, so a dead peer would kill us instead of closing one connection (seen: a
+// test process died of SIGPIPE after its peer was killed). As libuv's documentation advises, ignore it,
+// once, and only where the program left the default action (a handler of its own stays).
+void ignoreSigpipeOnce() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction current {};
+    if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) ::signal(SIGPIPE, SIG_IGN);
+  });
+}
+
+}  // namespace
+
 TcpContext::TcpContext(const ContextOptions& options)
-    : LoopContext("tcp", std::make_shared<TcpLoop>(options), options.limits) {}
+    : LoopContext("tcp", std::make_shared<TcpLoop>(options), options.limits) {
+  ignoreSigpipeOnce();
+}
 
 Result<std::unique_ptr<Listener>> TcpContext::listen(const std::string& address, AcceptCallback onAccept) {
   return listenOnLoop<TcpListenerImpl>(address, std::move(onAccept));
