@@ -3,35 +3,16 @@
 #include "tensor/error.h"
 
 #ifdef DG_WITH_CUDA
-#include <cuda_runtime_api.h>
+#include "tensor/cuda/cuda_check.h"
 #endif
 
 namespace distgrad::tensor::cuda {
 
 #ifdef DG_WITH_CUDA
-namespace {
-void checkCuda(cudaError_t err, const char* what) {
-  DG_CHECK(err == cudaSuccess, what, " failed: ", cudaGetErrorString(err));
-}
-}  // namespace
-
-int deviceCount() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();  // clear the sticky "no driver" error
-    return 0;
-  }
-  return n;
-}
-
-bool isAvailable() { return deviceCount() > 0; }
-
 void* deviceAlloc(size_t nbytes, int device) {
-  DG_CHECK(device >= 0 && device < deviceCount(), "CUDA device ", device, " is not available (",
-           deviceCount(), " devices)");
-  checkCuda(cudaSetDevice(device), "cudaSetDevice");
+  DeviceGuard guard(device);
   void* p = nullptr;
-  if (nbytes > 0) checkCuda(cudaMalloc(&p, nbytes), "cudaMalloc");
+  if (nbytes > 0) DG_CUDA_CHECK(cudaMalloc(&p, nbytes));
   return p;
 }
 
@@ -42,12 +23,10 @@ void deviceFree(void* ptr, int device) noexcept {
 }
 
 void copyBytes(void* dst, const void* src, size_t nbytes, int device) {
-  checkCuda(cudaSetDevice(device), "cudaSetDevice");
-  checkCuda(cudaMemcpy(dst, src, nbytes, cudaMemcpyDefault), "cudaMemcpy");
+  DeviceGuard guard(device);
+  DG_CUDA_CHECK(cudaMemcpy(dst, src, nbytes, cudaMemcpyDefault));
 }
 #else
-int deviceCount() { return 0; }
-bool isAvailable() { return false; }
 void* deviceAlloc(size_t, int) {
   DG_CHECK(false, "CUDA storage requested but distgrad was built without CUDA (DG_WITH_CUDA=OFF)");
   return nullptr;

@@ -5,11 +5,10 @@
 
 #include <cstddef>
 
+#include "tensor/cuda/runtime.h"
+
 namespace distgrad::tensor::cuda {
 
-// True when built with CUDA and at least one device is usable (false, never an error, without a driver).
-bool isAvailable();
-int deviceCount();
 void* deviceAlloc(size_t nbytes, int device);
 void deviceFree(void* ptr, int device) noexcept;
 // Copies between host and device memory (direction inferred by the runtime).
