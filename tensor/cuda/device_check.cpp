@@ -1,5 +1,6 @@
 #include "tensor/cuda/device_check.h"
 
+#include "tensor/cuda/runtime.h"
 #include "tensor/error.h"
 
 namespace distgrad::tensor::cuda {
@@ -16,7 +17,10 @@ bool onCuda(const char* op, std::initializer_list<NamedOperand> operands) {
     DG_CHECK(a == b, op, ": all operands must be on one device, but ", first->first, " is on ", a.str(), " and ",
              o.first, " is on ", b.str());
   }
-  return first != nullptr && first->second->device().isCuda();
+  if (first == nullptr || !first->second->device().isCuda()) return false;
+  // Named here so that "no GPU" / "built without CUDA" errors say which op wanted the device.
+  requireDevice(first->second->device().index, op);
+  return true;
 }
 
 }  // namespace distgrad::tensor::cuda

@@ -17,7 +17,8 @@ namespace distgrad::tensor::cuda {
 using NamedOperand = std::pair<const char*, const Tensor*>;
 
 // True when the defined operands are all on one CUDA device, false when all are on the CPU (or none is
-// defined); throws ValueError naming `op`, two disagreeing operands and their devices otherwise.
+// defined); throws ValueError naming `op`, two disagreeing operands and their devices otherwise, and
+// naming `op` and the device when that device is not usable (no GPU, or a build without CUDA).
 bool onCuda(const char* op, std::initializer_list<NamedOperand> operands);
 
 }  // namespace distgrad::tensor::cuda
