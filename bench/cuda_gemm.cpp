@@ -45,12 +45,12 @@ using distgrad::Tensor;
 namespace bench = distgrad::bench;
 namespace cuda = distgrad::tensor::cuda;
 
-#define BENCH_CHECK(expr)                                                    \
-  do {                                                                       \
-    if (!(expr)) {                                                           \
+#define BENCH_CHECK(expr)                                                               \
+  do {                                                                                  \
+    if (!(expr)) {                                                                      \
       std::fprintf(stderr, "bench_cuda_gemm: %s failed at line %d\n", #expr, __LINE__); \
-      std::exit(1);                                                          \
-    }                                                                        \
+      std::exit(1);                                                                     \
+    }                                                                                   \
   } while (0)
 
 // A device matrix of pseudo-random values in [-1, 1) (an LCG on the host: fast, and no denormals or zeros
@@ -110,12 +110,10 @@ void run(int reps, const std::vector<int64_t>& sizes) {
       const bench::Stats mm = bench::statsOf(bench::ratesOf(deviceSeconds(ourMatmul, reps, 3), tflop));
       const std::string modeName = cuda::mathModeName(mode);
       auto extra = [&](const char* impl, const bench::Stats& s) {
-        return std::map<std::string, std::string>{{"impl", bench::quoted(impl)},
-                                                  {"mode", bench::quoted(modeName)},
-                                                  {"m", std::to_string(n)},
-                                                  {"n", std::to_string(n)},
-                                                  {"k", std::to_string(n)},
-                                                  {"ratio_vs_cublas", bench::number(s.median / ref.median)}};
+        return std::map<std::string, std::string>{
+            {"impl", bench::quoted(impl)}, {"mode", bench::quoted(modeName)},
+            {"m", std::to_string(n)},      {"n", std::to_string(n)},
+            {"k", std::to_string(n)},      {"ratio_vs_cublas", bench::number(s.median / ref.median)}};
       };
       bench::emit(kBench, "tflops", "TFLOP/s", ref, extra("cublas", ref));
       bench::emit(kBench, "tflops", "TFLOP/s", gemm, extra("distgrad_gemm", gemm));

@@ -261,7 +261,8 @@ Shape matmulShape(const Shape& a, const Shape& b, const char* op) {
 }
 
 Tensor batchedMatmul(const Tensor& a, bool transA, const Tensor& b, bool transB, const Shape& outBatch) {
-  if (cuda::onCuda("batchedMatmul", {{"a", &a}, {"b", &b}})) return cuda::dnn::batchedMatmul(a, transA, b, transB, outBatch);
+  if (cuda::onCuda("batchedMatmul", {{"a", &a}, {"b", &b}}))
+    return cuda::dnn::batchedMatmul(a, transA, b, transB, outBatch);
   const char* op = "batchedMatmul";
   requireMatmulDTypes(a, b, op);
   DG_CHECK(a.dim() >= 2 && a.dim() == b.dim() && static_cast<int64_t>(outBatch.size()) == a.dim() - 2, op,
@@ -366,7 +367,8 @@ Shape withLastDim(const Shape& s, int64_t last) {
 }  // namespace
 
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
-  if (cuda::onCuda("linear", {{"x", &x}, {"weight", &weight}, {"bias", &bias}})) return cuda::dnn::linear(x, weight, bias);
+  if (cuda::onCuda("linear", {{"x", &x}, {"weight", &weight}, {"bias", &bias}}))
+    return cuda::dnn::linear(x, weight, bias);
   checkLinear(x, weight, bias);
   const int64_t outFeatures = weight.shape()[0];
   Tensor x2 = asRows(x);
@@ -391,7 +393,8 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
 }
 
 Tensor linearBackwardInput(const Tensor& gradOut, const Tensor& weight, const Shape& inputShape) {
-  if (cuda::onCuda("linear backward", {{"gradOut", &gradOut}, {"weight", &weight}})) return cuda::dnn::linearBackwardInput(gradOut, weight, inputShape);
+  if (cuda::onCuda("linear backward", {{"gradOut", &gradOut}, {"weight", &weight}}))
+    return cuda::dnn::linearBackwardInput(gradOut, weight, inputShape);
   requireMatmulDTypes(gradOut, weight, "linear backward");
   Tensor g2 = asRows(gradOut);
   Tensor dx = Tensor::empty({g2.shape()[0], weight.shape()[1]}, gradOut.dtype());
@@ -404,7 +407,8 @@ Tensor linearBackwardInput(const Tensor& gradOut, const Tensor& weight, const Sh
 }
 
 Tensor linearBackwardWeight(const Tensor& gradOut, const Tensor& input) {
-  if (cuda::onCuda("linear backward", {{"gradOut", &gradOut}, {"input", &input}})) return cuda::dnn::linearBackwardWeight(gradOut, input);
+  if (cuda::onCuda("linear backward", {{"gradOut", &gradOut}, {"input", &input}}))
+    return cuda::dnn::linearBackwardWeight(gradOut, input);
   requireMatmulDTypes(gradOut, input, "linear backward");
   Tensor g2 = asRows(gradOut);
   Tensor x2 = asRows(input);

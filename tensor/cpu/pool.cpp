@@ -250,7 +250,8 @@ MaxPool2dResult maxPool2d(const Tensor& x, const Pool2dParams& params, bool forB
 }
 
 Tensor maxPool2dBackward(const Tensor& gradOutput, const MaxPool2dSaved& saved) {
-  if (cuda::onCuda("maxPool2d backward", {{"gradOutput", &gradOutput}, {"argmax", &saved.argmax}})) return cuda::dnn::maxPool2dBackward(gradOutput, saved);
+  if (cuda::onCuda("maxPool2d backward", {{"gradOutput", &gradOutput}, {"argmax", &saved.argmax}}))
+    return cuda::dnn::maxPool2dBackward(gradOutput, saved);
   const Geometry g = geometryOf(saved.inputShape, saved.params);
   Tensor go = contiguousAs(gradOutput, saved.dtype);
   DG_ASSERT(go.shape() == (Shape{saved.inputShape[0], saved.inputShape[1], g.outH, g.outW}),
@@ -309,7 +310,8 @@ Tensor avgPool2d(const Tensor& x, const Pool2dParams& params, CpuImpl impl) {
 
 Tensor avgPool2dBackward(const Tensor& gradOutput, const Shape& inputShape, const Pool2dParams& params,
                          CpuImpl impl) {
-  if (cuda::onCuda("avgPool2d backward", {{"gradOutput", &gradOutput}})) return cuda::dnn::avgPool2dBackward(gradOutput, inputShape, params);
+  if (cuda::onCuda("avgPool2d backward", {{"gradOutput", &gradOutput}}))
+    return cuda::dnn::avgPool2dBackward(gradOutput, inputShape, params);
   const DType dtype = gradOutput.dtype();
   Tensor go = contiguousAs(gradOutput, dtype);
   const Geometry g = geometryOf(inputShape, params);
@@ -406,7 +408,8 @@ Tensor adaptiveAvgPool2d(const Tensor& x, int64_t outH, int64_t outW) {
 }
 
 Tensor adaptiveAvgPool2dBackward(const Tensor& gradOutput, const Shape& inputShape) {
-  if (cuda::onCuda("adaptiveAvgPool2d backward", {{"gradOutput", &gradOutput}})) return cuda::dnn::adaptiveAvgPool2dBackward(gradOutput, inputShape);
+  if (cuda::onCuda("adaptiveAvgPool2d backward", {{"gradOutput", &gradOutput}}))
+    return cuda::dnn::adaptiveAvgPool2dBackward(gradOutput, inputShape);
   const DType dtype = gradOutput.dtype();
   Tensor go = contiguousAs(gradOutput, dtype);
   if (isEmpty(inputShape) || go.numel() == 0) return Tensor::zeros(inputShape, dtype);

@@ -93,7 +93,8 @@ struct LtLayout {
   LtLayout(cudaDataType_t type, uint64_t rows, uint64_t cols, int64_t ld, int32_t batch, int64_t batchStride) {
     DG_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&layout, type, rows, cols, ld));
     if (batch > 1) {
-      DG_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch, sizeof(batch)));
+      DG_CUBLAS_CHECK(
+          cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch, sizeof(batch)));
       DG_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
                                                        &batchStride, sizeof(batchStride)));
     }
@@ -176,9 +177,9 @@ bool ltGemm(int device, const Stream& stream, DType dtype, const GemmShape& s, T
     pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignC);
     cublasLtMatmulHeuristicResult_t result{};
     int returned = 0;
-    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt, desc.desc, layoutFirst.layout, layoutSecond.layout,
-                                                             layoutC.layout, layoutC.layout, pref.pref, 1, &result,
-                                                             &returned);
+    const cublasStatus_t st =
+        cublasLtMatmulAlgoGetHeuristic(lt, desc.desc, layoutFirst.layout, layoutSecond.layout, layoutC.layout,
+                                       layoutC.layout, pref.pref, 1, &result, &returned);
     std::optional<cublasLtMatmulAlgo_t> algo;
     // NOT_SUPPORTED (no algorithm for this configuration) is an answer, not an error: fall back to cuBLAS.
     if (st == CUBLAS_STATUS_SUCCESS && returned > 0 && result.state == CUBLAS_STATUS_SUCCESS) {
@@ -219,16 +220,22 @@ bool runGemm(int device, DType dtype, const GemmShape& s, T alpha, const Operand
              int64_t ldc, int64_t strideC, const T* bias = nullptr) {
   const Stream stream = Stream::current(device);
   if (s.batch == 0 || s.m == 0 || s.n == 0) return bias != nullptr;  // nothing to write
-  if (s.k == 0) {
-    // An empty contraction: C = beta * C, i.e. zeros when beta == 0 (BLAS may skip the write entirely).
-    DG_CHECK(beta == T(0), "gemm: k == 0 with beta != 0 is not supported on CUDA");
+  if (s.k == 0 && beta == T(0)) {
+    // An empty contraction with beta == 0: C = 0 (Lt rejects k == 0; BLAS may skip the write entirely).
     if (ldc == s.n && strideC == s.m * s.n) {
       DG_CUDA_CHECK(cudaMemsetAsync(c, 0, sizeof(T) * static_cast<size_t>(s.batch * s.m * s.n), rawStream(stream)));
     } else {
-      DG_CUDA_CHECK(cudaMemset2DAsync(c, sizeof(T) * static_cast<size_t>(ldc), 0, sizeof(T) * static_cast<size_t>(s.n),
-                                      static_cast<size_t>(s.m), rawStream(stream)));
-      DG_CHECK(s.batch == 1, "gemm: k == 0 with a strided batched output is not supported on CUDA");
+      for (int64_t i = 0; i < s.batch; ++i) {
+        DG_CUDA_CHECK(cudaMemset2DAsync(c + i * strideC, sizeof(T) * static_cast<size_t>(ldc), 0,
+                                        sizeof(T) * static_cast<size_t>(s.n), static_cast<size_t>(s.m),
+                                        rawStream(stream)));
+      }
     }
+    return false;
+  }
+  if (s.k == 0) {
+    // C = beta * C: cuBLAS follows BLAS here; Lt does not take k == 0.
+    cublasGemm<T>(stream, dtype, s, alpha, a, b, beta, c, ldc, strideC);
     return false;
   }
   bool biasApplied = bias != nullptr;
@@ -380,8 +387,9 @@ void gemmTensors(const Tensor& a2d, const Tensor& b2d, const Tensor& out, const 
   Operand b = operandOf(b2d, {});
   GemmShape s{1, a2d.shape()[0], b2d.shape()[1], a2d.shape()[1]};
   Tensor biasC = bias.defined() ? contiguousOnDevice(bias) : Tensor();
-  const bool applied = runGemm<T>(device, out.dtype(), s, T(1), a, b, T(0), static_cast<T*>(out.rawData()),
-                                  out.strides()[0], 0, biasC.defined() ? static_cast<const T*>(biasC.rawData()) : nullptr);
+  const bool applied =
+      runGemm<T>(device, out.dtype(), s, T(1), a, b, T(0), static_cast<T*>(out.rawData()), out.strides()[0], 0,
+                 biasC.defined() ? static_cast<const T*>(biasC.rawData()) : nullptr);
   if (biasC.defined() && !applied) {
     // No Lt algorithm with the bias epilogue for this layout: add it with the element-wise kernels.
     Tensor withBias = kernels::binary(kernels::BinaryOp::kAdd, out, biasC, "linear");

@@ -167,8 +167,8 @@ struct ConvSetup {
       : device(dev), dtype(dt), x(xs), w(ws), params(p) {
     y = kernels::conv2dOutputShape(x, w, params, op);
     // float64 has no reduced-precision path; float32 follows the process-wide conv math mode.
-    requestedMath = (dtype == DType::kFloat32 && convMathMode() == MathMode::kTf32) ? CUDNN_TENSOR_OP_MATH
-                                                                                     : CUDNN_FMA_MATH;
+    requestedMath =
+        (dtype == DType::kFloat32 && convMathMode() == MathMode::kTf32) ? CUDNN_TENSOR_OP_MATH : CUDNN_FMA_MATH;
     xDesc.set4d(dtype, x[0], x[1], x[2], x[3], op);
     yDesc.set4d(dtype, y[0], y[1], y[2], y[3], op);
     wDesc.set(dtype, w, op);
@@ -258,8 +258,8 @@ Tensor biasGrad(const Tensor& gradOut, cudnnHandle_t handle, const char* op) {
     DG_CUDA_CHECK(cudaMemsetAsync(db.rawData(), 0, db.nbytes(), rawStream(Stream::current(device))));
     return db;
   }
-  DG_CUDNN_CHECK(cudnnConvolutionBackwardBias(handle, k.alpha(), gDesc.get(), g.rawData(), k.beta(), bDesc.get(),
-                                              db.rawData()));
+  DG_CUDNN_CHECK(
+      cudnnConvolutionBackwardBias(handle, k.alpha(), gDesc.get(), g.rawData(), k.beta(), bDesc.get(), db.rawData()));
   return db;
 }
 
@@ -298,7 +298,8 @@ Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, const k
     TensorDesc bDesc;
     bDesc.set4d(xc.dtype(), 1, setup.y[1], 1, 1, op);
     Scalars k(xc.dtype(), 1.0);  // y = 1 * bias (broadcast) + 1 * y
-    DG_CUDNN_CHECK(cudnnAddTensor(handle, k.alpha(), bDesc.get(), bc.rawData(), k.beta(), setup.yDesc.get(), y.rawData()));
+    DG_CUDNN_CHECK(
+        cudnnAddTensor(handle, k.alpha(), bDesc.get(), bc.rawData(), k.beta(), setup.yDesc.get(), y.rawData()));
   }
   return y;
 }
@@ -326,11 +327,10 @@ Tensor conv2dBackwardInput(const Tensor& gradOut, const Tensor& weight, const Sh
   setup.convDesc.setMath(choice.math);
   Tensor workspace = workspaceTensor(device, choice.workspaceBytes);
   Scalars k(g.dtype(), 0.0);
-  DG_CUDNN_CHECK(cudnnConvolutionBackwardData(handle, k.alpha(), setup.wDesc.get(), wc.rawData(), setup.yDesc.get(),
-                                              g.rawData(), setup.convDesc.get(),
-                                              static_cast<cudnnConvolutionBwdDataAlgo_t>(choice.algo),
-                                              workspace.rawData(), choice.workspaceBytes, k.beta(), setup.xDesc.get(),
-                                              dx.rawData()));
+  DG_CUDNN_CHECK(cudnnConvolutionBackwardData(
+      handle, k.alpha(), setup.wDesc.get(), wc.rawData(), setup.yDesc.get(), g.rawData(), setup.convDesc.get(),
+      static_cast<cudnnConvolutionBwdDataAlgo_t>(choice.algo), workspace.rawData(), choice.workspaceBytes, k.beta(),
+      setup.xDesc.get(), dx.rawData()));
   return dx;
 }
 
@@ -356,11 +356,10 @@ std::pair<Tensor, Tensor> conv2dBackwardWeight(const Tensor& gradOut, const Tens
       setup.convDesc.setMath(choice.math);
       Tensor workspace = workspaceTensor(device, choice.workspaceBytes);
       Scalars k(xc.dtype(), 0.0);
-      DG_CUDNN_CHECK(cudnnConvolutionBackwardFilter(handle, k.alpha(), setup.xDesc.get(), xc.rawData(),
-                                                    setup.yDesc.get(), g.rawData(), setup.convDesc.get(),
-                                                    static_cast<cudnnConvolutionBwdFilterAlgo_t>(choice.algo),
-                                                    workspace.rawData(), choice.workspaceBytes, k.beta(),
-                                                    setup.wDesc.get(), dw.rawData()));
+      DG_CUDNN_CHECK(cudnnConvolutionBackwardFilter(
+          handle, k.alpha(), setup.xDesc.get(), xc.rawData(), setup.yDesc.get(), g.rawData(), setup.convDesc.get(),
+          static_cast<cudnnConvolutionBwdFilterAlgo_t>(choice.algo), workspace.rawData(), choice.workspaceBytes,
+          k.beta(), setup.wDesc.get(), dw.rawData()));
     }
   }
   Tensor db = withBias ? biasGrad(g, handle, op) : Tensor();
@@ -439,8 +438,8 @@ Tensor softmaxBackwardImpl(const Tensor& gradOutput, const Tensor& output, int64
   Scalars k(y.dtype(), 0.0);
   // cuDNN's LOG backward computes g - exp(y) * sum(g) from the log-softmax output, ACCURATE computes
   // y * (g - sum(g * y)): the same formulas as the CPU kernels.
-  DG_CUDNN_CHECK(cudnnSoftmaxBackward(cudnnHandle(Stream::current(device)), algo, CUDNN_SOFTMAX_MODE_CHANNEL,
-                                      k.alpha(), desc.get(), y.rawData(), desc.get(), g.rawData(), k.beta(), desc.get(),
+  DG_CUDNN_CHECK(cudnnSoftmaxBackward(cudnnHandle(Stream::current(device)), algo, CUDNN_SOFTMAX_MODE_CHANNEL, k.alpha(),
+                                      desc.get(), y.rawData(), desc.get(), g.rawData(), k.beta(), desc.get(),
                                       dx.rawData()));
   return dx;
 }
@@ -502,11 +501,10 @@ Tensor avgPool2d(const Tensor& x, const kernels::Pool2dParams& params) {
   const Stream stream = Stream::current(device);
   if (cudnnFitsAvgPool(in.shape(), g)) {
     PoolingDesc pool;
-    DG_CUDNN_CHECK(cudnnSetPooling2dDescriptor(pool.get(), CUDNN_POOLING_AVERAGE_COUNT_INCLUDE_PADDING,
-                                               CUDNN_PROPAGATE_NAN, toInt(g.kernelH, op, "kernel"),
-                                               toInt(g.kernelW, op, "kernel"), toInt(g.padH, op, "padding"),
-                                               toInt(g.padW, op, "padding"), toInt(g.strideH, op, "stride"),
-                                               toInt(g.strideW, op, "stride")));
+    DG_CUDNN_CHECK(cudnnSetPooling2dDescriptor(
+        pool.get(), CUDNN_POOLING_AVERAGE_COUNT_INCLUDE_PADDING, CUDNN_PROPAGATE_NAN, toInt(g.kernelH, op, "kernel"),
+        toInt(g.kernelW, op, "kernel"), toInt(g.padH, op, "padding"), toInt(g.padW, op, "padding"),
+        toInt(g.strideH, op, "stride"), toInt(g.strideW, op, "stride")));
     TensorDesc xDesc, yDesc;
     xDesc.set4d(in.dtype(), in.shape()[0], in.shape()[1], g.inH, g.inW, op);
     yDesc.set4d(in.dtype(), in.shape()[0], in.shape()[1], g.outH, g.outW, op);
@@ -517,7 +515,8 @@ Tensor avgPool2d(const Tensor& x, const kernels::Pool2dParams& params) {
   }
   dispatchFloat(in.dtype(), op, [&](auto tag) {
     using T = decltype(tag);
-    dnn_detail::launchAvgPool2d<T>(static_cast<const T*>(in.rawData()), static_cast<T*>(y.rawData()), g, rawStream(stream));
+    dnn_detail::launchAvgPool2d<T>(static_cast<const T*>(in.rawData()), static_cast<T*>(y.rawData()), g,
+                                   rawStream(stream));
   });
   return y;
 }
@@ -533,7 +532,7 @@ Tensor avgPool2dBackward(const Tensor& gradOutput, const Shape& inputShape, cons
   dispatchFloat(g.dtype(), "avgPool2d backward", [&](auto tag) {
     using T = decltype(tag);
     dnn_detail::launchAvgPool2dBackward<T>(static_cast<const T*>(g.rawData()), static_cast<T*>(dx.rawData()), geo,
-                                       rawStream(Stream::current(device)));
+                                           rawStream(Stream::current(device)));
   });
   return dx;
 }

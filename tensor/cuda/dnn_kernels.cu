@@ -2,8 +2,6 @@
 // kernel mirrors the CPU loop of the same name in tensor/cpu/ (pool.cpp, batch_norm.cpp, nn_kernels.cpp):
 // same window rules, same NaN handling, double accumulation where the CPU accumulates in double.
 // Compiled, untested on hardware in the session that wrote it (no GPU was available).
-#include "tensor/cuda/dnn_kernels.h"
-
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -12,6 +10,7 @@
 #include <limits>
 
 #include "tensor/cuda/cuda_check.h"
+#include "tensor/cuda/dnn_kernels.h"
 
 namespace distgrad::tensor::cuda::dnn_detail {
 
@@ -30,9 +29,7 @@ void checkLaunch(const char* what) { checkCuda(cudaGetLastError(), what); }
 __device__ inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
 __device__ inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 
-__device__ inline int64_t globalIndex() {
-  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
+__device__ inline int64_t globalIndex() { return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; }
 __device__ inline int64_t globalStride() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
 
 template <typename T>
@@ -580,8 +577,8 @@ template <typename T>
 void launchBatchNormGradSums(const T* gradOut, const T* x, const T* mean, const T* var, double eps, double* sumG,
                              double* sumGXhat, const ChannelGeometry& g, cudaStream_t stream) {
   if (g.channels == 0) return;
-  batchNormGradSumsKernel<T><<<channelBlocks(g.channels), kThreads, 0, stream>>>(gradOut, x, mean, var, eps, sumG,
-                                                                                 sumGXhat, g);
+  batchNormGradSumsKernel<T>
+      <<<channelBlocks(g.channels), kThreads, 0, stream>>>(gradOut, x, mean, var, eps, sumG, sumGXhat, g);
   checkLaunch("batchNorm backward reduction kernel launch");
 }
 
@@ -622,8 +619,8 @@ template <typename T>
 void launchCrossEntropy(const T* logits, const int64_t* targets, int64_t n, int64_t classes, T* loss, T* rowMax,
                         T* logSum, cudaStream_t stream) {
   if (n == 0) return;
-  crossEntropyKernel<T><<<static_cast<int>(std::min(n, kMaxBlocks)), kThreads, 0, stream>>>(logits, targets, n,
-                                                                                            classes, loss, rowMax, logSum);
+  crossEntropyKernel<T><<<static_cast<int>(std::min(n, kMaxBlocks)), kThreads, 0, stream>>>(logits, targets, n, classes,
+                                                                                            loss, rowMax, logSum);
   checkLaunch("crossEntropy kernel launch");
 }
 
@@ -650,8 +647,8 @@ template <typename T>
 void launchNllLossBackward(const T* gradOut, bool perSample, T scale, const int64_t* targets, int64_t n,
                            int64_t classes, T* gradIn, cudaStream_t stream) {
   if (n == 0) return;
-  nllLossBackwardKernel<T><<<blocksFor(n), kThreads, 0, stream>>>(gradOut, perSample, scale, targets, n, classes,
-                                                                  gradIn);
+  nllLossBackwardKernel<T>
+      <<<blocksFor(n), kThreads, 0, stream>>>(gradOut, perSample, scale, targets, n, classes, gradIn);
   checkLaunch("nllLoss backward kernel launch");
 }
 
@@ -712,9 +709,9 @@ void launchEmbeddingBackward(const T* gradOut, const int64_t* indices, int64_t c
   checkLaunch("embedding backward kernel launch");
 }
 
-#define DG_INSTANTIATE_DNN_KERNELS(T)                                                                                  \
+#define DG_INSTANTIATE_DNN_KERNELS(T)                                                                                \
   template void launchMaxPool2d<T>(const T*, T*, int64_t*, const PoolGeometry&, cudaStream_t);                       \
-  template void launchMaxPool2dBackward<T>(const T*, const int64_t*, T*, const PoolGeometry&, cudaStream_t);          \
+  template void launchMaxPool2dBackward<T>(const T*, const int64_t*, T*, const PoolGeometry&, cudaStream_t);         \
   template void launchAvgPool2d<T>(const T*, T*, const PoolGeometry&, cudaStream_t);                                 \
   template void launchAvgPool2dBackward<T>(const T*, T*, const PoolGeometry&, cudaStream_t);                         \
   template void launchAdaptiveAvgPool2d<T>(const T*, T*, const PoolGeometry&, cudaStream_t);                         \

@@ -75,8 +75,7 @@ void launchCrossEntropyBackward(const T* gradOut, bool perSample, T scale, const
                                 const T* rowMax, const T* logSum, int64_t n, int64_t classes, T* gradIn,
                                 cudaStream_t stream);
 template <typename T>
-void launchNllLoss(const T* logProbs, const int64_t* targets, int64_t n, int64_t classes, T* loss,
-                   cudaStream_t stream);
+void launchNllLoss(const T* logProbs, const int64_t* targets, int64_t n, int64_t classes, T* loss, cudaStream_t stream);
 // gradIn must be zeroed by the caller.
 template <typename T>
 void launchNllLossBackward(const T* gradOut, bool perSample, T scale, const int64_t* targets, int64_t n,

@@ -4,6 +4,8 @@
 // Compiled, untested on hardware in the session that wrote it (no GPU was available).
 #ifdef DG_WITH_CUDA
 
+#include "tensor/cuda/dnn_ops.h"
+
 #include <cuda_runtime_api.h>
 
 #include <cstring>
@@ -14,7 +16,6 @@
 #include "tensor/cpu/shape_kernels.h"
 #include "tensor/cuda/dnn_common.h"
 #include "tensor/cuda/dnn_kernels.h"
-#include "tensor/cuda/dnn_ops.h"
 #include "tensor/cuda/library_handles.h"
 #include "tensor/error.h"
 
@@ -24,7 +25,9 @@ namespace dnn_detail {
 
 Tensor contiguousOnDevice(const Tensor& t) { return t.isContiguous() ? t : kernels::contiguous(t); }
 
-Tensor emptyOn(const Shape& shape, DType dtype, int device) { return Tensor::empty(shape, dtype, Device::cuda(device)); }
+Tensor emptyOn(const Shape& shape, DType dtype, int device) {
+  return Tensor::empty(shape, dtype, Device::cuda(device));
+}
 
 Tensor zerosOn(const Shape& shape, DType dtype, int device, cudaStream_t stream) {
   Tensor t = emptyOn(shape, dtype, device);
@@ -52,8 +55,8 @@ void checkIndicesInRange(const Tensor& indices, int64_t limit, cudaStream_t stre
   int64_t value = 0;
   DG_CUDA_CHECK(cudaMemcpyAsync(&value, indices.data<int64_t>() + bad, sizeof(value), cudaMemcpyDeviceToHost, stream));
   DG_CUDA_CHECK(cudaStreamSynchronize(stream));
-  DG_CHECK(false, op, ": ", indexWord, " ", value, " at position ", bad, " is out of range for ", limit, " ",
-           rangeText, " (expected 0..", limit - 1, ")");
+  DG_CHECK(false, op, ": ", indexWord, " ", value, " at position ", bad, " is out of range for ", limit, " ", rangeText,
+           " (expected 0..", limit - 1, ")");
 }
 
 }  // namespace dnn_detail
@@ -225,7 +228,7 @@ kernels::BatchNormTrainResult batchNormTrain(const Tensor& x, const Tensor& weig
     using T = decltype(tag);
     dnn_detail::launchBatchNormStats<T>(ptr<T>(in), ptr<T>(r.mean), ptr<T>(r.var), g, stream);
     dnn_detail::launchBatchNormApply<T>(ptr<T>(in), ptr<T>(r.mean), ptr<T>(r.var), ptr<T>(w), ptr<T>(b), eps,
-                                    ptr<T>(r.output), g, stream);
+                                        ptr<T>(r.output), g, stream);
   });
   return r;
 }
@@ -249,7 +252,7 @@ Tensor batchNormEval(const Tensor& x, const Tensor& weight, const Tensor& bias, 
   dispatchFloat(in.dtype(), op, [&](auto tag) {
     using T = decltype(tag);
     dnn_detail::launchBatchNormApply<T>(ptr<T>(in), ptr<T>(m), ptr<T>(v), ptr<T>(w), ptr<T>(b), eps, ptr<T>(out), g,
-                                    stream);
+                                        stream);
   });
   return out;
 }
@@ -276,11 +279,12 @@ kernels::BatchNormGrads batchNormBackward(const Tensor& gradOutput, const Tensor
   double* sumGXhat = sumG + geo.channels;
   dispatchFloat(in.dtype(), op, [&](auto tag) {
     using T = decltype(tag);
-    dnn_detail::launchBatchNormGradSums<T>(ptr<T>(g), ptr<T>(in), ptr<T>(m), ptr<T>(v), eps, sumG, sumGXhat, geo, stream);
+    dnn_detail::launchBatchNormGradSums<T>(ptr<T>(g), ptr<T>(in), ptr<T>(m), ptr<T>(v), eps, sumG, sumGXhat, geo,
+                                           stream);
     if (need[0]) {
       r.x = emptyOn(in.shape(), in.dtype(), device);
-      dnn_detail::launchBatchNormInputGrad<T>(ptr<T>(g), ptr<T>(in), ptr<T>(m), ptr<T>(v), ptr<T>(w), eps, sumG, sumGXhat,
-                                          training, ptr<T>(r.x), geo, stream);
+      dnn_detail::launchBatchNormInputGrad<T>(ptr<T>(g), ptr<T>(in), ptr<T>(m), ptr<T>(v), ptr<T>(w), eps, sumG,
+                                              sumGXhat, training, ptr<T>(r.x), geo, stream);
     }
     if (need[1]) {
       r.weight = emptyOn({geo.channels}, in.dtype(), device);
@@ -325,7 +329,8 @@ Tensor reduceLosses(const Tensor& perSample, kernels::LossReduction reduction, c
   const int device = deviceOf(perSample);
   const int64_t n = perSample.numel();
   Tensor out = emptyOn({}, perSample.dtype(), device);
-  Tensor workspace = workspaceTensor(device, sizeof(double) * static_cast<size_t>(dnn_detail::reduceWorkspaceDoubles()));
+  Tensor workspace =
+      workspaceTensor(device, sizeof(double) * static_cast<size_t>(dnn_detail::reduceWorkspaceDoubles()));
   // kMean over zero samples is 0 * inf = NaN, the CPU's 0 / 0.
   const double scale = reduction == kernels::LossReduction::kMean ? 1.0 / static_cast<double>(n) : 1.0;
   dispatchFloat(perSample.dtype(), "loss reduction", [&](auto tag) {
@@ -357,7 +362,7 @@ kernels::CrossEntropyResult crossEntropy(const Tensor& logits, const Tensor& tar
   dispatchFloat(x.dtype(), op, [&](auto tag) {
     using T = decltype(tag);
     dnn_detail::launchCrossEntropy<T>(ptr<T>(x), ptr<int64_t>(t), n, classes, ptr<T>(r.loss), ptr<T>(r.rowMax),
-                                  ptr<T>(r.logSum), stream);
+                                      ptr<T>(r.logSum), stream);
   });
   r.loss = reduceLosses(r.loss, reduction, stream);
   return r;
@@ -378,8 +383,8 @@ Tensor crossEntropyBackward(const Tensor& gradOutput, const Tensor& logits, cons
   dispatchFloat(x.dtype(), "crossEntropy backward", [&](auto tag) {
     using T = decltype(tag);
     dnn_detail::launchCrossEntropyBackward<T>(ptr<T>(g), reduction == kernels::LossReduction::kNone,
-                                          coefScale<T>(reduction, n), ptr<T>(x), ptr<int64_t>(t), ptr<T>(rowMax),
-                                          ptr<T>(logSum), n, classes, ptr<T>(dx), stream);
+                                              coefScale<T>(reduction, n), ptr<T>(x), ptr<int64_t>(t), ptr<T>(rowMax),
+                                              ptr<T>(logSum), n, classes, ptr<T>(dx), stream);
   });
   return dx;
 }
@@ -414,7 +419,7 @@ Tensor nllLossBackward(const Tensor& gradOutput, const Tensor& targets, const Sh
   dispatchFloat(dtype, "nllLoss backward", [&](auto tag) {
     using T = decltype(tag);
     dnn_detail::launchNllLossBackward<T>(ptr<T>(g), reduction == kernels::LossReduction::kNone,
-                                     coefScale<T>(reduction, n), ptr<int64_t>(t), n, classes, ptr<T>(dx), stream);
+                                         coefScale<T>(reduction, n), ptr<int64_t>(t), n, classes, ptr<T>(dx), stream);
   });
   return dx;
 }
@@ -436,9 +441,11 @@ Tensor mseLoss(const Tensor& input, const Tensor& target, kernels::LossReduction
       return out;
     }
     Tensor out = emptyOn({}, x.dtype(), device);
-    Tensor workspace = workspaceTensor(device, sizeof(double) * static_cast<size_t>(dnn_detail::reduceWorkspaceDoubles()));
+    Tensor workspace =
+        workspaceTensor(device, sizeof(double) * static_cast<size_t>(dnn_detail::reduceWorkspaceDoubles()));
     const double scale = reduction == kernels::LossReduction::kMean ? 1.0 / static_cast<double>(n) : 1.0;
-    dnn_detail::launchSumSquaredDiffScaled<T>(ptr<T>(x), ptr<T>(y), n, scale, ptr<T>(out), ptr<double>(workspace), stream);
+    dnn_detail::launchSumSquaredDiffScaled<T>(ptr<T>(x), ptr<T>(y), n, scale, ptr<T>(out), ptr<double>(workspace),
+                                              stream);
     return out;
   });
 }
@@ -459,7 +466,7 @@ kernels::MseLossGrads mseLossBackward(const Tensor& gradOutput, const Tensor& in
   dispatchFloat(x.dtype(), "mseLoss backward", [&](auto tag) {
     using T = decltype(tag);
     dnn_detail::launchMseBackward<T>(ptr<T>(g), reduction == kernels::LossReduction::kNone, coefScale<T>(reduction, n),
-                                 ptr<T>(x), ptr<T>(y), n, ptr<T>(r.input), ptr<T>(r.target), stream);
+                                     ptr<T>(x), ptr<T>(y), n, ptr<T>(r.input), ptr<T>(r.target), stream);
   });
   return r;
 }
@@ -522,7 +529,8 @@ Tensor embeddingBackward(const Tensor& gradOutput, const Tensor& indices, const 
   Tensor dw = zerosOn(weightShape, g.dtype(), device, stream);
   dispatchFloat(g.dtype(), "embedding backward", [&](auto tag) {
     using T = decltype(tag);
-    dnn_detail::launchEmbeddingBackward<T>(ptr<T>(g), ptr<int64_t>(idx), idx.numel(), weightShape[1], ptr<T>(dw), stream);
+    dnn_detail::launchEmbeddingBackward<T>(ptr<T>(g), ptr<int64_t>(idx), idx.numel(), weightShape[1], ptr<T>(dw),
+                                           stream);
   });
   return dw;
 }

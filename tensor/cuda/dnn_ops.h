@@ -71,8 +71,8 @@ Tensor adaptiveAvgPool2dBackward(const Tensor& gradOutput, const Shape& inputSha
 
 // ---- batch_norm.h
 kernels::BatchNormTrainResult batchNormTrain(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps);
-Tensor batchNormEval(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& mean,
-                     const Tensor& var, double eps);
+Tensor batchNormEval(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& mean, const Tensor& var,
+                     double eps);
 kernels::BatchNormGrads batchNormBackward(const Tensor& gradOutput, const Tensor& x, const Tensor& weight,
                                           const Tensor& mean, const Tensor& var, double eps, bool training,
                                           std::array<bool, 3> need);
@@ -84,8 +84,8 @@ Tensor softmax(const Tensor& x, int64_t dim);
 Tensor logSoftmax(const Tensor& x, int64_t dim);
 Tensor softmaxBackward(const Tensor& gradOutput, const Tensor& output, int64_t dim);
 Tensor logSoftmaxBackward(const Tensor& gradOutput, const Tensor& output, int64_t dim);
-kernels::CrossEntropyResult crossEntropy(const Tensor& logits, const Tensor& targets,
-                                         kernels::LossReduction reduction, const char* op);
+kernels::CrossEntropyResult crossEntropy(const Tensor& logits, const Tensor& targets, kernels::LossReduction reduction,
+                                         const char* op);
 Tensor crossEntropyBackward(const Tensor& gradOutput, const Tensor& logits, const Tensor& targets,
                             const kernels::CrossEntropyResult& forward, kernels::LossReduction reduction);
 Tensor nllLoss(const Tensor& logProbs, const Tensor& targets, kernels::LossReduction reduction, const char* op);

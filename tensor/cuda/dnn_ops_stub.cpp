@@ -9,7 +9,8 @@ namespace distgrad::tensor::cuda::dnn {
 
 namespace {
 [[noreturn]] void noCuda(const char* op) {
-  throw ValueError(detail::concatMessage(op, ": CUDA operands, but distgrad was built without CUDA (DG_WITH_CUDA=OFF)"));
+  throw ValueError(
+      detail::concatMessage(op, ": CUDA operands, but distgrad was built without CUDA (DG_WITH_CUDA=OFF)"));
 }
 }  // namespace
 

@@ -91,14 +91,16 @@ TEST(CudaDnnGrad, Pooling) {
   const Tensor x = randn({2, 3, 8, 7}, 1);
   compareGradients("maxPool2d", {x}, [o](const std::vector<Tensor>& in) { return maxPool2d(in[0], o); });
   compareGradients("avgPool2d", {x}, [o](const std::vector<Tensor>& in) { return avgPool2d(in[0], o); });
-  compareGradients("adaptiveAvgPool2d", {x},
-                   [](const std::vector<Tensor>& in) { return adaptiveAvgPool2d(in[0], {3, 2}); });
+  compareGradients("adaptiveAvgPool2d", {x}, [](const std::vector<Tensor>& in) {
+    return adaptiveAvgPool2d(in[0], {3, 2});
+  });
 }
 
 TEST(CudaDnnGrad, BatchNormTrainingAndEval) {
   DG_REQUIRE_GPU();
-  compareGradients("batchNorm train", {randn({4, 3, 3, 2}, 1), randn({3}, 2), randn({3}, 3)},
-                   [](const std::vector<Tensor>& in) { return batchNorm(in[0], in[1], in[2], Tensor(), Tensor(), true); });
+  compareGradients(
+      "batchNorm train", {randn({4, 3, 3, 2}, 1), randn({3}, 2), randn({3}, 3)},
+      [](const std::vector<Tensor>& in) { return batchNorm(in[0], in[1], in[2], Tensor(), Tensor(), true); });
   const Tensor runMean = randn({3}, 4);
   const Tensor runVar = Tensor::full({3}, 0.8, DType::kFloat64);
   compareGradients("batchNorm eval", {randn({4, 3, 3, 2}, 5), randn({3}, 6), randn({3}, 7)},
@@ -111,7 +113,8 @@ TEST(CudaDnnGrad, BatchNormTrainingAndEval) {
 TEST(CudaDnnGrad, SoftmaxAndLosses) {
   DG_REQUIRE_GPU();
   compareGradients("softmax", {randn({3, 5, 2}, 1)}, [](const std::vector<Tensor>& in) { return softmax(in[0], 1); });
-  compareGradients("logSoftmax", {randn({4, 6}, 2)}, [](const std::vector<Tensor>& in) { return logSoftmax(in[0], -1); });
+  compareGradients("logSoftmax", {randn({4, 6}, 2)},
+                   [](const std::vector<Tensor>& in) { return logSoftmax(in[0], -1); });
   const Tensor targets = Tensor::fromVector(std::vector<int64_t>{1, 0, 4, 2}, {4});
   for (Reduction r : {Reduction::kNone, Reduction::kMean, Reduction::kSum}) {
     const std::string tag = " reduction " + std::to_string(static_cast<int>(r));

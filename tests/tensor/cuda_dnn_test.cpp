@@ -123,17 +123,25 @@ TEST(CudaDnnRouting, MixingCpuAndCudaOperandsNamesBothDevices) {
   Tensor gpuB = fakeCudaTensor({3, 4});
   expectMentions(errorOf([&] { k::matmul(cpuA, gpuB); }), {"matmul", "cpu", "cuda:0"});
   expectMentions(errorOf([&] { k::linear(cpuA, fakeCudaTensor({4, 3}), Tensor()); }), {"linear", "cpu", "cuda:0"});
-  expectMentions(errorOf([&] { k::linear(cpuA, randn({4, 3}, 3), fakeCudaTensor({4})); }),
+  expectMentions(errorOf([&] {
+                   k::linear(cpuA, randn({4, 3}, 3), fakeCudaTensor({4}));
+                 }),
                  {"linear", "bias", "cuda:0"});
   Tensor x = randn({1, 2, 5, 5}, 4);
-  expectMentions(errorOf([&] { k::conv2d(x, fakeCudaTensor({3, 2, 3, 3}), Tensor(), {}); }),
+  expectMentions(errorOf([&] {
+                   k::conv2d(x, fakeCudaTensor({3, 2, 3, 3}), Tensor(), {});
+                 }),
                  {"conv2d", "weight", "cpu", "cuda:0"});
   expectMentions(errorOf([&] { k::batchNormEval(x, Tensor(), Tensor(), fakeCudaTensor({2}), randn({2}, 5), 1e-5); }),
                  {"batchNorm", "running mean", "cuda:0"});
   Tensor targets = Tensor::fromVector(std::vector<int64_t>{0, 1}, {2});
-  expectMentions(errorOf([&] { k::crossEntropy(fakeCudaTensor({2, 3}), targets, k::LossReduction::kMean); }),
+  expectMentions(errorOf([&] {
+                   k::crossEntropy(fakeCudaTensor({2, 3}), targets, k::LossReduction::kMean);
+                 }),
                  {"crossEntropy", "targets", "cpu", "cuda:0"});
-  expectMentions(errorOf([&] { k::mseLoss(cpuA, fakeCudaTensor({2, 3}), k::LossReduction::kSum); }),
+  expectMentions(errorOf([&] {
+                   k::mseLoss(cpuA, fakeCudaTensor({2, 3}), k::LossReduction::kSum);
+                 }),
                  {"mseLoss", "cpu", "cuda:0"});
   expectMentions(errorOf([&] { k::embedding(fakeCudaTensor({4, 2}), targets); }), {"embedding", "indices", "cpu"});
 }
@@ -143,10 +151,14 @@ TEST(CudaDnnRouting, CudaOperandsWithoutAUsableDeviceNameTheOpAndDevice) {
   Tensor a = fakeCudaTensor({2, 3}), b = fakeCudaTensor({3, 4});
   expectMentions(errorOf([&] { k::matmul(a, b); }), {"matmul", "CUDA"});
   expectMentions(errorOf([&] { k::softmax(a, 1); }), {"softmax", "CUDA"});
-  expectMentions(errorOf([&] { k::conv2d(fakeCudaTensor({1, 1, 4, 4}), fakeCudaTensor({1, 1, 3, 3}), Tensor(), {}); }),
+  expectMentions(errorOf([&] {
+                   k::conv2d(fakeCudaTensor({1, 1, 4, 4}), fakeCudaTensor({1, 1, 3, 3}), Tensor(), {});
+                 }),
                  {"conv2d", "CUDA"});
   expectMentions(errorOf([&] { k::maxPool2d(fakeCudaTensor({1, 1, 4, 4}), {}, true); }), {"maxPool2d", "CUDA"});
-  expectMentions(errorOf([&] { k::batchNormTrain(fakeCudaTensor({2, 3}), Tensor(), Tensor(), 1e-5); }),
+  expectMentions(errorOf([&] {
+                   k::batchNormTrain(fakeCudaTensor({2, 3}), Tensor(), Tensor(), 1e-5);
+                 }),
                  {"batchNorm", "CUDA"});
   Generator gen(1);
   expectMentions(errorOf([&] { k::dropout(a, 0.5, gen); }), {"dropout", "CUDA"});
@@ -154,7 +166,9 @@ TEST(CudaDnnRouting, CudaOperandsWithoutAUsableDeviceNameTheOpAndDevice) {
 
 #ifndef DG_WITH_CUDA
 TEST(CudaDnnRouting, BuiltWithoutCudaSaysSo) {
-  expectMentions(errorOf([] { k::matmul(fakeCudaTensor({2, 2}), fakeCudaTensor({2, 2})); }),
+  expectMentions(errorOf([] {
+                   k::matmul(fakeCudaTensor({2, 2}), fakeCudaTensor({2, 2}));
+                 }),
                  {"matmul", "built without CUDA"});
   expectMentions(errorOf([] { cuda::dnn::softmax(randn({2}, 1), 0); }), {"softmax", "built without CUDA"});
 }
@@ -168,9 +182,8 @@ TEST(CudaGemm, MatmulMatchesCpuAcrossShapesAndDTypes) {
     Shape a, b;
   };
   const std::vector<Case> cases = {
-      {{5, 7}, {7, 3}},       {{7}, {7, 3}},          {{5, 7}, {7}},          {{7}, {7}},
-      {{4, 5, 6}, {6, 2}},    {{2, 1, 4, 5}, {3, 5, 6}}, {{1, 3, 2}, {4, 2, 5}}, {{0, 3}, {3, 4}},
-      {{3, 0}, {0, 4}},       {{65, 129}, {129, 33}},
+      {{5, 7}, {7, 3}},          {{7}, {7, 3}},          {{5, 7}, {7}},    {{7}, {7}},       {{4, 5, 6}, {6, 2}},
+      {{2, 1, 4, 5}, {3, 5, 6}}, {{1, 3, 2}, {4, 2, 5}}, {{0, 3}, {3, 4}}, {{3, 0}, {0, 4}}, {{65, 129}, {129, 33}},
   };
   for (DType dtype : {DType::kFloat32, DType::kFloat64}) {
     const double tol = dtype == DType::kFloat64 ? 1e-10 : 1e-4;
@@ -377,8 +390,8 @@ TEST(CudaBatchNorm, TrainEvalBackwardAndRunningStatsMatchCpu) {
         const Tensor& m = training ? want.mean : rm;
         const Tensor& v = training ? want.var : rv;
         k::BatchNormGrads wg = k::batchNormBackward(g, x, w, m, v, 1e-5, training, {true, true, true});
-        k::BatchNormGrads gg =
-            k::batchNormBackward(toCuda(g), toCuda(x), toCuda(w), toCuda(m), toCuda(v), 1e-5, training, {true, true, true});
+        k::BatchNormGrads gg = k::batchNormBackward(toCuda(g), toCuda(x), toCuda(w), toCuda(m), toCuda(v), 1e-5,
+                                                    training, {true, true, true});
         const std::string mode = training ? " train" : " eval";
         expectClose(wg.x, gg.x, tol, what + mode + " dx");
         expectClose(wg.weight, gg.weight, tol, what + mode + " dweight");
@@ -409,7 +422,8 @@ TEST(CudaNn, SoftmaxFamilyMatchesCpuAlongEveryDim) {
       expectClose(s, gs, tol, "softmax " + what);
       expectClose(ls, gls, tol, "logSoftmax " + what);
       Tensor g = randn(x.shape(), 2, dtype);
-      expectClose(k::softmaxBackward(g, s, dim), k::softmaxBackward(toCuda(g), gs, dim), tol, "softmax backward " + what);
+      expectClose(k::softmaxBackward(g, s, dim), k::softmaxBackward(toCuda(g), gs, dim), tol,
+                  "softmax backward " + what);
       expectClose(k::logSoftmaxBackward(g, ls, dim), k::logSoftmaxBackward(toCuda(g), gls, dim), tol,
                   "logSoftmax backward " + what);
     }
@@ -449,9 +463,13 @@ TEST(CudaNn, LossesAndTheirGradientsMatchCpu) {
   }
   // An out-of-range target is the CPU's error, naming the value and its position.
   Tensor bad = toCuda(Tensor::fromVector(std::vector<int64_t>{0, 7, 1}, {3}));
-  expectMentions(errorOf([&] { k::crossEntropy(toCuda(randn({3, 5}, 9)), bad, k::LossReduction::kMean); }),
+  expectMentions(errorOf([&] {
+                   k::crossEntropy(toCuda(randn({3, 5}, 9)), bad, k::LossReduction::kMean);
+                 }),
                  {"crossEntropy", "target 7", "position 1", "5 classes"});
-  expectMentions(errorOf([&] { k::nllLoss(toCuda(randn({3, 5}, 9)), bad, k::LossReduction::kMean); }),
+  expectMentions(errorOf([&] {
+                   k::nllLoss(toCuda(randn({3, 5}, 9)), bad, k::LossReduction::kMean);
+                 }),
                  {"nllLoss", "target 7"});
 }
 
