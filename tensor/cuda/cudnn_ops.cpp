@@ -67,6 +67,9 @@ class TensorDesc {
   TensorDesc& operator=(const TensorDesc&) = delete;
   // A packed NCHW tensor.
   void set4d(DType dtype, int64_t n, int64_t c, int64_t h, int64_t w, const char* op) {
+    // Packed strides are 32-bit in the legacy API, so the whole tensor must fit too.
+    DG_CHECK(n * c * h * w <= INT_MAX, op, ": a tensor of ", n * c * h * w,
+             " elements exceeds cuDNN's 32-bit indexing (at most ", INT_MAX, ")");
     DG_CUDNN_CHECK(cudnnSetTensor4dDescriptor(desc_, CUDNN_TENSOR_NCHW, cudnnType(dtype, op), toInt(n, op, "N"),
                                               toInt(c, op, "C"), toInt(h, op, "H"), toInt(w, op, "W")));
   }
