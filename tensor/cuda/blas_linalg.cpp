@@ -380,8 +380,10 @@ Tensor asRows(const Tensor& t) {
   return viewOf(copy, {rows, cols}, {cols, 1});
 }
 
+// out = a2d * b2d (+ bias broadcast over rows); returns out, or a new tensor when the bias had to be added
+// separately.
 template <typename T>
-void gemmTensors(const Tensor& a2d, const Tensor& b2d, const Tensor& out, const Tensor& bias = Tensor()) {
+Tensor gemmTensors(const Tensor& a2d, const Tensor& b2d, const Tensor& out, const Tensor& bias = Tensor()) {
   const int device = deviceOf(out);
   Operand a = operandOf(a2d, {});
   Operand b = operandOf(b2d, {});
@@ -392,9 +394,9 @@ void gemmTensors(const Tensor& a2d, const Tensor& b2d, const Tensor& out, const 
                  biasC.defined() ? static_cast<const T*>(biasC.rawData()) : nullptr);
   if (biasC.defined() && !applied) {
     // No Lt algorithm with the bias epilogue for this layout: add it with the element-wise kernels.
-    Tensor withBias = kernels::binary(kernels::BinaryOp::kAdd, out, biasC, "linear");
-    out.detach().copyFrom(withBias);
+    return kernels::binary(kernels::BinaryOp::kAdd, out, biasC, "linear");
   }
+  return out;
 }
 
 }  // namespace
@@ -504,7 +506,7 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   Tensor out = emptyOn({x2.shape()[0], outFeatures}, x.dtype(), device);
   dispatchFloat(x.dtype(), op, [&](auto tag) {
     using T = decltype(tag);
-    gemmTensors<T>(x2, transposedView(weight), out, bias);
+    out = gemmTensors<T>(x2, transposedView(weight), out, bias);
   });
   Shape resultShape = x.shape();
   resultShape.back() = outFeatures;
