@@ -8,10 +8,11 @@
 // shape, which is what the header-only cudnn-frontend library wraps, and that library is not available
 // here. Moving to the graph API is TODO(cleanup) once cudnn-frontend is a dependency.
 //
-// Algorithms: per shape, cudnnGet*Algorithm_v7 heuristics (no benchmarking pass, so the first call of a
-// shape costs microseconds, not the seconds cudnnFind*Ex spends timing every algorithm with scratch
-// buffers), keeping the first candidate that succeeded, fits kMaxConvWorkspaceBytes and honours the
-// requested math mode. Choices are cached per thread keyed by (device, dtype, shapes, parameters, math
+// Algorithms: per shape, by default cudnnGet*Algorithm_v7 heuristics (no benchmarking pass, so the first
+// call of a shape costs microseconds), or with ConvAlgorithmSearch::kBenchmark (math_mode.h, like
+// torch.backends.cudnn.benchmark) cudnnFind*AlgorithmEx, which times every algorithm on the call's own
+// operands; either way the first candidate that succeeded, fits kMaxConvWorkspaceBytes and honours the
+// requested math mode is kept. Choices are cached per thread keyed by (device, dtype, shapes, parameters, math
 // mode), so a training loop pays the query once per layer. Workspaces are CUDA Tensors from the allocator,
 // alive for the call.
 // Compiled, untested on hardware in the session that wrote it (no GPU was available).
@@ -19,6 +20,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <climits>
 #include <sstream>
 #include <string>
@@ -183,7 +185,7 @@ struct ConvSetup {
     k << static_cast<int>(pass) << '|' << device << '|' << static_cast<int>(dtype) << '|' << shapeStr(x) << shapeStr(w)
       << '|' << params.stride[0] << ',' << params.stride[1] << ',' << params.padding[0] << ',' << params.padding[1]
       << ',' << params.dilation[0] << ',' << params.dilation[1] << ',' << params.groups << '|'
-      << static_cast<int>(requestedMath);
+      << static_cast<int>(requestedMath) << '|' << static_cast<int>(convAlgorithmSearch());
     return k.str();
   }
 
@@ -195,7 +197,9 @@ struct ConvSetup {
     return requestedMath != CUDNN_FMA_MATH || p.mathType == CUDNN_FMA_MATH;
   }
 
-  AlgoChoice choose(ConvPass pass, cudnnHandle_t handle, const char* op) {
+  // `in0`, `in1`, `out` are the pass's operands (forward: x, w, y; backward data: w, dy, dx; backward
+  // filter: x, dy, dw); benchmark search runs the candidates on them (out is overwritten).
+  AlgoChoice choose(ConvPass pass, cudnnHandle_t handle, const void* in0, const void* in1, void* out, const char* op) {
     const std::string k = key(pass);
     if (auto it = tAlgoCache.find(k); it != tAlgoCache.end()) return it->second;
     AlgoChoice choice;
@@ -211,27 +215,63 @@ struct ConvSetup {
         found = true;
       }
     };
-    switch (pass) {
-      case ConvPass::kForward: {
-        cudnnConvolutionFwdAlgoPerf_t perf[kMaxCandidates];
-        DG_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(handle, xDesc.get(), wDesc.get(), convDesc.get(),
-                                                              yDesc.get(), kMaxCandidates, &returned, perf));
-        pick(perf);
-        break;
+    if (convAlgorithmSearch() == ConvAlgorithmSearch::kBenchmark) {
+      // cudnnFind*Ex times every algorithm on the real operands with one scratch buffer: as large as the
+      // limit allows, but at most half the free memory so the search itself cannot exhaust the device.
+      size_t freeBytes = 0, totalBytes = 0;
+      DG_CUDA_CHECK(cudaMemGetInfo(&freeBytes, &totalBytes));
+      const size_t scratchBytes = std::min(kMaxConvWorkspaceBytes, freeBytes / 2);
+      Tensor scratch = workspaceTensor(device, scratchBytes);
+      void* ws = scratch.rawData();
+      switch (pass) {
+        case ConvPass::kForward: {
+          cudnnConvolutionFwdAlgoPerf_t perf[kMaxCandidates];
+          DG_CUDNN_CHECK(cudnnFindConvolutionForwardAlgorithmEx(handle, xDesc.get(), in0, wDesc.get(), in1,
+                                                                convDesc.get(), yDesc.get(), out, kMaxCandidates,
+                                                                &returned, perf, ws, scratchBytes));
+          pick(perf);
+          break;
+        }
+        case ConvPass::kBackwardData: {
+          cudnnConvolutionBwdDataAlgoPerf_t perf[kMaxCandidates];
+          DG_CUDNN_CHECK(cudnnFindConvolutionBackwardDataAlgorithmEx(handle, wDesc.get(), in0, yDesc.get(), in1,
+                                                                     convDesc.get(), xDesc.get(), out, kMaxCandidates,
+                                                                     &returned, perf, ws, scratchBytes));
+          pick(perf);
+          break;
+        }
+        case ConvPass::kBackwardFilter: {
+          cudnnConvolutionBwdFilterAlgoPerf_t perf[kMaxCandidates];
+          DG_CUDNN_CHECK(cudnnFindConvolutionBackwardFilterAlgorithmEx(handle, xDesc.get(), in0, yDesc.get(), in1,
+                                                                       convDesc.get(), wDesc.get(), out, kMaxCandidates,
+                                                                       &returned, perf, ws, scratchBytes));
+          pick(perf);
+          break;
+        }
       }
-      case ConvPass::kBackwardData: {
-        cudnnConvolutionBwdDataAlgoPerf_t perf[kMaxCandidates];
-        DG_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(handle, wDesc.get(), yDesc.get(), convDesc.get(),
-                                                                   xDesc.get(), kMaxCandidates, &returned, perf));
-        pick(perf);
-        break;
-      }
-      case ConvPass::kBackwardFilter: {
-        cudnnConvolutionBwdFilterAlgoPerf_t perf[kMaxCandidates];
-        DG_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(handle, xDesc.get(), yDesc.get(), convDesc.get(),
-                                                                     wDesc.get(), kMaxCandidates, &returned, perf));
-        pick(perf);
-        break;
+    } else {
+      switch (pass) {
+        case ConvPass::kForward: {
+          cudnnConvolutionFwdAlgoPerf_t perf[kMaxCandidates];
+          DG_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(handle, xDesc.get(), wDesc.get(), convDesc.get(),
+                                                                yDesc.get(), kMaxCandidates, &returned, perf));
+          pick(perf);
+          break;
+        }
+        case ConvPass::kBackwardData: {
+          cudnnConvolutionBwdDataAlgoPerf_t perf[kMaxCandidates];
+          DG_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(handle, wDesc.get(), yDesc.get(), convDesc.get(),
+                                                                     xDesc.get(), kMaxCandidates, &returned, perf));
+          pick(perf);
+          break;
+        }
+        case ConvPass::kBackwardFilter: {
+          cudnnConvolutionBwdFilterAlgoPerf_t perf[kMaxCandidates];
+          DG_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(handle, xDesc.get(), yDesc.get(), convDesc.get(),
+                                                                       wDesc.get(), kMaxCandidates, &returned, perf));
+          pick(perf);
+          break;
+        }
       }
     }
     DG_CHECK(found, op, ": cuDNN offers no algorithm for x ", shapeStr(x), ", weight ", shapeStr(w), " (", returned,
@@ -285,7 +325,7 @@ Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, const k
   if (xc.numel() == 0 || wc.numel() == 0) {  // an empty contraction: the output is just the bias (or 0)
     DG_CUDA_CHECK(cudaMemsetAsync(y.rawData(), 0, y.nbytes(), rawStream(stream)));
   } else {
-    const AlgoChoice choice = setup.choose(ConvPass::kForward, handle, op);
+    const AlgoChoice choice = setup.choose(ConvPass::kForward, handle, xc.rawData(), wc.rawData(), y.rawData(), op);
     setup.convDesc.setMath(choice.math);
     Tensor workspace = workspaceTensor(device, choice.workspaceBytes);
     Scalars k(xc.dtype(), 0.0);
@@ -326,7 +366,7 @@ Tensor conv2dBackwardInput(const Tensor& gradOut, const Tensor& weight, const Sh
     return dx;
   }
   cudnnHandle_t handle = cudnnHandle(stream);
-  const AlgoChoice choice = setup.choose(ConvPass::kBackwardData, handle, op);
+  const AlgoChoice choice = setup.choose(ConvPass::kBackwardData, handle, wc.rawData(), g.rawData(), dx.rawData(), op);
   setup.convDesc.setMath(choice.math);
   Tensor workspace = workspaceTensor(device, choice.workspaceBytes);
   Scalars k(g.dtype(), 0.0);
@@ -355,7 +395,8 @@ std::pair<Tensor, Tensor> conv2dBackwardWeight(const Tensor& gradOut, const Tens
     if (g.numel() == 0 || xc.numel() == 0) {
       DG_CUDA_CHECK(cudaMemsetAsync(dw.rawData(), 0, dw.nbytes(), rawStream(stream)));
     } else {
-      const AlgoChoice choice = setup.choose(ConvPass::kBackwardFilter, handle, op);
+      const AlgoChoice choice =
+          setup.choose(ConvPass::kBackwardFilter, handle, xc.rawData(), g.rawData(), dw.rawData(), op);
       setup.convDesc.setMath(choice.math);
       Tensor workspace = workspaceTensor(device, choice.workspaceBytes);
       Scalars k(xc.dtype(), 0.0);

@@ -9,6 +9,7 @@ namespace distgrad::tensor::cuda {
 namespace {
 std::atomic<MathMode> gMatmulMode{MathMode::kFp32};
 std::atomic<MathMode> gConvMode{MathMode::kFp32};
+std::atomic<ConvAlgorithmSearch> gConvSearch{ConvAlgorithmSearch::kHeuristic};
 
 void checkMode(MathMode mode, const char* what) {
   DG_CHECK(mode == MathMode::kFp32 || mode == MathMode::kTf32 || mode == MathMode::kBf16, what,
@@ -49,5 +50,13 @@ void setConvMathMode(MathMode mode) {
 }
 
 MathMode convMathMode() { return gConvMode.load(std::memory_order_relaxed); }
+
+void setConvAlgorithmSearch(ConvAlgorithmSearch search) {
+  DG_CHECK(search == ConvAlgorithmSearch::kHeuristic || search == ConvAlgorithmSearch::kBenchmark,
+           "setConvAlgorithmSearch: unknown ConvAlgorithmSearch value ", static_cast<int>(search));
+  gConvSearch.store(search, std::memory_order_relaxed);
+}
+
+ConvAlgorithmSearch convAlgorithmSearch() { return gConvSearch.load(std::memory_order_relaxed); }
 
 }  // namespace distgrad::tensor::cuda

@@ -29,6 +29,14 @@ MathMode matmulMathMode();
 void setConvMathMode(MathMode mode);
 MathMode convMathMode();
 
+// How cuDNN convolution algorithms are chosen for a new shape (the choice is cached per shape either way):
+//   kHeuristic: cudnnGet*Algorithm_v7, cuDNN's heuristics; microseconds per new shape (default).
+//   kBenchmark: cudnnFind*AlgorithmEx, timing every algorithm on the first call of each shape (like
+//               torch.backends.cudnn.benchmark = True); slower first step, possibly faster steady state.
+enum class ConvAlgorithmSearch { kHeuristic, kBenchmark };
+void setConvAlgorithmSearch(ConvAlgorithmSearch search);
+ConvAlgorithmSearch convAlgorithmSearch();
+
 // Sets a mode for the guard's lifetime and restores the previous one (tests and benchmarks). Not a
 // per-thread setting: other threads see the change too.
 class MatmulMathModeGuard {

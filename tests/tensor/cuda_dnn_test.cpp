@@ -109,6 +109,16 @@ TEST(CudaMathMode, DefaultsToExactFp32AndRoundTrips) {
   EXPECT_EQ(cuda::convMathMode(), MathMode::kFp32);
 }
 
+TEST(CudaMathMode, ConvAlgorithmSearchRoundTrips) {
+  EXPECT_EQ(cuda::convAlgorithmSearch(), cuda::ConvAlgorithmSearch::kHeuristic);
+  cuda::setConvAlgorithmSearch(cuda::ConvAlgorithmSearch::kBenchmark);
+  EXPECT_EQ(cuda::convAlgorithmSearch(), cuda::ConvAlgorithmSearch::kBenchmark);
+  expectMentions(errorOf([] { cuda::setConvAlgorithmSearch(static_cast<cuda::ConvAlgorithmSearch>(7)); }),
+                 {"setConvAlgorithmSearch", "7"});
+  cuda::setConvAlgorithmSearch(cuda::ConvAlgorithmSearch::kHeuristic);
+  EXPECT_EQ(cuda::convAlgorithmSearch(), cuda::ConvAlgorithmSearch::kHeuristic);
+}
+
 TEST(CudaMathMode, NamesParseBack) {
   for (MathMode m : {MathMode::kFp32, MathMode::kTf32, MathMode::kBf16}) {
     EXPECT_EQ(cuda::parseMathMode(cuda::mathModeName(m)), m);
@@ -306,6 +316,31 @@ TEST(CudaConv, ForwardAndBackwardMatchCpu) {
       expectClose(k::conv2dBackwardBias(g), k::conv2dBackwardBias(toCuda(g)), tol, what + " db alone");
     }
   }
+}
+
+TEST(CudaConv, BenchmarkSearchAndTf32GiveTheSameConvolution) {
+  DG_REQUIRE_GPU();
+  k::Conv2dParams p;
+  p.padding = {1, 1};
+  Tensor x = randn({4, 16, 12, 12}, 1), w = randn({32, 16, 3, 3}, 2);
+  Tensor want = k::conv2d(x, w, Tensor(), p);
+  Tensor g = randn(want.shape(), 3);
+  k::Conv2dGrads wantGrads = k::conv2dBackward(g, x, w, p, true, true, false);
+  cuda::setConvAlgorithmSearch(cuda::ConvAlgorithmSearch::kBenchmark);
+  const size_t before = cuda::dnn::convAlgorithmCacheSize();
+  Tensor got = k::conv2d(toCuda(x), toCuda(w), Tensor(), p);
+  k::Conv2dGrads gotGrads = k::conv2dBackward(toCuda(g), toCuda(x), toCuda(w), p, true, true, false);
+  EXPECT_EQ(cuda::dnn::convAlgorithmCacheSize(), before + 3);  // one choice per pass, keyed by the search
+  cuda::setConvAlgorithmSearch(cuda::ConvAlgorithmSearch::kHeuristic);
+  // k = 16 * 9 = 144 products per output: 1e-4 relative covers fp32 reassociation.
+  expectClose(want, got, 1e-4, "benchmark-chosen forward");
+  expectClose(wantGrads.input, gotGrads.input, 1e-4, "benchmark-chosen backward data");
+  expectClose(wantGrads.weight, gotGrads.weight, 1e-4, "benchmark-chosen backward filter");
+  // TF32 keeps 10 mantissa bits: ~1e-3 relative per product, ~1e-2 on sums of 144 unit-normal products.
+  cuda::setConvMathMode(MathMode::kTf32);
+  Tensor tf32 = k::conv2d(toCuda(x), toCuda(w), Tensor(), p);
+  cuda::setConvMathMode(MathMode::kFp32);
+  expectClose(want, tf32, 2e-2, "tf32 forward");
 }
 
 TEST(CudaConv, AlgorithmChoicesAreCachedPerShape) {
