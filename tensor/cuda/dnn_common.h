@@ -26,8 +26,9 @@ Tensor zerosOn(const Shape& shape, DType dtype, int device, cudaStream_t stream)
 // float32/float64 only on CUDA; names the op, operand and dtype otherwise.
 void requireFloatOperand(const Tensor& t, const char* op, const char* what);
 
-// Throws ValueError (message built from `describe(value, position)`) when some index lies outside
-// [0, limit). Waits for `stream` once (not the device) to read the verdict.
+// Throws ValueError "<op>: <indexWord> V at position I is out of range for <limit> <rangeText> (expected
+// 0..limit-1)" (the CPU kernels' wording) for the first index outside [0, limit). Waits for `stream` (not
+// the device) to read the verdict.
 void checkIndicesInRange(const Tensor& indices, int64_t limit, cudaStream_t stream, const char* op,
                          const char* indexWord, const char* rangeText);
 
