@@ -22,7 +22,6 @@ void checkDefined(const Tensor& t, const char* op, const char* name) {
 void checkFloat(const Tensor& t, const char* op, const char* name) {
   DG_CHECK(t.dtype() == DType::kFloat32 || t.dtype() == DType::kFloat64, op, ": ", name,
            " must be float32 or float64, got ", dtypeName(t.dtype()));
-  DG_CHECK(t.device().isCpu(), op, ": ", name, " is on ", t.device().str(), "; only CPU tensors are supported");
 }
 
 void checkNchw(const Tensor& x, const char* op) {
@@ -72,8 +71,8 @@ void checkClassification(const Tensor& input, const Tensor& targets, const char*
   checkFloat(input, op, inputName);
   DG_CHECK(targets.dtype() == DType::kInt64, op, ": targets must be int64 class indices, got ",
            dtypeName(targets.dtype()));
-  DG_CHECK(targets.device().isCpu(), op, ": targets are on ", targets.device().str(),
-           "; only CPU tensors are supported");
+  DG_CHECK(targets.device() == input.device(), op, ": targets are on ", targets.device().str(), " but ", inputName,
+           " is on ", input.device().str());
   DG_CHECK(targets.dim() == 1 && targets.size(0) == input.size(0), op, ": expected targets of shape [",
            input.size(0), "] to match ", inputName, " ", shapeStr(input.shape()), ", got ", shapeStr(targets.shape()));
   DG_CHECK(input.size(1) >= 1, op, ": ", inputName, " has no classes (shape ", shapeStr(input.shape()), ")");
@@ -273,8 +272,8 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
   DG_CHECK(weight.dim() == 2, "embedding: expected weight of rank 2 [V, D], got shape ", shapeStr(weight.shape()));
   checkFloat(weight, "embedding", "weight");
   DG_CHECK(indices.dtype() == DType::kInt64, "embedding: indices must be int64, got ", dtypeName(indices.dtype()));
-  DG_CHECK(indices.device().isCpu(), "embedding: indices are on ", indices.device().str(),
-           "; only CPU tensors are supported");
+  DG_CHECK(indices.device() == weight.device(), "embedding: indices are on ", indices.device().str(),
+           " but weight is on ", weight.device().str());
   Tensor out = kernels::embedding(weight, indices);
   if (!autograd::anyRequiresGrad({weight})) return out;  // no closure to build
   return autograd::recordOp(

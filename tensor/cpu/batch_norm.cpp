@@ -7,6 +7,8 @@
 
 #include "tensor/cpu/dnnl_context.h"
 #include "tensor/cpu/shape_kernels.h"
+#include "tensor/cuda/device_check.h"
+#include "tensor/cuda/dnn_ops.h"
 
 namespace distgrad::tensor::kernels {
 namespace {
@@ -165,6 +167,8 @@ bool isEmpty(const Shape& s) {
 
 BatchNormTrainResult batchNormTrain(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
                                     CpuImpl impl) {
+  if (cuda::onCuda("batchNorm", {{"x", &x}, {"weight", &weight}, {"bias", &bias}}))
+    return cuda::dnn::batchNormTrain(x, weight, bias, eps);
   const DType dtype = x.dtype();
   Tensor in = contiguousAs(x, dtype);
   Tensor w = contiguousAs(weight, dtype);
@@ -201,6 +205,9 @@ BatchNormTrainResult batchNormTrain(const Tensor& x, const Tensor& weight, const
 
 Tensor batchNormEval(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& mean,
                      const Tensor& var, double eps, CpuImpl impl) {
+  if (cuda::onCuda("batchNorm",
+                   {{"x", &x}, {"weight", &weight}, {"bias", &bias}, {"running mean", &mean}, {"running var", &var}}))
+    return cuda::dnn::batchNormEval(x, weight, bias, mean, var, eps);
   const DType dtype = x.dtype();
   Tensor in = contiguousAs(x, dtype);
   Tensor w = contiguousAs(weight, dtype);
@@ -238,6 +245,9 @@ Tensor batchNormEval(const Tensor& x, const Tensor& weight, const Tensor& bias, 
 BatchNormGrads batchNormBackward(const Tensor& gradOutput, const Tensor& x, const Tensor& weight,
                                  const Tensor& mean, const Tensor& var, double eps, bool training,
                                  std::array<bool, 3> need, CpuImpl impl) {
+  if (cuda::onCuda("batchNorm backward",
+                   {{"gradOutput", &gradOutput}, {"x", &x}, {"weight", &weight}, {"mean", &mean}, {"var", &var}}))
+    return cuda::dnn::batchNormBackward(gradOutput, x, weight, mean, var, eps, training, need);
   const DType dtype = x.dtype();
   Tensor g = contiguousAs(gradOutput, dtype);
   Tensor in = contiguousAs(x, dtype);
@@ -312,6 +322,12 @@ BatchNormGrads batchNormBackward(const Tensor& gradOutput, const Tensor& x, cons
 
 void updateRunningStats(const Tensor& runningMean, const Tensor& runningVar, const Tensor& batchMean,
                         const Tensor& batchVar, int64_t count, double momentum) {
+  if (cuda::onCuda("batchNorm running statistics",
+                   {{"running mean", &runningMean},
+                    {"running var", &runningVar},
+                    {"batch mean", &batchMean},
+                    {"batch var", &batchVar}}))
+    return cuda::dnn::updateRunningStats(runningMean, runningVar, batchMean, batchVar, count, momentum);
   const double bessel = count > 1 ? static_cast<double>(count) / static_cast<double>(count - 1) : 1.0;
   auto blend = [&](const Tensor& running, const Tensor& batch, double factor) {
     if (!running.defined()) return;

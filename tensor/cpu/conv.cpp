@@ -11,6 +11,8 @@
 #include "tensor/cpu/dnnl_context.h"
 #include "tensor/cpu/shape_kernels.h"
 #include "tensor/cpu/linalg.h"
+#include "tensor/cuda/device_check.h"
+#include "tensor/cuda/dnn_ops.h"
 
 namespace distgrad::tensor::kernels {
 
@@ -433,6 +435,8 @@ ConvLayout chooseConvLayout(const Shape& x, const Shape& weight, const Conv2dPar
 
 Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, const Conv2dParams& params,
               ConvLayout layout) {
+  if (cuda::onCuda("conv2d", {{"x", &x}, {"weight", &weight}, {"bias", &bias}}))
+    return cuda::dnn::conv2d(x, weight, bias, params);
   requireConvDTypes("conv2d", {&x, &weight, &bias});
   const ConvGeometry g = ConvGeometry::of(x.shape(), weight.shape(), params);
   if (bias.defined()) {
@@ -531,21 +535,28 @@ Conv2dGrads backwardImpl(const Tensor& gradOut, const Tensor& x, const Shape& xS
 
 Conv2dGrads conv2dBackward(const Tensor& gradOut, const Tensor& x, const Tensor& weight, const Conv2dParams& params,
                            bool needInput, bool needWeight, bool needBias, ConvLayout layout) {
+  if (cuda::onCuda("conv2d backward", {{"gradOut", &gradOut}, {"x", &x}, {"weight", &weight}}))
+    return cuda::dnn::conv2dBackward(gradOut, x, weight, params, needInput, needWeight, needBias);
   return backwardImpl(gradOut, x, x.shape(), weight, weight.shape(), params, needInput, needWeight, needBias, layout);
 }
 
 Tensor conv2dBackwardInput(const Tensor& gradOut, const Tensor& weight, const Shape& inputShape,
                            const Conv2dParams& params, ConvLayout layout) {
+  if (cuda::onCuda("conv2d backward", {{"gradOut", &gradOut}, {"weight", &weight}}))
+    return cuda::dnn::conv2dBackwardInput(gradOut, weight, inputShape, params);
   return backwardImpl(gradOut, Tensor(), inputShape, weight, weight.shape(), params, true, false, false, layout).input;
 }
 
 std::pair<Tensor, Tensor> conv2dBackwardWeight(const Tensor& gradOut, const Tensor& x, const Shape& weightShape,
                                                const Conv2dParams& params, bool withBias, ConvLayout layout) {
+  if (cuda::onCuda("conv2d backward", {{"gradOut", &gradOut}, {"x", &x}}))
+    return cuda::dnn::conv2dBackwardWeight(gradOut, x, weightShape, params, withBias);
   Conv2dGrads grads = backwardImpl(gradOut, x, x.shape(), Tensor(), weightShape, params, false, true, withBias, layout);
   return {grads.weight, grads.bias};
 }
 
 Tensor conv2dBackwardBias(const Tensor& gradOut) {
+  if (cuda::onCuda("conv2d backward", {{"gradOut", &gradOut}})) return cuda::dnn::conv2dBackwardBias(gradOut);
   DG_CHECK(gradOut.dim() == 4, "conv2d backward: gradient must be 4-D [N, O, OH, OW], got shape ",
            shapeStr(gradOut.shape()));
   Tensor gc = contiguous(gradOut);

@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "tensor/cpu/dnnl_context.h"
+#include "tensor/cuda/device_check.h"
+#include "tensor/cuda/dnn_ops.h"
 
 namespace distgrad::tensor::kernels {
 
@@ -259,6 +261,8 @@ Shape matmulShape(const Shape& a, const Shape& b, const char* op) {
 }
 
 Tensor batchedMatmul(const Tensor& a, bool transA, const Tensor& b, bool transB, const Shape& outBatch) {
+  if (cuda::onCuda("batchedMatmul", {{"a", &a}, {"b", &b}}))
+    return cuda::dnn::batchedMatmul(a, transA, b, transB, outBatch);
   const char* op = "batchedMatmul";
   requireMatmulDTypes(a, b, op);
   DG_CHECK(a.dim() >= 2 && a.dim() == b.dim() && static_cast<int64_t>(outBatch.size()) == a.dim() - 2, op,
@@ -314,6 +318,7 @@ Tensor batchedMatmul(const Tensor& a, bool transA, const Tensor& b, bool transB,
 }
 
 Tensor matmul(const Tensor& a, const Tensor& b) {
+  if (cuda::onCuda("matmul", {{"a", &a}, {"b", &b}})) return cuda::dnn::matmul(a, b);
   requireMatmulDTypes(a, b, "matmul");
   const Shape resultShape = matmulShape(a.shape(), b.shape(), "matmul");
   // Promote 1-D operands to matrices and pad batch ranks with size-1 dims (views, no copies).
@@ -362,6 +367,8 @@ Shape withLastDim(const Shape& s, int64_t last) {
 }  // namespace
 
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  if (cuda::onCuda("linear", {{"x", &x}, {"weight", &weight}, {"bias", &bias}}))
+    return cuda::dnn::linear(x, weight, bias);
   checkLinear(x, weight, bias);
   const int64_t outFeatures = weight.shape()[0];
   Tensor x2 = asRows(x);
@@ -386,6 +393,8 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
 }
 
 Tensor linearBackwardInput(const Tensor& gradOut, const Tensor& weight, const Shape& inputShape) {
+  if (cuda::onCuda("linear backward", {{"gradOut", &gradOut}, {"weight", &weight}}))
+    return cuda::dnn::linearBackwardInput(gradOut, weight, inputShape);
   requireMatmulDTypes(gradOut, weight, "linear backward");
   Tensor g2 = asRows(gradOut);
   Tensor dx = Tensor::empty({g2.shape()[0], weight.shape()[1]}, gradOut.dtype());
@@ -398,6 +407,8 @@ Tensor linearBackwardInput(const Tensor& gradOut, const Tensor& weight, const Sh
 }
 
 Tensor linearBackwardWeight(const Tensor& gradOut, const Tensor& input) {
+  if (cuda::onCuda("linear backward", {{"gradOut", &gradOut}, {"input", &input}}))
+    return cuda::dnn::linearBackwardWeight(gradOut, input);
   requireMatmulDTypes(gradOut, input, "linear backward");
   Tensor g2 = asRows(gradOut);
   Tensor x2 = asRows(input);
@@ -411,6 +422,7 @@ Tensor linearBackwardWeight(const Tensor& gradOut, const Tensor& input) {
 }
 
 Tensor linearBackwardBias(const Tensor& gradOut) {
+  if (cuda::onCuda("linear backward", {{"gradOut", &gradOut}})) return cuda::dnn::linearBackwardBias(gradOut);
   Tensor g2 = asRows(gradOut);
   const int64_t rows = g2.shape()[0], cols = g2.shape()[1];
   Tensor db = Tensor::zeros({cols}, gradOut.dtype());

@@ -1,5 +1,7 @@
 #include "tensor/cpu/nn_kernels.h"
 #include "tensor/cpu/shape_kernels.h"
+#include "tensor/cuda/device_check.h"
+#include "tensor/cuda/dnn_ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -193,17 +195,29 @@ LossCoef<T> lossCoef(const Tensor& g, LossReduction reduction, int64_t count) {
 
 }  // namespace
 
-Tensor softmax(const Tensor& x, int64_t dim) { return softmaxImpl<false>(x, dim); }
-Tensor logSoftmax(const Tensor& x, int64_t dim) { return softmaxImpl<true>(x, dim); }
+Tensor softmax(const Tensor& x, int64_t dim) {
+  if (cuda::onCuda("softmax", {{"x", &x}})) return cuda::dnn::softmax(x, dim);
+  return softmaxImpl<false>(x, dim);
+}
+Tensor logSoftmax(const Tensor& x, int64_t dim) {
+  if (cuda::onCuda("logSoftmax", {{"x", &x}})) return cuda::dnn::logSoftmax(x, dim);
+  return softmaxImpl<true>(x, dim);
+}
 Tensor softmaxBackward(const Tensor& gradOutput, const Tensor& output, int64_t dim) {
+  if (cuda::onCuda("softmax backward", {{"gradOutput", &gradOutput}, {"output", &output}}))
+    return cuda::dnn::softmaxBackward(gradOutput, output, dim);
   return softmaxBackwardImpl<false>(gradOutput, output, dim);
 }
 Tensor logSoftmaxBackward(const Tensor& gradOutput, const Tensor& output, int64_t dim) {
+  if (cuda::onCuda("logSoftmax backward", {{"gradOutput", &gradOutput}, {"output", &output}}))
+    return cuda::dnn::logSoftmaxBackward(gradOutput, output, dim);
   return softmaxBackwardImpl<true>(gradOutput, output, dim);
 }
 
 CrossEntropyResult crossEntropy(const Tensor& logits, const Tensor& targets, LossReduction reduction,
                                 const char* op) {
+  if (cuda::onCuda(op, {{"logits", &logits}, {"targets", &targets}}))
+    return cuda::dnn::crossEntropy(logits, targets, reduction, op);
   const DType dtype = logits.dtype();
   Tensor x = contiguousAs(logits, dtype);
   Tensor t = contiguousAs(targets, DType::kInt64);
@@ -236,6 +250,8 @@ CrossEntropyResult crossEntropy(const Tensor& logits, const Tensor& targets, Los
 
 Tensor crossEntropyBackward(const Tensor& gradOutput, const Tensor& logits, const Tensor& targets,
                             const CrossEntropyResult& forward, LossReduction reduction) {
+  if (cuda::onCuda("crossEntropy backward", {{"gradOutput", &gradOutput}, {"logits", &logits}, {"targets", &targets}}))
+    return cuda::dnn::crossEntropyBackward(gradOutput, logits, targets, forward, reduction);
   const DType dtype = logits.dtype();
   Tensor x = contiguousAs(logits, dtype);
   Tensor t = contiguousAs(targets, DType::kInt64);
@@ -265,6 +281,8 @@ Tensor crossEntropyBackward(const Tensor& gradOutput, const Tensor& logits, cons
 }
 
 Tensor nllLoss(const Tensor& logProbs, const Tensor& targets, LossReduction reduction, const char* op) {
+  if (cuda::onCuda(op, {{"log-probabilities", &logProbs}, {"targets", &targets}}))
+    return cuda::dnn::nllLoss(logProbs, targets, reduction, op);
   const DType dtype = logProbs.dtype();
   Tensor x = contiguousAs(logProbs, dtype);
   Tensor t = contiguousAs(targets, DType::kInt64);
@@ -283,6 +301,8 @@ Tensor nllLoss(const Tensor& logProbs, const Tensor& targets, LossReduction redu
 
 Tensor nllLossBackward(const Tensor& gradOutput, const Tensor& targets, const Shape& inputShape, DType dtype,
                        LossReduction reduction) {
+  if (cuda::onCuda("nllLoss backward", {{"gradOutput", &gradOutput}, {"targets", &targets}}))
+    return cuda::dnn::nllLossBackward(gradOutput, targets, inputShape, dtype, reduction);
   Tensor t = contiguousAs(targets, DType::kInt64);
   Tensor g = contiguousAs(gradOutput, dtype);
   Tensor dx = Tensor::zeros(inputShape, dtype);
@@ -298,6 +318,8 @@ Tensor nllLossBackward(const Tensor& gradOutput, const Tensor& targets, const Sh
 }
 
 Tensor mseLoss(const Tensor& input, const Tensor& target, LossReduction reduction) {
+  if (cuda::onCuda("mseLoss", {{"input", &input}, {"target", &target}}))
+    return cuda::dnn::mseLoss(input, target, reduction);
   const DType dtype = input.dtype();
   Tensor x = contiguousAs(input, dtype);
   Tensor y = contiguousAs(target, dtype);
@@ -335,6 +357,8 @@ Tensor mseLoss(const Tensor& input, const Tensor& target, LossReduction reductio
 
 MseLossGrads mseLossBackward(const Tensor& gradOutput, const Tensor& input, const Tensor& target,
                              LossReduction reduction, bool needInput, bool needTarget) {
+  if (cuda::onCuda("mseLoss backward", {{"gradOutput", &gradOutput}, {"input", &input}, {"target", &target}}))
+    return cuda::dnn::mseLossBackward(gradOutput, input, target, reduction, needInput, needTarget);
   const DType dtype = input.dtype();
   Tensor x = contiguousAs(input, dtype);
   Tensor y = contiguousAs(target, dtype);
@@ -367,6 +391,7 @@ MseLossGrads mseLossBackward(const Tensor& gradOutput, const Tensor& input, cons
 }
 
 DropoutResult dropout(const Tensor& x, double p, Generator& gen) {
+  if (cuda::onCuda("dropout", {{"x", &x}})) return cuda::dnn::dropout(x, p, gen);
   DG_ASSERT(p >= 0.0 && p < 1.0, "dropout probability ", p);
   const DType dtype = x.dtype();
   Tensor in = contiguousAs(x, dtype);
@@ -385,6 +410,8 @@ DropoutResult dropout(const Tensor& x, double p, Generator& gen) {
 }
 
 Tensor dropoutBackward(const Tensor& gradOutput, const Tensor& mask) {
+  if (cuda::onCuda("dropout backward", {{"gradOutput", &gradOutput}, {"mask", &mask}}))
+    return cuda::dnn::dropoutBackward(gradOutput, mask);
   const DType dtype = mask.dtype();
   Tensor g = contiguousAs(gradOutput, dtype);
   Tensor dx = Tensor::empty(mask.shape(), dtype);
@@ -399,6 +426,8 @@ Tensor dropoutBackward(const Tensor& gradOutput, const Tensor& mask) {
 }
 
 Tensor embedding(const Tensor& weight, const Tensor& indices) {
+  if (cuda::onCuda("embedding", {{"weight", &weight}, {"indices", &indices}}))
+    return cuda::dnn::embedding(weight, indices);
   const DType dtype = weight.dtype();
   Tensor w = contiguousAs(weight, dtype);
   Tensor idx = contiguousAs(indices, DType::kInt64);
@@ -422,6 +451,8 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
 }
 
 Tensor embeddingBackward(const Tensor& gradOutput, const Tensor& indices, const Shape& weightShape) {
+  if (cuda::onCuda("embedding backward", {{"gradOutput", &gradOutput}, {"indices", &indices}}))
+    return cuda::dnn::embeddingBackward(gradOutput, indices, weightShape);
   const DType dtype = gradOutput.dtype();
   Tensor g = contiguousAs(gradOutput, dtype);
   Tensor idx = contiguousAs(indices, DType::kInt64);

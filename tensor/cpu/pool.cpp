@@ -8,6 +8,8 @@
 
 #include "tensor/cpu/dnnl_context.h"
 #include "tensor/cpu/shape_kernels.h"
+#include "tensor/cuda/device_check.h"
+#include "tensor/cuda/dnn_ops.h"
 
 namespace distgrad::tensor::kernels {
 namespace {
@@ -199,6 +201,7 @@ int64_t pooledLength(int64_t in, int64_t kernel, int64_t stride, int64_t pad, bo
 // ---------------------------------------------------------------- max pooling
 
 MaxPool2dResult maxPool2d(const Tensor& x, const Pool2dParams& params, bool forBackward, CpuImpl impl) {
+  if (cuda::onCuda("maxPool2d", {{"x", &x}})) return cuda::dnn::maxPool2d(x, params, forBackward);
   const DType dtype = x.dtype();
   Tensor in = contiguousAs(x, dtype);
   const Geometry g = geometryOf(in.shape(), params);
@@ -247,6 +250,8 @@ MaxPool2dResult maxPool2d(const Tensor& x, const Pool2dParams& params, bool forB
 }
 
 Tensor maxPool2dBackward(const Tensor& gradOutput, const MaxPool2dSaved& saved) {
+  if (cuda::onCuda("maxPool2d backward", {{"gradOutput", &gradOutput}, {"argmax", &saved.argmax}}))
+    return cuda::dnn::maxPool2dBackward(gradOutput, saved);
   const Geometry g = geometryOf(saved.inputShape, saved.params);
   Tensor go = contiguousAs(gradOutput, saved.dtype);
   DG_ASSERT(go.shape() == (Shape{saved.inputShape[0], saved.inputShape[1], g.outH, g.outW}),
@@ -276,6 +281,7 @@ Tensor maxPool2dBackward(const Tensor& gradOutput, const MaxPool2dSaved& saved) 
 // ---------------------------------------------------------------- average pooling
 
 Tensor avgPool2d(const Tensor& x, const Pool2dParams& params, CpuImpl impl) {
+  if (cuda::onCuda("avgPool2d", {{"x", &x}})) return cuda::dnn::avgPool2d(x, params);
   const DType dtype = x.dtype();
   Tensor in = contiguousAs(x, dtype);
   const Geometry g = geometryOf(in.shape(), params);
@@ -304,6 +310,8 @@ Tensor avgPool2d(const Tensor& x, const Pool2dParams& params, CpuImpl impl) {
 
 Tensor avgPool2dBackward(const Tensor& gradOutput, const Shape& inputShape, const Pool2dParams& params,
                          CpuImpl impl) {
+  if (cuda::onCuda("avgPool2d backward", {{"gradOutput", &gradOutput}}))
+    return cuda::dnn::avgPool2dBackward(gradOutput, inputShape, params);
   const DType dtype = gradOutput.dtype();
   Tensor go = contiguousAs(gradOutput, dtype);
   const Geometry g = geometryOf(inputShape, params);
@@ -386,6 +394,7 @@ void adaptiveAvgBackwardLoops(const T* gradOut, T* gradIn, int64_t planes, int64
 }  // namespace
 
 Tensor adaptiveAvgPool2d(const Tensor& x, int64_t outH, int64_t outW) {
+  if (cuda::onCuda("adaptiveAvgPool2d", {{"x", &x}})) return cuda::dnn::adaptiveAvgPool2d(x, outH, outW);
   const DType dtype = x.dtype();
   Tensor in = contiguousAs(x, dtype);
   const Shape& s = in.shape();
@@ -399,6 +408,8 @@ Tensor adaptiveAvgPool2d(const Tensor& x, int64_t outH, int64_t outW) {
 }
 
 Tensor adaptiveAvgPool2dBackward(const Tensor& gradOutput, const Shape& inputShape) {
+  if (cuda::onCuda("adaptiveAvgPool2d backward", {{"gradOutput", &gradOutput}}))
+    return cuda::dnn::adaptiveAvgPool2dBackward(gradOutput, inputShape);
   const DType dtype = gradOutput.dtype();
   Tensor go = contiguousAs(gradOutput, dtype);
   if (isEmpty(inputShape) || go.numel() == 0) return Tensor::zeros(inputShape, dtype);
