@@ -156,6 +156,8 @@ void storeFromDouble(char* p, DType t, double v) {
 void copyWithCuda(const Tensor& dst, const Tensor& src) {
   const Device dd = dst.device();
   const Device sd = src.device();
+  if (dd.isCuda()) cuda::requireDevice(dd.index, "Tensor::copyFrom");
+  if (sd.isCuda()) cuda::requireDevice(sd.index, "Tensor::copyFrom");
   if (dd == sd) {
     cuda::copyConvert(dst, src);
     return;
@@ -397,6 +399,7 @@ void Tensor::copyFrom(const Tensor& src) {
 
 void Tensor::fill(double value) {
   if (device().isCuda()) {
+    cuda::requireDevice(device().index, "Tensor::fill");
     cuda::fill(*this, value);
     return;
   }

@@ -123,12 +123,6 @@ struct ClampBackF {
   T operator()(T g, T x) const { return (x >= lo && x <= hi) ? g : T(0); }
 };
 
-// True when the operands of a two-operand op live on a CUDA device (routed to tensor/cuda/); operands on
-// different devices are a ValueError naming both.
-bool onCuda(const char* op, const Tensor& a, const Tensor& b) {
-  return cuda::deviceOf(op, {{"first operand", &a}, {"second operand", &b}}).isCuda();
-}
-
 // ---------------------------------------------------------------- loops
 
 // out[i] = f(a[i*sa], b[i*sb]) with the stride patterns that matter specialised so each vectorises.
@@ -395,7 +389,7 @@ Shape broadcastShapes(const Shape& a, const Shape& b, const char* op) {
 
 Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b, const char* opName) {
   const char* name = opName ? opName : binaryOpName(op);
-  if (onCuda(name, a, b)) return cuda::binary(op, a, b, name);
+  if (cuda::routeToCuda(name, a, b)) return cuda::binary(op, a, b, name);
   switch (op) {
     case BinaryOp::kAdd: return binaryAny(a, b, name, AddF{});
     case BinaryOp::kSub: return binaryAny(a, b, name, SubF{});
@@ -417,7 +411,7 @@ Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b, const char* opName)
 
 Tensor unary(UnaryOp op, const Tensor& a, const char* opName) {
   const char* name = opName ? opName : unaryOpName(op);
-  if (a.defined() && a.device().isCuda()) return cuda::unary(op, a, name);
+  if (cuda::routeToCuda(name, a)) return cuda::unary(op, a, name);
   switch (op) {
     case UnaryOp::kNeg: return unaryAny(a, name, NegF{});
     case UnaryOp::kAbs: return unaryAny(a, name, AbsF{});
@@ -435,7 +429,7 @@ Tensor unary(UnaryOp op, const Tensor& a, const char* opName) {
 }
 
 Tensor addScalar(const Tensor& a, double b) {
-  if (a.defined() && a.device().isCuda()) return cuda::addScalar(a, b);
+  if (cuda::routeToCuda("add", a)) return cuda::addScalar(a, b);
   requireCpuTensor(a, "add");
   return dispatchDType(a.dtype(), "add", [&](auto tag) {
     using T = decltype(tag);
@@ -444,7 +438,7 @@ Tensor addScalar(const Tensor& a, double b) {
 }
 
 Tensor mulScalar(const Tensor& a, double b) {
-  if (a.defined() && a.device().isCuda()) return cuda::mulScalar(a, b);
+  if (cuda::routeToCuda("mul", a)) return cuda::mulScalar(a, b);
   requireCpuTensor(a, "mul");
   return dispatchDType(a.dtype(), "mul", [&](auto tag) {
     using T = decltype(tag);
@@ -453,7 +447,7 @@ Tensor mulScalar(const Tensor& a, double b) {
 }
 
 Tensor powScalar(const Tensor& a, double exponent) {
-  if (a.defined() && a.device().isCuda()) return cuda::powScalar(a, exponent);
+  if (cuda::routeToCuda("pow", a)) return cuda::powScalar(a, exponent);
   requireCpuTensor(a, "pow");
   return dispatchFloat(a.dtype(), "pow", [&](auto tag) {
     using T = decltype(tag);
@@ -468,7 +462,7 @@ Tensor powScalar(const Tensor& a, double exponent) {
 }
 
 Tensor clamp(const Tensor& a, double min, double max) {
-  if (a.defined() && a.device().isCuda()) return cuda::clamp(a, min, max);
+  if (cuda::routeToCuda("clamp", a)) return cuda::clamp(a, min, max);
   requireCpuTensor(a, "clamp");
   DG_CHECK(!(min > max), "clamp: min (", min, ") must be <= max (", max, ")");
   return dispatchDType(a.dtype(), "clamp", [&](auto tag) {
@@ -497,43 +491,43 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
 }
 
 Tensor reluBackward(const Tensor& grad, const Tensor& output) {
-  if (onCuda("relu backward", grad, output)) {
+  if (cuda::routeToCuda("relu backward", grad, output)) {
     return cuda::pointwiseBackward(cuda::PointwiseBackward::kRelu, grad, output, 0, 0, "relu backward");
   }
   return backwardFloat(grad, output, "relu backward", [](auto) { return ReluBackF{}; });
 }
 Tensor sigmoidBackward(const Tensor& grad, const Tensor& output) {
-  if (onCuda("sigmoid backward", grad, output)) {
+  if (cuda::routeToCuda("sigmoid backward", grad, output)) {
     return cuda::pointwiseBackward(cuda::PointwiseBackward::kSigmoid, grad, output, 0, 0, "sigmoid backward");
   }
   return backwardFloat(grad, output, "sigmoid backward", [](auto) { return SigmoidBackF{}; });
 }
 Tensor tanhBackward(const Tensor& grad, const Tensor& output) {
-  if (onCuda("tanh backward", grad, output)) {
+  if (cuda::routeToCuda("tanh backward", grad, output)) {
     return cuda::pointwiseBackward(cuda::PointwiseBackward::kTanh, grad, output, 0, 0, "tanh backward");
   }
   return backwardFloat(grad, output, "tanh backward", [](auto) { return TanhBackF{}; });
 }
 Tensor sqrtBackward(const Tensor& grad, const Tensor& output) {
-  if (onCuda("sqrt backward", grad, output)) {
+  if (cuda::routeToCuda("sqrt backward", grad, output)) {
     return cuda::pointwiseBackward(cuda::PointwiseBackward::kSqrt, grad, output, 0, 0, "sqrt backward");
   }
   return backwardFloat(grad, output, "sqrt backward", [](auto) { return SqrtBackF{}; });
 }
 Tensor geluBackward(const Tensor& grad, const Tensor& input) {
-  if (onCuda("gelu backward", grad, input)) {
+  if (cuda::routeToCuda("gelu backward", grad, input)) {
     return cuda::pointwiseBackward(cuda::PointwiseBackward::kGelu, grad, input, 0, 0, "gelu backward");
   }
   return backwardFloat(grad, input, "gelu backward", [](auto) { return GeluBackF{}; });
 }
 Tensor absBackward(const Tensor& grad, const Tensor& input) {
-  if (onCuda("abs backward", grad, input)) {
+  if (cuda::routeToCuda("abs backward", grad, input)) {
     return cuda::pointwiseBackward(cuda::PointwiseBackward::kAbs, grad, input, 0, 0, "abs backward");
   }
   return backwardFloat(grad, input, "abs backward", [](auto) { return AbsBackF{}; });
 }
 Tensor powBackward(const Tensor& grad, const Tensor& input, double exponent) {
-  if (onCuda("pow backward", grad, input)) {
+  if (cuda::routeToCuda("pow backward", grad, input)) {
     return cuda::pointwiseBackward(cuda::PointwiseBackward::kPow, grad, input, exponent, 0, "pow backward");
   }
   if (exponent == 0.0) {  // d/dx x^0 = 0 everywhere (avoid 0 * inf at x = 0)
@@ -552,7 +546,7 @@ Tensor powBackward(const Tensor& grad, const Tensor& input, double exponent) {
   });
 }
 Tensor clampBackward(const Tensor& grad, const Tensor& input, double min, double max) {
-  if (onCuda("clamp backward", grad, input)) {
+  if (cuda::routeToCuda("clamp backward", grad, input)) {
     return cuda::pointwiseBackward(cuda::PointwiseBackward::kClamp, grad, input, min, max, "clamp backward");
   }
   return backwardFloat(grad, input, "clamp backward", [min, max](auto tag) {

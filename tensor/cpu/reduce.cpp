@@ -242,7 +242,7 @@ Tensor sumAll(const Tensor& a) {
 }
 
 Tensor sumDims(const Tensor& a, const std::vector<bool>& mask, bool keepDim) {
-  if (a.defined() && a.device().isCuda()) return cuda::sumDims(a, mask, keepDim);
+  if (cuda::routeToCuda("sum", a)) return cuda::sumDims(a, mask, keepDim);
   requireCpuTensor(a, "sum");
   DG_ASSERT(static_cast<int64_t>(mask.size()) == a.dim(), "reduction mask rank mismatch");
   return dispatchDType(a.dtype(), "sum", [&](auto tag) {
@@ -252,7 +252,7 @@ Tensor sumDims(const Tensor& a, const std::vector<bool>& mask, bool keepDim) {
 }
 
 Tensor maxAll(const Tensor& a) {
-  if (a.defined() && a.device().isCuda()) return cuda::maxAll(a);
+  if (cuda::routeToCuda("max", a)) return cuda::maxAll(a);
   requireCpuTensor(a, "max");
   DG_CHECK(a.numel() > 0, "max: cannot take the max of an empty tensor (shape ", shapeStr(a.shape()), ")");
   Tensor src = contiguous(a);
@@ -268,7 +268,7 @@ Tensor maxAll(const Tensor& a) {
 }
 
 void maxDim(const Tensor& a, int64_t dim, bool keepDim, Tensor* values, Tensor* indices, const char* op) {
-  if (a.defined() && a.device().isCuda()) {
+  if (cuda::routeToCuda(op, a)) {
     cuda::maxDim(a, dim, keepDim, values, indices, op);
     return;
   }

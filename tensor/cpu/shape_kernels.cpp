@@ -227,6 +227,7 @@ void copyInto(const Tensor& dst, const Tensor& src, const char* op) {
 
 Tensor contiguous(const Tensor& t) {
   if (t.isContiguous()) return t;
+  cuda::routeToCuda("contiguous", t);  // a CUDA device that is unusable fails here, naming the op
   Tensor out = Tensor::empty(t.shape(), t.dtype(), t.device());
   copyInto(out, t, "contiguous");
   return out;
@@ -238,6 +239,7 @@ Tensor contiguousAs(const Tensor& t, DType dtype) {
 }
 
 Tensor broadcastTo(const Tensor& t, const Shape& shape, const char* op) {
+  cuda::routeToCuda(op, t);  // a CUDA device that is unusable fails here, naming the op
   Tensor out = Tensor::empty(shape, t.dtype(), t.device());
   copyInto(out, t, op);
   return out;
@@ -268,7 +270,7 @@ Tensor cat(const std::vector<Tensor>& tensors, int64_t dim, const char* op) {
     }
     outShape[dim] += t.shape()[dim];
   }
-  if (first.device().isCuda()) return cuda::cat(tensors, outShape, dim, op);
+  if (cuda::routeToCuda(op, first)) return cuda::cat(tensors, outShape, dim, op);
   requireCpuTensor(first, op);
   Tensor out = Tensor::empty(outShape, first.dtype());
   int64_t outer = 1, inner = 1;

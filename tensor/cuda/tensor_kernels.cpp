@@ -2,6 +2,7 @@
 // as clear errors, so every CUDA entry point links and fails with "built without CUDA".
 #include "tensor/cuda/tensor_kernels.h"
 
+#include "tensor/cuda/runtime.h"
 #include "tensor/error.h"
 
 namespace distgrad::tensor::cuda {
@@ -19,7 +20,10 @@ Device deviceOf(const char* op, std::initializer_list<Operand> operands) {
     DG_CHECK(a == b, op, ": operands are on different devices: ", first->what, " on ", a.str(), ", ", operand.what,
              " on ", b.str(), " (move one with .to(device))");
   }
-  return first == nullptr ? Device::cpu() : first->tensor->device();
+  if (first == nullptr) return Device::cpu();
+  const Device device = first->tensor->device();
+  if (device.isCuda()) requireDevice(device.index, op);
+  return device;
 }
 
 #ifndef DG_WITH_CUDA

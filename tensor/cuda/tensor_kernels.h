@@ -25,8 +25,14 @@ struct Operand {
   const Tensor* tensor;
 };
 // The device every defined operand lives on (CPU when none is defined). Operands on different devices are
-// a ValueError naming `op`, both operands and both devices.
+// a ValueError naming `op`, both operands and both devices; so is a CUDA device that is not usable (no
+// GPU, no driver, built without CUDA).
 Device deviceOf(const char* op, std::initializer_list<Operand> operands);
+// True when the operand(s) of `op` are on a CUDA device (the routing test at the kernels:: entry points).
+inline bool routeToCuda(const char* op, const Tensor& a) { return deviceOf(op, {{"input", &a}}).isCuda(); }
+inline bool routeToCuda(const char* op, const Tensor& a, const Tensor& b) {
+  return deviceOf(op, {{"first operand", &a}, {"second operand", &b}}).isCuda();
+}
 
 // ---- elementwise (tensor/cpu/elementwise.h) ----
 Tensor binary(kernels::BinaryOp op, const Tensor& a, const Tensor& b, const char* name);
