@@ -57,10 +57,20 @@ inline Tensor randomTensor(const Shape& shape, uint64_t seed, DType dtype = DTyp
   return tensor::normal(shape, 0, 1, gen, dtype);
 }
 
-// A copy of `cpu` on the CUDA device: same shape, dtype and values; a leaf requiring grad when `cpu` does.
+// A copy of `cpu` on the CUDA device with the same shape, dtype, values AND layout (strides, offset: a
+// transposed or sliced CPU view gives the same view of a device copy of its storage), so strided device
+// paths are exercised; a leaf requiring grad when `cpu` does.
 inline Tensor cudaCopyOf(const Tensor& cpu, int device = 0) {
   if (!cpu.defined()) return cpu;
-  Tensor out = cpu.detach().to(cudaDevice(device));
+  Tensor out;
+  if (cpu.isContiguous() && cpu.offset() == 0) {
+    out = cpu.detach().to(cudaDevice(device));
+  } else {
+    const tensor::Storage& storage = cpu.storage();
+    const int64_t elements = static_cast<int64_t>(storage.nbytes() / cpu.itemSize());
+    Tensor whole = Tensor::fromStorage(storage, {elements}, {1}, 0, cpu.dtype()).to(cudaDevice(device));
+    out = Tensor::fromStorage(whole.storage(), cpu.shape(), cpu.strides(), cpu.offset(), cpu.dtype());
+  }
   if (cpu.requiresGrad()) out.setRequiresGrad(true);
   return out;
 }
