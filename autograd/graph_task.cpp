@@ -4,6 +4,7 @@
 
 #include "autograd/grad_mode.h"
 #include "autograd/ops.h"
+#include "tensor/cuda/cuda_memory.h"
 
 namespace distgrad::autograd {
 namespace {
@@ -12,6 +13,44 @@ namespace {
 void accumulateInto(Tensor& slot, const Tensor& g) {
   if (!g.defined()) return;
   slot = slot.defined() ? add(slot, g) : g;
+}
+
+// Note [Backward streams]: like PyTorch, a node's backward runs on the stream its forward ran on (the
+// forward's current stream, recorded by recordOp when an input was on a CUDA device), so the backward of
+// work a user put on a side stream stays there and is ordered after the forward's own kernels. The
+// engine thread's current stream is the hub everything else runs on (AccumulateGrad, nodes without a
+// CUDA input, the caller reading results): when a node's stream differs from it, the node's stream first
+// waits for an event on the hub (the incoming gradients were produced there, or on streams the hub
+// already waited for), and afterwards the hub waits for an event on the node's stream; no host blocks.
+// Gradients crossing between the two are recordStream()'d for the stream that reads them, so the caching
+// allocator does not hand their memory out again while that stream may still use it.
+std::vector<Tensor> applyOnForwardStream(Node& node, std::vector<Tensor>&& grads) {
+  const std::optional<tensor::cuda::Stream>& forward = node.forwardStream();
+  if (!forward) return node.apply(std::move(grads));
+  const tensor::cuda::Stream stream = *forward;
+  const tensor::cuda::Stream hub = tensor::cuda::Stream::current(stream.device());
+  if (stream == hub) return node.apply(std::move(grads));
+  auto recordFor = [](const std::vector<Tensor>& tensors, const tensor::cuda::Stream& reader) {
+    for (const Tensor& t : tensors) {
+      if (t.defined() && t.device().isCuda() && t.device().index == reader.device()) {
+        tensor::cuda::recordStream(t, reader);
+      }
+    }
+  };
+  tensor::cuda::Event incoming;
+  incoming.record(hub);
+  incoming.block(stream);
+  recordFor(grads, stream);
+  std::vector<Tensor> out;
+  {
+    tensor::cuda::StreamGuard guard(stream);
+    out = node.apply(std::move(grads));
+  }
+  tensor::cuda::Event done;
+  done.record(stream);
+  done.block(hub);
+  recordFor(out, hub);
+  return out;
 }
 
 void runTensorHooks(Node& node, std::vector<Tensor>& grads) {
@@ -149,7 +188,8 @@ std::vector<Tensor> GraphTask::run(Node& node, std::vector<Tensor>&& grads) cons
     for (auto& hook : node.preHooks()) hook(grads);
     // Hand the buffer over (no copy) unless post-hooks still need it: AccumulateGrad then steals an
     // unshared gradient instead of cloning it.
-    gradInputs = node.postHooks().empty() ? node.apply(std::move(grads)) : node.apply(std::vector<Tensor>(grads));
+    gradInputs = node.postHooks().empty() ? applyOnForwardStream(node, std::move(grads))
+                                          : applyOnForwardStream(node, std::vector<Tensor>(grads));
     if (!leaf) validateGrads(node, gradInputs);
     for (auto& hook : node.postHooks()) hook(gradInputs, grads);
   }

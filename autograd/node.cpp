@@ -85,6 +85,9 @@ void recordOp(const char* name, const std::vector<Tensor>& inputs, const std::ve
   if (!anyRequiresGrad(inputs)) return;
   auto node = std::make_shared<FunctionNode>(name, std::move(backward));
   for (const auto& in : inputs) {
+    if (in.defined() && in.device().isCuda() && !node->forwardStream()) {
+      node->setForwardStream(tensor::cuda::Stream::current(in.device().index));
+    }
     node->nextEdges().push_back(gradientEdge(in));
     node->inputMeta().push_back(in.defined() ? TensorMeta::of(in) : TensorMeta{});
   }

@@ -12,9 +12,11 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "tensor/cuda/runtime.h"
 #include "tensor/tensor.h"
 
 namespace distgrad::autograd {
@@ -80,6 +82,11 @@ class Node : public std::enable_shared_from_this<Node> {
   const std::vector<PreHook>& preHooks() const { return preHooks_; }
   const std::vector<PostHook>& postHooks() const { return postHooks_; }
 
+  // The current stream of the forward's CUDA device when any forward input was on one (recordOp sets it);
+  // the engine runs apply() on it (Note [Backward streams] in autograd/graph_task.cpp).
+  const std::optional<tensor::cuda::Stream>& forwardStream() const { return forwardStream_; }
+  void setForwardStream(const tensor::cuda::Stream& stream) { forwardStream_ = stream; }
+
  private:
   std::string name_;
   uint64_t sequenceNr_;
@@ -90,6 +97,7 @@ class Node : public std::enable_shared_from_this<Node> {
   std::vector<PreHook> preHooks_;
   std::vector<PostHook> postHooks_;
   std::vector<std::pair<uint32_t, TensorHook>> tensorHooks_;  // in registration order
+  std::optional<tensor::cuda::Stream> forwardStream_;
 };
 
 // Sink node for a leaf that requires grad: adds the incoming gradient into the leaf's .grad.

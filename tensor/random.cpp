@@ -3,6 +3,8 @@
 #include <cmath>
 #include <numbers>
 
+#include "tensor/cuda/tensor_kernels.h"
+
 namespace distgrad::tensor {
 namespace {
 uint64_t splitmix64(uint64_t& x) {
@@ -67,22 +69,24 @@ uint64_t Generator::below(uint64_t n) {
   }
 }
 
-Tensor uniform(const Shape& shape, double low, double high, Generator& gen, DType dtype) {
+Tensor uniform(const Shape& shape, double low, double high, Generator& gen, DType dtype, Device device) {
   DG_CHECK(low <= high, "uniform: low (", low, ") must be <= high (", high, ")");
+  if (device.isCuda()) return cuda::uniform(shape, low, high, gen.nextU64(), dtype, device);
   return generate(shape, dtype, [&] { return low + (high - low) * gen.uniform01(); });
 }
 
-Tensor normal(const Shape& shape, double mean, double stddev, Generator& gen, DType dtype) {
+Tensor normal(const Shape& shape, double mean, double stddev, Generator& gen, DType dtype, Device device) {
   DG_CHECK(stddev >= 0, "normal: stddev must be >= 0, got ", stddev);
+  if (device.isCuda()) return cuda::normal(shape, mean, stddev, gen.nextU64(), dtype, device);
   return generate(shape, dtype, [&] { return mean + stddev * gen.normal(); });
 }
 
-Tensor randperm(int64_t n, Generator& gen) {
+Tensor randperm(int64_t n, Generator& gen, Device device) {
   DG_CHECK(n >= 0, "randperm: n must be >= 0, got ", n);
   Tensor t = Tensor::arange(n, DType::kInt64);
   int64_t* p = t.data<int64_t>();
   for (int64_t i = n - 1; i > 0; --i) std::swap(p[i], p[gen.below(static_cast<uint64_t>(i + 1))]);
-  return t;
+  return device.isCpu() ? t : t.to(device);
 }
 
 int64_t fanIn(const Shape& s) {
@@ -92,17 +96,17 @@ int64_t fanIn(const Shape& s) {
   return f;
 }
 
-Tensor kaimingUniform(const Shape& shape, Generator& gen, double a) {
+Tensor kaimingUniform(const Shape& shape, Generator& gen, double a, Device device) {
   double gain = std::sqrt(2.0 / (1.0 + a * a));
   double bound = gain * std::sqrt(3.0 / static_cast<double>(fanIn(shape)));
-  return uniform(shape, -bound, bound, gen);
+  return uniform(shape, -bound, bound, gen, DType::kFloat32, device);
 }
 
-Tensor kaimingNormalFanOut(const Shape& shape, Generator& gen) {
+Tensor kaimingNormalFanOut(const Shape& shape, Generator& gen, Device device) {
   DG_CHECK(shape.size() >= 2, "kaimingNormalFanOut: weight must have at least 2 dims");
   int64_t fanOut = shape[0];
   for (size_t i = 2; i < shape.size(); ++i) fanOut *= shape[i];
-  return normal(shape, 0.0, std::sqrt(2.0 / static_cast<double>(fanOut)), gen);
+  return normal(shape, 0.0, std::sqrt(2.0 / static_cast<double>(fanOut)), gen, DType::kFloat32, device);
 }
 
 }  // namespace distgrad::tensor

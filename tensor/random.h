@@ -25,16 +25,21 @@ class Generator {
   double spare_ = 0;
 };
 
-Tensor uniform(const Shape& shape, double low, double high, Generator& gen, DType dtype = DType::kFloat32);
-Tensor normal(const Shape& shape, double mean, double stddev, Generator& gen, DType dtype = DType::kFloat32);
-// A random permutation of 0..n-1 (int64).
-Tensor randperm(int64_t n, Generator& gen);
+// On a CUDA device the values come from a device-side Philox generator keyed by one draw from `gen`
+// (Note [CUDA random streams] in tensor/cuda/random.cu): reproducible from the seed, but not equal to the
+// CPU's values for the same seed.
+Tensor uniform(const Shape& shape, double low, double high, Generator& gen, DType dtype = DType::kFloat32,
+               Device device = Device::cpu());
+Tensor normal(const Shape& shape, double mean, double stddev, Generator& gen, DType dtype = DType::kFloat32,
+              Device device = Device::cpu());
+// A random permutation of 0..n-1 (int64), drawn on the host (the same values for every device).
+Tensor randperm(int64_t n, Generator& gen, Device device = Device::cpu());
 
 // fan-in of a weight shaped [out, in, k...] (Linear and Conv layouts).
 int64_t fanIn(const Shape& weightShape);
 // Kaiming/He uniform init with gain sqrt(2 / (1 + a^2)), bound = gain * sqrt(3 / fanIn).
-Tensor kaimingUniform(const Shape& shape, Generator& gen, double a = 0.0);
+Tensor kaimingUniform(const Shape& shape, Generator& gen, double a = 0.0, Device device = Device::cpu());
 // Kaiming normal (fan-out, ReLU), as torchvision ResNets use for convolutions.
-Tensor kaimingNormalFanOut(const Shape& shape, Generator& gen);
+Tensor kaimingNormalFanOut(const Shape& shape, Generator& gen, Device device = Device::cpu());
 
 }  // namespace distgrad::tensor

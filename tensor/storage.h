@@ -23,7 +23,8 @@ class Storage {
 
   Storage() = default;
 
-  // Allocates nbytes on the device (uninitialised). Zero bytes gives a valid, empty storage.
+  // Allocates nbytes on the device (uninitialised). Zero bytes gives a valid, empty storage. CUDA storage
+  // comes from the caching allocator, for use on the device's current stream (tensor/cuda/cuda_memory.h).
   static Storage allocate(size_t nbytes, Device device = Device::cpu());
   // Wraps memory owned elsewhere; `deleter` (may be empty) runs once when the last reference drops.
   static Storage wrap(void* data, size_t nbytes, Device device, Deleter deleter);

@@ -8,6 +8,7 @@
 #include "tensor/cpu/shape_kernels.h"
 #include "tensor/cpu/strided.h"
 #include "tensor/cuda/cuda_memory.h"
+#include "tensor/cuda/tensor_kernels.h"
 
 namespace distgrad::tensor {
 
@@ -142,6 +143,52 @@ void storeFromDouble(char* p, DType t, double v) {
   }
 }
 
+// Note [CUDA copies]: copyFrom with a CUDA side is ordered on the current streams of the devices involved
+// and has the contract of a plain copy: when it returns, the source may be reused and (for a host
+// destination) the bytes are there. Conversions and layout changes run on the device side; the
+// transfer itself is always one contiguous block of the destination's dtype.
+//  - same device: one strided (converting) kernel;
+//  - host -> device: a pageable source is staged by the CUDA driver before cudaMemcpyAsync returns; a
+//    pinned source is waited for (copyHostToDevice);
+//  - device -> host: the source stream is synchronised before returning (also for pinned destinations);
+//  - device -> other device: the destination stream waits for an event on the source stream, then a peer
+//    copy runs on the destination stream and the source block is recordStream()'d for it.
+void copyWithCuda(const Tensor& dst, const Tensor& src) {
+  const Device dd = dst.device();
+  const Device sd = src.device();
+  if (dd.isCuda()) cuda::requireDevice(dd.index, "Tensor::copyFrom");
+  if (sd.isCuda()) cuda::requireDevice(sd.index, "Tensor::copyFrom");
+  if (dd == sd) {
+    cuda::copyConvert(dst, src);
+    return;
+  }
+  const size_t nbytes = dst.nbytes();
+  if (nbytes == 0) return;
+  // The source as one contiguous block of dst's dtype, converted on its own device.
+  Tensor staged = src;
+  if (src.dtype() != dst.dtype() || !src.isContiguous()) {
+    staged = Tensor::empty(src.shape(), dst.dtype(), sd);
+    staged.copyFrom(src);
+  }
+  Tensor target = dst.isContiguous() ? dst : Tensor::empty(dst.shape(), dst.dtype(), dd);
+  if (sd.isCpu()) {
+    cuda::copyHostToDevice(target.rawData(), staged.rawData(), nbytes, cuda::Stream::current(dd.index));
+  } else if (dd.isCpu()) {
+    cuda::Stream stream = cuda::Stream::current(sd.index);
+    cuda::copyBytesAsync(target.rawData(), staged.rawData(), nbytes, stream);
+    stream.synchronize();
+  } else {
+    cuda::Stream srcStream = cuda::Stream::current(sd.index);
+    cuda::Stream dstStream = cuda::Stream::current(dd.index);
+    cuda::Event produced;
+    produced.record(srcStream);
+    produced.block(dstStream);
+    cuda::copyPeerAsync(target.rawData(), dd.index, staged.rawData(), sd.index, nbytes, dstStream);
+    cuda::recordStream(staged, dstStream);
+  }
+  if (!target.sameAs(dst)) Tensor(dst).copyFrom(target);
+}
+
 void requireCpu(const Tensor& t, const char* op) {
   DG_CHECK(t.device().isCpu(), op, ": expected a CPU tensor, got one on ", t.device().str(),
            " (move it with .to(Device::cpu()))");
@@ -169,15 +216,15 @@ Tensor Tensor::zeros(const Shape& shape, DType dtype, Device device) {
   if (device.isCpu()) {
     std::memset(t.rawData(), 0, t.nbytes());
   } else {
-    std::vector<char> zero(t.nbytes(), 0);
-    cuda::copyBytes(t.rawData(), zero.data(), zero.size(), device.index);
+    cuda::fill(t, 0.0);  // every dtype's zero is all-zero bits
   }
   return t;
 }
 
 Tensor Tensor::ones(const Shape& shape, DType dtype, Device device) {
-  Tensor t = full(shape, 1.0, dtype);
-  return device.isCpu() ? t : t.to(device);
+  Tensor t = empty(shape, dtype, device);
+  t.fill(1.0);
+  return t;
 }
 
 Tensor Tensor::full(const Shape& shape, double value, DType dtype) {
@@ -268,14 +315,14 @@ void* Tensor::rawData() const {
 
 double Tensor::item() const {
   DG_CHECK(numel() == 1, "Tensor::item: expected a one-element tensor, got shape ", shapeStr(shape()));
-  requireCpu(*this, "Tensor::item");
+  if (device().isCuda()) return to(Device::cpu()).item();  // waits for the device (Note [CUDA copies])
   return loadAsDouble(static_cast<const char*>(rawData()), dtype());
 }
 
 double Tensor::at(std::initializer_list<int64_t> index) const {
   DG_CHECK(static_cast<int64_t>(index.size()) == dim(), "Tensor::at: ", index.size(),
            " indices for a tensor of shape ", shapeStr(shape()));
-  requireCpu(*this, "Tensor::at");
+  if (device().isCuda()) return to(Device::cpu()).at(index);  // slow path for tests and printing
   int64_t off = 0;
   int64_t d = 0;
   for (int64_t i : index) {
@@ -330,10 +377,7 @@ void Tensor::copyFrom(const Tensor& src) {
   DG_CHECK(src.shape() == shape(), "Tensor::copyFrom: source shape ", shapeStr(src.shape()),
            " does not match destination shape ", shapeStr(shape()));
   if (device().isCuda() || src.device().isCuda()) {
-    DG_CHECK(src.dtype() == dtype() && src.isContiguous() && isContiguous(),
-             "Tensor::copyFrom across devices needs contiguous tensors of the same dtype");
-    int index = device().isCuda() ? device().index : src.device().index;
-    cuda::copyBytes(rawData(), src.rawData(), nbytes(), index);
+    copyWithCuda(*this, src);
     return;
   }
   if (src.dtype() == dtype() && src.isContiguous() && isContiguous()) {
@@ -354,6 +398,11 @@ void Tensor::copyFrom(const Tensor& src) {
 }
 
 void Tensor::fill(double value) {
+  if (device().isCuda()) {
+    cuda::requireDevice(device().index, "Tensor::fill");
+    cuda::fill(*this, value);
+    return;
+  }
   requireCpu(*this, "Tensor::fill");
   const DType dt = dtype();
   if (dt == DType::kFloat32 && isContiguous()) {
@@ -370,17 +419,15 @@ void Tensor::fill(double value) {
 
 Tensor Tensor::toDType(DType target) const {
   if (target == dtype()) return detach();
-  Tensor out = empty(shape(), target);
+  Tensor out = empty(shape(), target, device());
   out.copyFrom(*this);
   return out;
 }
 
 Tensor Tensor::to(Device target) const {
   if (target == device()) return detach();
-  Tensor src = isContiguous() ? *this : (device().isCpu() ? cloneData() : *this);
-  DG_CHECK(src.isContiguous(), "Tensor::to: non-contiguous CUDA tensors are not supported yet");
   Tensor out = empty(shape(), dtype(), target);
-  out.copyFrom(src);
+  out.copyFrom(*this);  // any layout (Note [CUDA copies])
   return out;
 }
 

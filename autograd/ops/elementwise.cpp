@@ -224,7 +224,7 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   if (!autograd::anyRequiresGrad({a, b})) return out;
   return autograd::recordOp("WhereBackward", {a, b}, out,
       [cond = cond.detach(), sa = a.shape(), sb = b.shape()](const std::vector<Tensor>& g, const autograd::Node& self) {
-        Tensor zero = Tensor::zeros({}, g[0].dtype());
+        Tensor zero = Tensor::zeros({}, g[0].dtype(), g[0].device());
         return std::vector<Tensor>{
             gradFor(self, 0, [&] { return sumToShape(kernels::where(cond, g[0], zero), sa); }),
             gradFor(self, 1, [&] { return sumToShape(kernels::where(cond, zero, g[0]), sb); })};

@@ -95,7 +95,7 @@ Tensor rawReshape(const Tensor& g, const Shape& shape) {
 // same view of them.
 template <typename MakeView>
 Tensor scatterIntoZeros(const Tensor& g, const Shape& inputShape, MakeView makeView) {
-  Tensor out = Tensor::zeros(inputShape, g.dtype());
+  Tensor out = Tensor::zeros(inputShape, g.dtype(), g.device());
   kernels::copyInto(makeView(out), g, "view backward");
   return out;
 }
@@ -321,7 +321,7 @@ Tensor contiguous(const Tensor& a) {
 
 Tensor clone(const Tensor& a) {
   requireInput(a, "clone");
-  Tensor out = Tensor::empty(a.shape(), a.dtype());
+  Tensor out = Tensor::empty(a.shape(), a.dtype(), a.device());
   kernels::copyInto(out, a, "clone");
   if (!autograd::anyRequiresGrad({a})) return out;
   return autograd::recordOp("CloneBackward", {a}, out, [](const std::vector<Tensor>& g, const autograd::Node&) {

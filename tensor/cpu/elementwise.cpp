@@ -6,6 +6,7 @@
 #include "tensor/cpu/elementwise_math.h"
 #include "tensor/cpu/shape_kernels.h"
 #include "tensor/cpu/strided.h"
+#include "tensor/cuda/tensor_kernels.h"
 
 namespace distgrad::tensor::kernels {
 namespace {
@@ -388,6 +389,7 @@ Shape broadcastShapes(const Shape& a, const Shape& b, const char* op) {
 
 Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b, const char* opName) {
   const char* name = opName ? opName : binaryOpName(op);
+  if (cuda::routeToCuda(name, a, b)) return cuda::binary(op, a, b, name);
   switch (op) {
     case BinaryOp::kAdd: return binaryAny(a, b, name, AddF{});
     case BinaryOp::kSub: return binaryAny(a, b, name, SubF{});
@@ -409,6 +411,7 @@ Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b, const char* opName)
 
 Tensor unary(UnaryOp op, const Tensor& a, const char* opName) {
   const char* name = opName ? opName : unaryOpName(op);
+  if (cuda::routeToCuda(name, a)) return cuda::unary(op, a, name);
   switch (op) {
     case UnaryOp::kNeg: return unaryAny(a, name, NegF{});
     case UnaryOp::kAbs: return unaryAny(a, name, AbsF{});
@@ -426,6 +429,7 @@ Tensor unary(UnaryOp op, const Tensor& a, const char* opName) {
 }
 
 Tensor addScalar(const Tensor& a, double b) {
+  if (cuda::routeToCuda("add", a)) return cuda::addScalar(a, b);
   requireCpuTensor(a, "add");
   return dispatchDType(a.dtype(), "add", [&](auto tag) {
     using T = decltype(tag);
@@ -434,6 +438,7 @@ Tensor addScalar(const Tensor& a, double b) {
 }
 
 Tensor mulScalar(const Tensor& a, double b) {
+  if (cuda::routeToCuda("mul", a)) return cuda::mulScalar(a, b);
   requireCpuTensor(a, "mul");
   return dispatchDType(a.dtype(), "mul", [&](auto tag) {
     using T = decltype(tag);
@@ -442,6 +447,7 @@ Tensor mulScalar(const Tensor& a, double b) {
 }
 
 Tensor powScalar(const Tensor& a, double exponent) {
+  if (cuda::routeToCuda("pow", a)) return cuda::powScalar(a, exponent);
   requireCpuTensor(a, "pow");
   return dispatchFloat(a.dtype(), "pow", [&](auto tag) {
     using T = decltype(tag);
@@ -456,6 +462,7 @@ Tensor powScalar(const Tensor& a, double exponent) {
 }
 
 Tensor clamp(const Tensor& a, double min, double max) {
+  if (cuda::routeToCuda("clamp", a)) return cuda::clamp(a, min, max);
   requireCpuTensor(a, "clamp");
   DG_CHECK(!(min > max), "clamp: min (", min, ") must be <= max (", max, ")");
   return dispatchDType(a.dtype(), "clamp", [&](auto tag) {
@@ -465,6 +472,9 @@ Tensor clamp(const Tensor& a, double min, double max) {
 }
 
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
+  if (cuda::deviceOf("where", {{"condition", &cond}, {"first operand", &a}, {"second operand", &b}}).isCuda()) {
+    return cuda::where(cond, a, b);
+  }
   requireCpuTensor(cond, "where", "condition");
   checkBinaryOperands(a, b, "where");
   Shape shape = broadcastShapes(broadcastShapes(cond.shape(), a.shape(), "where"), b.shape(), "where");
@@ -481,24 +491,45 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
 }
 
 Tensor reluBackward(const Tensor& grad, const Tensor& output) {
+  if (cuda::routeToCuda("relu backward", grad, output)) {
+    return cuda::pointwiseBackward(cuda::PointwiseBackward::kRelu, grad, output, 0, 0, "relu backward");
+  }
   return backwardFloat(grad, output, "relu backward", [](auto) { return ReluBackF{}; });
 }
 Tensor sigmoidBackward(const Tensor& grad, const Tensor& output) {
+  if (cuda::routeToCuda("sigmoid backward", grad, output)) {
+    return cuda::pointwiseBackward(cuda::PointwiseBackward::kSigmoid, grad, output, 0, 0, "sigmoid backward");
+  }
   return backwardFloat(grad, output, "sigmoid backward", [](auto) { return SigmoidBackF{}; });
 }
 Tensor tanhBackward(const Tensor& grad, const Tensor& output) {
+  if (cuda::routeToCuda("tanh backward", grad, output)) {
+    return cuda::pointwiseBackward(cuda::PointwiseBackward::kTanh, grad, output, 0, 0, "tanh backward");
+  }
   return backwardFloat(grad, output, "tanh backward", [](auto) { return TanhBackF{}; });
 }
 Tensor sqrtBackward(const Tensor& grad, const Tensor& output) {
+  if (cuda::routeToCuda("sqrt backward", grad, output)) {
+    return cuda::pointwiseBackward(cuda::PointwiseBackward::kSqrt, grad, output, 0, 0, "sqrt backward");
+  }
   return backwardFloat(grad, output, "sqrt backward", [](auto) { return SqrtBackF{}; });
 }
 Tensor geluBackward(const Tensor& grad, const Tensor& input) {
+  if (cuda::routeToCuda("gelu backward", grad, input)) {
+    return cuda::pointwiseBackward(cuda::PointwiseBackward::kGelu, grad, input, 0, 0, "gelu backward");
+  }
   return backwardFloat(grad, input, "gelu backward", [](auto) { return GeluBackF{}; });
 }
 Tensor absBackward(const Tensor& grad, const Tensor& input) {
+  if (cuda::routeToCuda("abs backward", grad, input)) {
+    return cuda::pointwiseBackward(cuda::PointwiseBackward::kAbs, grad, input, 0, 0, "abs backward");
+  }
   return backwardFloat(grad, input, "abs backward", [](auto) { return AbsBackF{}; });
 }
 Tensor powBackward(const Tensor& grad, const Tensor& input, double exponent) {
+  if (cuda::routeToCuda("pow backward", grad, input)) {
+    return cuda::pointwiseBackward(cuda::PointwiseBackward::kPow, grad, input, exponent, 0, "pow backward");
+  }
   if (exponent == 0.0) {  // d/dx x^0 = 0 everywhere (avoid 0 * inf at x = 0)
     return Tensor::zeros(grad.shape(), grad.dtype());
   }
@@ -515,6 +546,9 @@ Tensor powBackward(const Tensor& grad, const Tensor& input, double exponent) {
   });
 }
 Tensor clampBackward(const Tensor& grad, const Tensor& input, double min, double max) {
+  if (cuda::routeToCuda("clamp backward", grad, input)) {
+    return cuda::pointwiseBackward(cuda::PointwiseBackward::kClamp, grad, input, min, max, "clamp backward");
+  }
   return backwardFloat(grad, input, "clamp backward", [min, max](auto tag) {
     using T = decltype(tag);
     return ClampBackF<T>{static_cast<T>(min), static_cast<T>(max)};
@@ -524,6 +558,10 @@ Tensor clampBackward(const Tensor& grad, const Tensor& input, double min, double
 void maxMinBackward(const Tensor& grad, const Tensor& a, const Tensor& b, bool isMax, Tensor* gradA,
                     Tensor* gradB) {
   const char* op = isMax ? "maximum backward" : "minimum backward";
+  if (cuda::deviceOf(op, {{"gradient", &grad}, {"first operand", &a}, {"second operand", &b}}).isCuda()) {
+    cuda::maxMinBackward(grad, a, b, isMax, gradA, gradB);
+    return;
+  }
   checkBinaryOperands(a, b, op);
   checkBinaryOperands(grad, a, op);
   const Shape shape = broadcastShapes(a.shape(), b.shape(), op);

@@ -1,5 +1,6 @@
 #include "tensor/cpu/reduce.h"
 
+#include "tensor/cuda/tensor_kernels.h"
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -9,6 +10,7 @@
 #include "tensor/cpu/elementwise.h"
 #include "tensor/cpu/shape_kernels.h"
 #include "tensor/cpu/strided.h"
+#include "tensor/cuda/tensor_kernels.h"
 
 namespace distgrad::tensor::kernels {
 namespace {
@@ -240,6 +242,7 @@ Tensor sumAll(const Tensor& a) {
 }
 
 Tensor sumDims(const Tensor& a, const std::vector<bool>& mask, bool keepDim) {
+  if (cuda::routeToCuda("sum", a)) return cuda::sumDims(a, mask, keepDim);
   requireCpuTensor(a, "sum");
   DG_ASSERT(static_cast<int64_t>(mask.size()) == a.dim(), "reduction mask rank mismatch");
   return dispatchDType(a.dtype(), "sum", [&](auto tag) {
@@ -249,6 +252,7 @@ Tensor sumDims(const Tensor& a, const std::vector<bool>& mask, bool keepDim) {
 }
 
 Tensor maxAll(const Tensor& a) {
+  if (cuda::routeToCuda("max", a)) return cuda::maxAll(a);
   requireCpuTensor(a, "max");
   DG_CHECK(a.numel() > 0, "max: cannot take the max of an empty tensor (shape ", shapeStr(a.shape()), ")");
   Tensor src = contiguous(a);
@@ -264,6 +268,10 @@ Tensor maxAll(const Tensor& a) {
 }
 
 void maxDim(const Tensor& a, int64_t dim, bool keepDim, Tensor* values, Tensor* indices, const char* op) {
+  if (cuda::routeToCuda(op, a)) {
+    cuda::maxDim(a, dim, keepDim, values, indices, op);
+    return;
+  }
   requireCpuTensor(a, op);
   // A 0-d tensor has one element; dim 0 / -1 reduce over it, as in PyTorch.
   const int64_t d = wrapDim(dim, a.dim(), op);
@@ -285,6 +293,9 @@ void maxDim(const Tensor& a, int64_t dim, bool keepDim, Tensor* values, Tensor* 
 }
 
 Tensor maxDimBackward(const Tensor& grad, const Tensor& indices, const Shape& inputShape, int64_t dim) {
+  if (cuda::deviceOf("max backward", {{"gradient", &grad}, {"indices", &indices}}).isCuda()) {
+    return cuda::maxDimBackward(grad, indices, inputShape, dim);
+  }
   requireCpuTensor(grad, "max backward");
   DG_CHECK(indices.dtype() == DType::kInt64, "max backward: indices must be int64, got ", dtypeName(indices.dtype()));
   const int64_t nd = static_cast<int64_t>(inputShape.size());

@@ -9,6 +9,7 @@
 
 #include "tensor/cpu/elementwise.h"
 #include "tensor/cpu/strided.h"
+#include "tensor/cuda/tensor_kernels.h"
 
 namespace distgrad::tensor::kernels {
 namespace {
@@ -198,6 +199,10 @@ std::optional<Shape> viewStrides(const Shape& oldShape, const Shape& oldStrides,
 }
 
 void copyInto(const Tensor& dst, const Tensor& src, const char* op) {
+  if (cuda::deviceOf(op, {{"destination", &dst}, {"source", &src}}).isCuda()) {
+    cuda::copyInto(dst, src, op);
+    return;
+  }
   requireCpuTensor(dst, op, "destination");
   requireCpuTensor(src, op, "source");
   DG_CHECK(dst.dtype() == src.dtype(), op, ": dtype mismatch: destination ", dtypeName(dst.dtype()), ", source ",
@@ -222,7 +227,8 @@ void copyInto(const Tensor& dst, const Tensor& src, const char* op) {
 
 Tensor contiguous(const Tensor& t) {
   if (t.isContiguous()) return t;
-  Tensor out = Tensor::empty(t.shape(), t.dtype());
+  cuda::routeToCuda("contiguous", t);  // a CUDA device that is unusable fails here, naming the op
+  Tensor out = Tensor::empty(t.shape(), t.dtype(), t.device());
   copyInto(out, t, "contiguous");
   return out;
 }
@@ -233,7 +239,8 @@ Tensor contiguousAs(const Tensor& t, DType dtype) {
 }
 
 Tensor broadcastTo(const Tensor& t, const Shape& shape, const char* op) {
-  Tensor out = Tensor::empty(shape, t.dtype());
+  cuda::routeToCuda(op, t);  // a CUDA device that is unusable fails here, naming the op
+  Tensor out = Tensor::empty(shape, t.dtype(), t.device());
   copyInto(out, t, op);
   return out;
 }
@@ -250,7 +257,8 @@ Tensor cat(const std::vector<Tensor>& tensors, int64_t dim, const char* op) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     const Tensor& t = tensors[i];
     DG_CHECK(t.defined(), op, ": tensor ", i, " is undefined");
-    requireCpuTensor(t, op);
+    DG_CHECK(t.device() == first.device(), op, ": operands are on different devices: tensor ", i, " on ",
+             t.device().str(), ", tensor 0 on ", first.device().str(), " (move one with .to(device))");
     DG_CHECK(t.dtype() == first.dtype(), op, ": tensor ", i, " has dtype ", dtypeName(t.dtype()),
              " but tensor 0 has ", dtypeName(first.dtype()));
     DG_CHECK(t.dim() == nd, op, ": tensor ", i, " has shape ", shapeStr(t.shape()), " but tensor 0 has shape ",
@@ -262,6 +270,8 @@ Tensor cat(const std::vector<Tensor>& tensors, int64_t dim, const char* op) {
     }
     outShape[dim] += t.shape()[dim];
   }
+  if (cuda::routeToCuda(op, first)) return cuda::cat(tensors, outShape, dim, op);
+  requireCpuTensor(first, op);
   Tensor out = Tensor::empty(outShape, first.dtype());
   int64_t outer = 1, inner = 1;
   for (int64_t d = 0; d < dim; ++d) outer *= outShape[d];
