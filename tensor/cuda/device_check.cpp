@@ -5,22 +5,24 @@
 
 namespace distgrad::tensor::cuda {
 
-bool onCuda(const char* op, std::initializer_list<NamedOperand> operands) {
-  const NamedOperand* first = nullptr;
-  for (const NamedOperand& o : operands) {
-    if (o.second == nullptr || !o.second->defined()) continue;
+Device deviceOf(const char* op, std::initializer_list<Operand> operands) {
+  const Operand* first = nullptr;
+  for (const Operand& operand : operands) {
+    if (operand.tensor == nullptr || !operand.tensor->defined()) continue;
     if (first == nullptr) {
-      first = &o;
+      first = &operand;
       continue;
     }
-    const Device a = first->second->device(), b = o.second->device();
-    DG_CHECK(a == b, op, ": all operands must be on one device, but ", first->first, " is on ", a.str(), " and ",
-             o.first, " is on ", b.str());
+    const Device a = first->tensor->device();
+    const Device b = operand.tensor->device();
+    DG_CHECK(a == b, op, ": operands are on different devices: ", first->what, " on ", a.str(), ", ", operand.what,
+             " on ", b.str(), " (move one with .to(device))");
   }
-  if (first == nullptr || !first->second->device().isCuda()) return false;
+  if (first == nullptr) return Device::cpu();
+  const Device device = first->tensor->device();
   // Named here so that "no GPU" / "built without CUDA" errors say which op wanted the device.
-  requireDevice(first->second->device().index, op);
-  return true;
+  if (device.isCuda()) requireDevice(device.index, op);
+  return device;
 }
 
 }  // namespace distgrad::tensor::cuda

@@ -15,19 +15,11 @@
 #include <vector>
 
 #include "tensor/cpu/elementwise.h"
+#include "tensor/cuda/device_check.h"
 #include "tensor/tensor.h"
 
 namespace distgrad::tensor::cuda {
 
-// One operand of an op, named for error messages ("first operand", "condition", ...).
-struct Operand {
-  const char* what;
-  const Tensor* tensor;
-};
-// The device every defined operand lives on (CPU when none is defined). Operands on different devices are
-// a ValueError naming `op`, both operands and both devices; so is a CUDA device that is not usable (no
-// GPU, no driver, built without CUDA).
-Device deviceOf(const char* op, std::initializer_list<Operand> operands);
 // True when the operand(s) of `op` are on a CUDA device (the routing test at the kernels:: entry points).
 inline bool routeToCuda(const char* op, const Tensor& a) { return deviceOf(op, {{"input", &a}}).isCuda(); }
 inline bool routeToCuda(const char* op, const Tensor& a, const Tensor& b) {
