@@ -130,6 +130,8 @@ size_t sizeClass(size_t nbytes) { return std::bit_ceil(std::max(nbytes, kMinPinn
 }  // namespace
 
 PinnedBlock allocatePinned(size_t nbytes) {
+  DG_CHECK(isAvailable(), "allocatePinned: pinned memory needs a CUDA device and driver (",
+           deviceCount(), " CUDA devices)");
   DG_CHECK(nbytes > 0, "allocatePinned: nbytes must be > 0");
   DG_CHECK(nbytes <= (size_t{1} << 62), "allocatePinned: ", nbytes, " bytes is too large");
   const size_t capacity = sizeClass(nbytes);
