@@ -871,7 +871,9 @@ void Agent::onHello(const std::shared_ptr<Link>& link, const HandshakeMessage& h
                                 ") opened a connection to this worker (rank " + std::to_string(options_.rank) +
                                 "), but only a lower rank connects to a higher one", hello.name);
   }
-  if (auto problem = adoptAnnouncedDevices(*link, hello)) return refuseLink(link, *problem, hello.name);
+  // Like any malformed field of an unauthenticated hello: the link is refused, the claimed worker's start
+  // is not failed (anyone can send a hello naming it).
+  if (auto problem = adoptAnnouncedDevices(*link, hello)) return refuseLink(link, *problem);
   link->peer = hello.name;
   link->peerRank = *registeredRank;
   link->peerNonce = hello.nonce;

@@ -95,7 +95,7 @@ TEST(DeviceMap, ParseDevice) {
   expectValueError([] { parseDevice("cuda:x", "t"); }, "no valid index");
   expectValueError([] { parseDevice("cuda:1x", "t"); }, "no valid index");
   expectValueError([] { parseDevice("cuda:+1", "t"); }, "no valid index");
-  expectValueError([] { parseDevice("cuda:-1", "t"); }, "no valid index");
+  expectValueError([] { parseDevice("cuda:-1", "t"); }, "has index -1");
   expectValueError([] { parseDevice("cuda:64", "t"); }, "index 64");
   expectValueError([] { parseDevice("cuda:99999999999", "t"); }, "no valid index");
 }
