@@ -120,23 +120,24 @@ rpc::Future<void> servePlacement(const rpc::CallContext& ctx, RRefId module, std
   auto future = promise->getFuture();
   auto fail = [&](const std::string& message) {
     promise->setError(rpc::Error::failed("RemoteModule: " + message).onWorker(context->name()));
-    return future;
   };
   if (module.ownerWorkerId != context->rank()) {
-    return fail(context->name() + " is not the owner of the module (its owner is " +
-                context->workerOfRank(module.ownerWorkerId) + ")");
+    fail(context->name() + " is not the owner of the module (its owner is " +
+         context->workerOfRank(module.ownerWorkerId) + ")");
+    return future;
   }
   tensor::Device target;
   try {
     target = rpc::parseDevice(device, "RemoteModule placement");
   } catch (const ValueError& e) {
-    return fail(e.what());
+    fail(e.what());
+    return future;
   }
   if (target.isCuda() && target.index >= tensor::cuda::deviceCount()) {
     const int count = tensor::cuda::deviceCount();
-    return fail("cannot place a " + ClassOf<M>::get().name() + " on " + target.str() + ": " + context->name() +
-                " has " + std::to_string(count) + " CUDA device(s)" +
-                (count == 0 ? " (no GPU, no driver, or built without CUDA)" : ""));
+    fail("cannot place a " + ClassOf<M>::get().name() + " on " + target.str() + ": " + context->name() + " has " +
+         std::to_string(count) + " CUDA device(s)" + (count == 0 ? " (no GPU, no driver, or built without CUDA)" : ""));
+    return future;
   }
   context->whenResolved(module, [promise, context, target](rpc::Result<OwnedValue> owned) {
     if (!owned.ok()) return promise->setError(owned.error());
