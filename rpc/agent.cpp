@@ -11,6 +11,7 @@
 
 #include "rpc/detail/hmac.h"
 #include "rpc/transport/inproc/context.h"
+#include "tensor/cuda/runtime.h"
 #include "tensor/error.h"
 
 namespace distgrad::rpc {
@@ -159,6 +160,10 @@ struct Agent::HandshakeMessage {
   int64_t helloReceivedNs = 0;
   int64_t offsetNs = 0;
   int64_t rttNs = 0;
+  // CUDA over RPC (hello and challenge): the sender's CUDA device count and its device map for messages to
+  // the receiver (Options::deviceMaps[receiver], as (source, target) pairs), checked by Agent::start.
+  int64_t cudaDevices = 0;
+  std::vector<std::pair<int64_t, int64_t>> deviceMap;
   template <class V>
   void visitFields(V& v) {
     v("stage", stage);
@@ -171,6 +176,8 @@ struct Agent::HandshakeMessage {
     v("helloReceivedNs", helloReceivedNs);
     v("offsetNs", offsetNs);
     v("rttNs", rttNs);
+    v("cudaDevices", cudaDevices);
+    v("deviceMap", deviceMap);
   }
 };
 
@@ -224,6 +231,9 @@ struct Agent::Link {
   int64_t peerHelloSentNs = 0;
   int64_t helloReceivedNs = 0;
   std::optional<std::pair<int64_t, int64_t>> clockSample;  // (offset, rtt)
+  // What the peer's hello / challenge announced (loop; moved into the Peer by registerLink).
+  int peerCudaDevices = 0;
+  DeviceMap peerDeviceMap;
 };
 
 struct Agent::Peer {
@@ -247,6 +257,11 @@ struct Agent::Peer {
   int64_t lastHeartbeatSentNs = 0;
   int64_t lastHeartbeatReceivedNs = 0;
   int64_t lastEchoUsedNs = 0;  // the echo of our heartbeat that gave the last sample (never used twice)
+  // CUDA over RPC, GUARDED_BY(Agent::mutex_), set by registerLink: the peer's CUDA device count and the
+  // map it announced for messages to this worker; the map this worker sends to it with (null: none).
+  std::optional<int> cudaDevices;
+  DeviceMap announcedMap;
+  std::shared_ptr<const DeviceMap> sendMap;
 };
 
 struct Agent::Pending {
@@ -276,6 +291,10 @@ Agent::Agent(const Options& options, const Registry& registry, AgentConfig confi
   self_ = std::make_unique<Peer>();
   self_->name = name_;
   self_->rank = options_.rank;
+  if (auto it = options_.deviceMaps.find(name_); it != options_.deviceMaps.end()) {
+    selfDeviceMap_ = std::make_shared<const DeviceMap>(it->second);
+    deviceMapsInUse_.store(true, std::memory_order_release);
+  }
 }
 
 std::unique_ptr<Agent> Agent::start(const Options& options, const Registry& registry, AgentConfig config) {
@@ -392,6 +411,8 @@ void Agent::startUp() {
     }
   }
   changed_.notify_all();
+  // Device maps: every worker named must be in the job (devices are checked once handshakes told them).
+  checkDeviceMaps();
 
   // One connection per pair: the lower rank connects to the higher one.
   std::vector<std::pair<std::string, std::string>> toConnect;
@@ -440,6 +461,9 @@ void Agent::startUp() {
                                   std::to_string(options_.rendezvousTimeout.count()) + " ms"));
   }
   if (startError_) throw RpcError(*startError_);
+  lock.unlock();
+  checkDeviceMaps();
+  lock.lock();
   // Still under mutex_: the first heartbeat may fire (and re-arm, writing heartbeatTimer_) at once.
   heartbeatTimer_ = timers_->scheduleAfter(options_.heartbeatInterval, [this] { heartbeat(); });
 }
@@ -469,6 +493,11 @@ Result<transport::OutgoingFrame> Agent::introduction(int64_t stage, Link& link) 
   message.sentNs = clockNs();
   if (stage == kHello) link.helloSentNs = message.sentNs;
   if (stage == kChallenge) message.helloReceivedNs = link.helloReceivedNs;
+  message.cudaDevices = tensor::cuda::deviceCount();
+  const std::string& peer = stage == kHello ? link.expectedPeer : link.peer;
+  if (auto it = options_.deviceMaps.find(peer); it != options_.deviceMaps.end()) {
+    for (const auto& [from, to] : it->second.entries()) message.deviceMap.emplace_back(from, to);
+  }
   EnvelopeFields fields;
   fields.kind = MessageKind::kHandshake;
   return encodeMessageWith(fields, message);
@@ -753,6 +782,7 @@ void Agent::onHandshake(const std::shared_ptr<Link>& link, const DecodedMessage&
           std::max<int64_t>(0, (receivedNs - link->helloSentNs) - (hs.sentNs - hs.helloReceivedNs));
       const int64_t offset = (hs.helloReceivedNs - link->helloSentNs) - rtt / 2;
       link->clockSample = std::make_pair(offset, rtt);
+      if (auto problem = adoptAnnouncedDevices(*link, hs)) return refuseLink(link, *problem);
       link->peer = hs.name;
       link->peerRank = registeredRank;
       link->peerNonce = std::move(hs.nonce);
@@ -841,6 +871,9 @@ void Agent::onHello(const std::shared_ptr<Link>& link, const HandshakeMessage& h
                                 ") opened a connection to this worker (rank " + std::to_string(options_.rank) +
                                 "), but only a lower rank connects to a higher one", hello.name);
   }
+  // Like any malformed field of an unauthenticated hello: the link is refused, the claimed worker's start
+  // is not failed (anyone can send a hello naming it).
+  if (auto problem = adoptAnnouncedDevices(*link, hello)) return refuseLink(link, *problem);
   link->peer = hello.name;
   link->peerRank = *registeredRank;
   link->peerNonce = hello.nonce;
@@ -856,6 +889,83 @@ void Agent::onHello(const std::shared_ptr<Link>& link, const HandshakeMessage& h
   sendOn(link, std::move(frame).value());
 }
 
+std::optional<std::string> Agent::adoptAnnouncedDevices(Link& link, const HandshakeMessage& hs) const {
+  if (hs.cudaDevices < 0 || hs.cudaDevices > kMaxCudaDevices) {
+    return "a handshake announcing " + std::to_string(hs.cudaDevices) + " CUDA devices (expected [0, " +
+           std::to_string(kMaxCudaDevices) + "])";
+  }
+  if (hs.deviceMap.size() > static_cast<size_t>(kMaxCudaDevices)) {
+    return "a handshake announcing a device map of " + std::to_string(hs.deviceMap.size()) + " entries";
+  }
+  DeviceMap map;
+  try {
+    for (const auto& [from, to] : hs.deviceMap) {
+      if (from < 0 || from >= kMaxCudaDevices || to < 0 || to >= kMaxCudaDevices) {
+        return "a handshake announcing a device map entry cuda:" + std::to_string(from) + " -> cuda:" +
+               std::to_string(to) + " (indices must be in [0, " + std::to_string(kMaxCudaDevices) + "))";
+      }
+      map.setIndex(static_cast<int>(from), static_cast<int>(to), "the peer's device map");
+    }
+  } catch (const ValueError& e) {
+    return std::string("a handshake announcing an invalid device map: ") + e.what();
+  }
+  link.peerCudaDevices = static_cast<int>(hs.cudaDevices);
+  link.peerDeviceMap = std::move(map);
+  return std::nullopt;
+}
+
+std::shared_ptr<const DeviceMap> Agent::sendDeviceMap(const std::string& peer) const {
+  if (peer == name_) return selfDeviceMap_;
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = peers_.find(peer);
+  return it == peers_.end() ? nullptr : it->second->sendMap;
+}
+
+std::optional<int> Agent::peerCudaDevices(const std::string& worker) const {
+  if (worker == name_) return tensor::cuda::deviceCount();
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = peers_.find(worker);
+  if (it == peers_.end()) return std::nullopt;
+  return it->second->cudaDevices;
+}
+
+DeviceMap Agent::peerDeviceMap(const std::string& worker) const {
+  if (worker == name_) return selfDeviceMap_ ? *selfDeviceMap_ : DeviceMap();
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = peers_.find(worker);
+  return it == peers_.end() ? DeviceMap() : it->second->announcedMap;
+}
+
+void Agent::checkDeviceMaps() const {
+  const int localDevices = tensor::cuda::deviceCount();
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& [worker, map] : options_.deviceMaps) {
+    int devices = localDevices;
+    if (worker != name_) {
+      auto it = peers_.find(worker);
+      if (it == peers_.end()) {
+        std::vector<std::string> names{name_};
+        for (const auto& [name, peer] : peers_) names.push_back(name);
+        DG_CHECK(false, "Agent::start: Options::deviceMaps names worker '", worker, "', which is not in the job (",
+                 joinNames(names), ")");
+      }
+      if (!it->second->cudaDevices) continue;  // not handshaken yet: checked again once every peer is
+      devices = *it->second->cudaDevices;
+    }
+    for (const auto& [from, to] : map.entries()) {
+      DG_CHECK(to < devices, "Agent::start: the device map of ", name_, " for ", worker, " maps cuda:", from,
+               " -> cuda:", to, " but ", worker, " has ", devices, " CUDA device(s)");
+    }
+  }
+  // What the peers announced for this worker must fit here too (their own start checks the same).
+  for (const auto& [name, peer] : peers_) {
+    for (const auto& [from, to] : peer->announcedMap.entries()) {
+      DG_CHECK(to < localDevices, "Agent::start: the device map of ", name, " for ", name_, " maps cuda:", from,
+               " -> cuda:", to, " but ", name_, " has ", localDevices, " CUDA device(s)");
+    }
+  }
+}
+
 bool Agent::registerLink(const std::shared_ptr<Link>& link) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -865,6 +975,15 @@ bool Agent::registerLink(const std::shared_ptr<Link>& link) {
     link->ready = true;
     peer.lastSeenNanos.store(nowNanos(), std::memory_order_relaxed);
     if (link->clockSample) addClockSampleLocked(peer, link->clockSample->first, link->clockSample->second);
+    peer.cudaDevices = link->peerCudaDevices;
+    peer.announcedMap = link->peerDeviceMap;
+    auto own = options_.deviceMaps.find(peer.name);
+    if (own != options_.deviceMaps.end()) {
+      peer.sendMap = std::make_shared<const DeviceMap>(own->second);
+    } else if (!peer.announcedMap.empty()) {
+      peer.sendMap = std::make_shared<const DeviceMap>(peer.announcedMap.inverse());
+    }
+    if (peer.sendMap) deviceMapsInUse_.store(true, std::memory_order_release);
   }
   link->step = HandshakeStep::kDone;
   if (link->handshakeTimer != kInvalidTimerId) timers_->cancel(link->handshakeTimer);
@@ -1020,7 +1139,7 @@ void Agent::rpcRaw(const CallOptions& callOptions, const std::string& worker, co
   fields.functionName = functionName;
   fields.signatureHash = signatureHash;
   prepareCall(callOptions, fields);
-  const CodecScope scope = sendScope(worker, activeAutogradContext());
+  const CodecScope scope = sendScope(worker, activeAutogradContext(), &callOptions);
   if (tracing) timing.serializeBeginNs = trace::nowNs();
   auto frame = encodeMessage(fields, encodeValue, &scope);
   if (tracing) timing.serializeEndNs = trace::nowNs();
@@ -1383,8 +1502,12 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
   }
   // A response to a call of an autograd context belongs to it too (its grad tensors flow back).
   const uint64_t autogradContext = message.fields().autograd ? message.fields().autograd->contextId : 0;
-  auto reply = [this, peerName, id, autogradContext, fn = message.fields().functionName, traceName,
-                callerRank](Result<EncodeValueFn>&& result, int64_t startedNs = 0) {
+  // CUDA tensors over RPC: the reply goes back through the inverse of the map the call came with (and with
+  // no map when the call carried none: a CUDA result is then refused naming the device).
+  std::shared_ptr<const DeviceMap> replyMap =
+      message.fields().deviceMap.empty() ? nullptr : std::make_shared<const DeviceMap>(message.fields().deviceMap.inverse());
+  auto reply = [this, peerName, id, autogradContext, fn = message.fields().functionName, traceName, callerRank,
+                replyMap = std::move(replyMap)](Result<EncodeValueFn>&& result, int64_t startedNs = 0) {
     // `startedNs`: the caller just read the clock (a handler that returned); saves a read.
     const int64_t serializeBeginNs = traceName == nullptr ? 0 : startedNs != 0 ? startedNs : trace::nowNs();
     EnvelopeFields fields;
@@ -1393,7 +1516,8 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
     Result<transport::OutgoingFrame> frame = Error::failed("unset");
     if (result.ok()) {
       fields.kind = MessageKind::kResponse;
-      const CodecScope scope = sendScope(peerName, autogradContext);
+      CodecScope scope = sendScope(peerName, autogradContext);
+      scope.deviceMap = replyMap;
       frame = encodeMessage(fields, result.value(), &scope);
     }
     if (!result.ok() || !frame.ok()) {

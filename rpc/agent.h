@@ -117,6 +117,9 @@ struct CallOptions {
   std::chrono::milliseconds timeout{0};
   // Cancelling it fails the call with `cancelled` and tells the callee (its CallContext token).
   CancellationToken cancel;
+  // Where this call's CUDA tensors land on the callee (replaces Options::deviceMaps for this call; the
+  // reply comes back through its inverse). Unset: the agent's map for the callee (rpc/device_map.h).
+  std::optional<DeviceMap> deviceMap;
 };
 
 // Counters per peer (snapshot).
@@ -165,7 +168,7 @@ class Agent {
     fields.signatureHash = fn.hash();
     // Converting to the declared parameter types first makes the wire type the declared one.
     prepareCall(callOptions, fields);
-    const CodecScope scope = sendScope(worker, activeAutogradContext());
+    const CodecScope scope = sendScope(worker, activeAutogradContext(), &callOptions);
     if (tracing) timing.serializeBeginNs = trace::nowNs();
     auto frame = encodeCallIn(&scope, fields, asParam<Params>(std::forward<A>(args))...);
     if (tracing) timing.serializeEndNs = trace::nowNs();
@@ -251,6 +254,12 @@ class Agent {
   // heartbeat): a gauge for leak checks.
   size_t armedTimers() const { return timers_ ? timers_->pending() : 0; }
 
+  // How many CUDA devices `worker` has (from its handshake; this agent's own count for its own name);
+  // nullopt for an unknown worker or before its handshake.
+  std::optional<int> peerCudaDevices(const std::string& worker) const;
+  // The device map `worker` announced for messages it sends to this worker (empty when none or unknown).
+  DeviceMap peerDeviceMap(const std::string& worker) const;
+
   // The current estimate of `worker`'s clock relative to this agent's; nullopt before the first sample
   // (or for this agent itself / an unknown name).
   std::optional<ClockOffset> clockOffset(const std::string& worker) const;
@@ -291,14 +300,30 @@ class Agent {
   void prepareCall(const CallOptions& callOptions, EnvelopeFields& fields) const;
   // The CodecScope of a message to `peer`; inside distributed autograd context `autogradContext` (0: none)
   // when this agent has an AutogradHook.
-  CodecScope sendScope(const std::string& peer, uint64_t autogradContext) {
+  // `callOptions` (a call's): its device map replaces the agent's for `peer`.
+  CodecScope sendScope(const std::string& peer, uint64_t autogradContext, const CallOptions* callOptions = nullptr) {
     CodecScope scope{this, peer};
     if (autogradHook_ && autogradContext != 0) {
       scope.autogradContext = autogradContext;
       scope.autogradHook = autogradHook_.get();
     }
+    if (callOptions != nullptr && callOptions->deviceMap) {
+      scope.deviceMap = std::make_shared<const DeviceMap>(*callOptions->deviceMap);
+    } else if (deviceMapsInUse_.load(std::memory_order_acquire)) {
+      scope.deviceMap = sendDeviceMap(peer);
+    }
     return scope;
   }
+  // The device map of messages to `peer` that are not replies: Options::deviceMaps[peer], else the inverse
+  // of the map `peer` announced for this worker in its handshake (so a worker that only receives CUDA
+  // tensors sends gradients and its own calls back where they came from), else null.
+  std::shared_ptr<const DeviceMap> sendDeviceMap(const std::string& peer) const;
+  // Agent::start: every worker Options::deviceMaps names is in the job, and every map (this worker's and
+  // what the peers announced) targets devices its receiver has. Throws ValueError naming worker and device.
+  void checkDeviceMaps() const;
+  // The hello / challenge's CUDA device count and device map, validated, into `link`; the reason to refuse
+  // the link otherwise.
+  std::optional<std::string> adoptAnnouncedDevices(Link& link, const HandshakeMessage& hs) const;
   // A received call or response from `peer` inside an autograd context that carries grad tensors: hangs
   // them from the RecvBackward node the hook makes. An Error when this agent cannot (no hook, refused).
   std::optional<Error> attachAutograd(DecodedMessage& message, const std::string& peer);
@@ -405,6 +430,10 @@ class Agent {
   // Held for the whole of shutdown(), so a concurrent caller waits for the teardown to complete.
   std::mutex shutdownMutex_;
   bool shutDown_ = false;  // GUARDED_BY(shutdownMutex_)
+  // Whether any device map applies to messages this agent sends (its options have one, or a peer announced
+  // one): otherwise sendScope skips the lookup (and its lock).
+  std::atomic<bool> deviceMapsInUse_{false};
+  std::shared_ptr<const DeviceMap> selfDeviceMap_;  // Options::deviceMaps[name_] (calls to itself), or null
   std::atomic<bool> shutdownStarted_{false};  // set with shutDown_, readable without the mutex
   std::mutex extensionsMutex_;
   std::map<std::string, std::shared_ptr<AgentExtension>> extensions_;  // GUARDED_BY(extensionsMutex_)

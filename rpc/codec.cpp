@@ -4,6 +4,9 @@
 #include <cstring>
 
 #include "autograd/grad_mode.h"
+#include "rpc/agent.h"
+#include "tensor/cuda/pinned.h"
+#include "tensor/cuda/runtime.h"
 
 namespace distgrad::rpc {
 
@@ -22,6 +25,59 @@ std::string shapeText(capnp::List<int64_t>::Reader shape) {
   std::string out = "[";
   for (uint32_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
   return out + "]";
+}
+
+// "worker 'name'" of the agent a codec runs in, or "this process" outside one (tests, tools).
+std::string selfName(const CodecScope& scope) {
+  return scope.agent != nullptr ? "worker '" + scope.agent->name() + "'" : std::string("this process");
+}
+
+std::string peerName(const CodecScope& scope) {
+  return scope.peer.empty() ? std::string("the receiver") : "worker '" + scope.peer + "'";
+}
+
+// Note [Received CUDA tensors]
+// A received CUDA tensor's bytes arrive in host memory (the frame's payload). The decoder allocates the
+// tensor on the target device and copies host -> pinned -> device on a stream from the device's pool,
+// which first waits for the decoding thread's current stream (so memory the caching allocator hands out in
+// that stream's order is not written early). Then:
+//   - a call's arguments (CodecScope::cudaWaitOnHost false) are decoded on the executor thread that runs
+//     the handler: the thread's current stream waits for the copy's event, so the handler's work, queued
+//     on its current stream, runs after the copy (no host wait; the receiver's computation waits on the
+//     copy, which waited on the sender's event);
+//   - everything else (replies, decoded on a transport thread and consumed by whoever waits on the future,
+//     on streams the decoder cannot know) waits on the host for the copy's event before it is handed out.
+//     That adds at most the DMA of the last chunks: the host copies into pinned memory, which run on the
+//     same thread first, take longer than the DMA they overlap with.
+// Never a device-wide synchronisation.
+Tensor receiveCudaTensor(const transport::PayloadBuffer& payload, const detail::TensorLayout& layout,
+                         const CodecScope& scope) {
+  const int device = layout.device.index;
+  const int available = tensor::cuda::deviceCount();
+  if (device >= available) {
+    throw CodecError("tensor payload " + std::to_string(layout.payloadIndex) + " targets cuda:" +
+                     std::to_string(device) + " but " + selfName(scope) + " has " + std::to_string(available) +
+                     " CUDA device(s)" + (available == 0 ? " (no GPU, no driver, or built without CUDA)" : "") +
+                     ": fix the sender's device map");
+  }
+  tensor::Storage storage = tensor::Storage::allocate(payload.size, layout.device);
+  if (payload.size > 0) {
+    const tensor::cuda::Stream current = tensor::cuda::Stream::current(device);
+    const tensor::cuda::Stream copyStream = tensor::cuda::Stream::fromPool(device);
+    tensor::cuda::Event allocated;
+    allocated.record(current);
+    allocated.block(copyStream);
+    tensor::cuda::copyHostToDeviceStaged(storage.data(), payload.data, payload.size, copyStream);
+    tensor::cuda::Event copied;
+    copied.record(copyStream);
+    if (scope.cudaWaitOnHost) {
+      copied.synchronize();
+    } else {
+      copied.block(current);
+    }
+  }
+  return Tensor::fromStorage(std::move(storage), layout.shape, tensor::contiguousStrides(layout.shape), 0,
+                             layout.dtype);
 }
 
 }  // namespace
@@ -119,20 +175,25 @@ Tensor DecodeContext::takeTensor(wire::TensorDesc::Reader desc) {
     throw CodecError("tensor payload " + std::to_string(layout.payloadIndex) + " has no memory");
   }
   used_[layout.payloadIndex] = true;
-  const size_t item = tensor::itemSize(layout.dtype);
-  tensor::Storage storage;
-  if (reinterpret_cast<uintptr_t>(payload.data) % item == 0) {
-    // Zero copy: the tensor's storage is the received buffer; the deleter holds the buffer's owner.
-    storage = tensor::Storage::wrap(payload.data, payload.size, Device::cpu(),
-                                    [owner = payload.owner](void*) mutable { owner.reset(); });
+  Tensor out;
+  if (layout.device.isCuda()) {
+    out = receiveCudaTensor(payload, layout, scope_);
   } else {
-    // Only a misaligned in-process buffer lands here (transports allocate 64-byte aligned payloads):
-    // element access needs natural alignment, so copy once.
-    storage = tensor::Storage::allocate(payload.size);
-    if (payload.size > 0) std::memcpy(storage.data(), payload.data, payload.size);
+    const size_t item = tensor::itemSize(layout.dtype);
+    tensor::Storage storage;
+    if (reinterpret_cast<uintptr_t>(payload.data) % item == 0) {
+      // Zero copy: the tensor's storage is the received buffer; the deleter holds the buffer's owner.
+      storage = tensor::Storage::wrap(payload.data, payload.size, Device::cpu(),
+                                      [owner = payload.owner](void*) mutable { owner.reset(); });
+    } else {
+      // Only a misaligned in-process buffer lands here (transports allocate 64-byte aligned payloads):
+      // element access needs natural alignment, so copy once.
+      storage = tensor::Storage::allocate(payload.size);
+      if (payload.size > 0) std::memcpy(storage.data(), payload.data, payload.size);
+    }
+    Shape strides = tensor::contiguousStrides(layout.shape);
+    out = Tensor::fromStorage(std::move(storage), layout.shape, strides, 0, layout.dtype);
   }
-  Shape strides = tensor::contiguousStrides(layout.shape);
-  Tensor out = Tensor::fromStorage(std::move(storage), layout.shape, strides, 0, layout.dtype);
   if (layout.requiresGrad && scope_.recvNode && scope_.gradIndexOfPayload) {
     // Distributed autograd: the tensor is an output of the message's RecvBackward node (rpc/autograd_hook.h).
     const int32_t output = scope_.gradIndexOfPayload->at(layout.payloadIndex);
@@ -192,19 +253,9 @@ uint32_t checkedListSize(size_t n) {
   return static_cast<uint32_t>(n);
 }
 
-void encodeTensor(wire::Value::Builder out, const Tensor& tensor, EncodeContext& ctx) {
-  if (!tensor.defined()) {
-    out.setNull();
-    return;
-  }
-  if (!tensor.device().isCpu()) {
-    // TODO(cuda): send CUDA tensors (staged through pinned memory or read by the transport directly).
-    throw CodecError("cannot send a tensor on " + tensor.device().str() +
-                     ": only CPU tensors travel over RPC for now; move it with .to(Device::cpu())");
-  }
-  Tensor src = needsCompaction(tensor) ? tensor.cloneData() : tensor;
-  const size_t nbytes = src.nbytes();
-  auto desc = out.initTensor();
+namespace {
+
+void writeDescriptor(wire::TensorDesc::Builder desc, const Tensor& src, Device target, uint32_t payloadIndex) {
   desc.setDtype(static_cast<uint8_t>(src.dtype()));
   const Shape& shape = src.shape();
   auto shapeOut = desc.initShape(checkedListSize(shape.size()));
@@ -214,17 +265,76 @@ void encodeTensor(wire::Value::Builder out, const Tensor& tensor, EncodeContext&
     shapeOut.set(static_cast<uint32_t>(i), shape[i]);
     stridesOut.set(static_cast<uint32_t>(i), strides[i]);
   }
-  desc.setDeviceType(static_cast<uint8_t>(tensor::DeviceType::kCPU));
-  desc.setDeviceIndex(-1);
-  desc.setByteLength(nbytes);
+  desc.setDeviceType(static_cast<uint8_t>(target.type));
+  desc.setDeviceIndex(target.isCpu() ? int16_t{-1} : target.index);
+  desc.setByteLength(src.nbytes());
+  desc.setPayloadIndex(payloadIndex);
+}
+
+// A CUDA tensor: its device goes through the scope's device map (refused without an entry), its bytes are
+// staged into a host payload (tensor/cuda/pinned.h: chunked through pinned memory, after the work queued
+// on the tensor's current stream). Note [Received CUDA tensors] has the receiving side.
+void encodeCudaTensor(wire::Value::Builder out, const Tensor& tensor, EncodeContext& ctx) {
+  const CodecScope& scope = ctx.scope();
+  const int device = tensor.device().index;
+  const std::optional<int> target = scope.deviceMap ? scope.deviceMap->target(device) : std::nullopt;
+  if (!target) {
+    throw CodecError("cannot send a tensor on " + tensor.device().str() + " to " + peerName(scope) +
+                     ": the device map for it has no entry for " + tensor.device().str() + " (map " +
+                     (scope.deviceMap ? scope.deviceMap->str() : std::string("{}")) +
+                     "); set Options::deviceMaps[\"" + scope.peer + "\"] or CallOptions::deviceMap (a reply uses "
+                     "the inverse of its call's map), or move the tensor to the CPU first");
+  }
+  if (scope.agent != nullptr && !scope.peer.empty()) {
+    const std::optional<int> peerDevices = scope.agent->peerCudaDevices(scope.peer);
+    if (peerDevices && *target >= *peerDevices) {
+      throw CodecError("cannot send a tensor on " + tensor.device().str() + " to " + peerName(scope) +
+                       ": the device map sends it to cuda:" + std::to_string(*target) + " but " + scope.peer +
+                       " has " + std::to_string(*peerDevices) + " CUDA device(s)");
+    }
+  }
+  // The payload is contiguous; a view is made contiguous on the device first (a device-side copy).
+  Tensor src = tensor.isContiguous() ? tensor : tensor.cloneData();
+  const size_t nbytes = src.nbytes();
+  tensor::Storage staged = tensor::Storage::allocate(nbytes);
+  if (nbytes > 0) {
+    tensor::cuda::copyDeviceToHostStaged(staged.data(), src.rawData(), nbytes, tensor::cuda::Stream::current(device));
+  }
+  auto desc = out.initTensor();
+  auto owner = std::make_shared<const tensor::Storage>(staged);
+  const uint32_t index = ctx.addPayload(transport::SendBuffer{nbytes > 0 ? staged.data() : nullptr, nbytes, owner});
+  writeDescriptor(desc, src, Device::cuda(*target), index);
+  if (ctx.recordsGrad() && tensor.requiresGrad() && tensor::isFloatingPoint(tensor.dtype())) {
+    desc.setRequiresGrad(true);
+    ctx.addGradTensor(tensor);
+  }
+}
+
+}  // namespace
+
+void encodeTensor(wire::Value::Builder out, const Tensor& tensor, EncodeContext& ctx) {
+  if (!tensor.defined()) {
+    out.setNull();
+    return;
+  }
+  if (tensor.device().isCuda()) {
+    encodeCudaTensor(out, tensor, ctx);
+    return;
+  }
+  DG_ASSERT(tensor.device().isCpu(), "encodeTensor: unknown device ", tensor.device().str());
+  Tensor src = needsCompaction(tensor) ? tensor.cloneData() : tensor;
+  const size_t nbytes = src.nbytes();
+  auto desc = out.initTensor();
+  // The SendBuffer's owner keeps the storage alive until the transport is done with the bytes.
+  auto owner = std::make_shared<const tensor::Storage>(src.storage());
+  const uint32_t index =
+      ctx.addPayload(transport::SendBuffer{nbytes > 0 ? src.rawData() : nullptr, nbytes, owner});
+  writeDescriptor(desc, src, Device::cpu(), index);
   if (ctx.recordsGrad() && tensor.requiresGrad() && tensor::isFloatingPoint(tensor.dtype())) {
     // The edge of the SendBackward node goes to the caller's tensor (not the compacted copy).
     desc.setRequiresGrad(true);
     ctx.addGradTensor(tensor);
   }
-  // The SendBuffer's owner keeps the storage alive until the transport is done with the bytes.
-  auto owner = std::make_shared<const tensor::Storage>(src.storage());
-  desc.setPayloadIndex(ctx.addPayload(transport::SendBuffer{nbytes > 0 ? src.rawData() : nullptr, nbytes, owner}));
 }
 
 TensorLayout checkTensorDesc(wire::TensorDesc::Reader desc, size_t payloadCount) {
@@ -234,9 +344,23 @@ TensorLayout checkTensorDesc(wire::TensorDesc::Reader desc, size_t payloadCount)
     throw CodecError("tensor descriptor has unknown dtype code " + std::to_string(dtypeCode));
   }
   layout.dtype = static_cast<DType>(dtypeCode);
-  if (desc.getDeviceType() != static_cast<uint8_t>(tensor::DeviceType::kCPU)) {
-    throw CodecError("tensor descriptor names device type " + std::to_string(desc.getDeviceType()) +
-                     ": only CPU tensors travel over RPC for now");
+  const int deviceIndex = desc.getDeviceIndex();
+  if (desc.getDeviceType() == static_cast<uint8_t>(tensor::DeviceType::kCPU)) {
+    // -1 is what senders write; 0 is Cap'n Proto's default for a writer that leaves the field unset.
+    if (deviceIndex != -1 && deviceIndex != 0) {
+      throw CodecError("tensor descriptor names cpu with device index " + std::to_string(deviceIndex) +
+                       " (expected -1)");
+    }
+    layout.device = Device::cpu();
+  } else if (desc.getDeviceType() == static_cast<uint8_t>(tensor::DeviceType::kCUDA)) {
+    if (deviceIndex < 0 || deviceIndex >= kMaxCudaDevices) {
+      throw CodecError("tensor descriptor names CUDA device index " + std::to_string(deviceIndex) + " (expected [0, " +
+                       std::to_string(kMaxCudaDevices) + "))");
+    }
+    layout.device = Device::cuda(deviceIndex);
+  } else {
+    throw CodecError("tensor descriptor names unknown device type " + std::to_string(desc.getDeviceType()) +
+                     " (expected 0 = cpu or 1 = cuda)");
   }
   auto shape = desc.getShape();
   auto strides = desc.getStrides();

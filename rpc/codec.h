@@ -9,7 +9,8 @@
 // and double; std::string (text); std::vector<uint8_t> (bytes); std::vector<T>; std::map and
 // std::unordered_map (same wire form: a list of entries, duplicate keys rejected); std::optional<T>;
 // std::tuple and std::pair (a struct with empty field names); Tensor (a descriptor + one payload; an
-// undefined Tensor travels as null); RRefId; and user structs that declare a field visitor:
+// undefined Tensor travels as null; a CUDA tensor is staged through host memory and lands on the device its
+// CodecScope's device map names, see docs/cuda.md); RRefId; and user structs that declare a field visitor:
 //
 //   struct TrainConfig {
 //     double lr = 0.1;
@@ -48,6 +49,7 @@
 #include <utility>
 #include <vector>
 
+#include "rpc/device_map.h"
 #include "rpc/error.h"
 #include "rpc/schema/envelope.capnp.h"
 #include "autograd/node.h"
@@ -135,6 +137,11 @@ struct CodecScope {
   std::shared_ptr<const std::vector<int32_t>> gradIndexOfPayload = nullptr;
   // Receiving side: the references the message carries (null when none); codecs claim what they decode.
   std::shared_ptr<CarriedReferences> references = nullptr;
+  // CUDA tensors over RPC (rpc/device_map.h). Sending side: where this message's CUDA tensors land at
+  // `peer` (null: nowhere, a CUDA tensor is refused). Receiving side: whether a received CUDA tensor is
+  // waited for on the host before the decoder returns it (Note [Received CUDA tensors] in rpc/codec.cpp).
+  std::shared_ptr<const DeviceMap> deviceMap = nullptr;
+  bool cudaWaitOnHost = true;
 };
 
 // Collects the payload buffers of one message while its value tree is encoded.
@@ -217,6 +224,7 @@ uint32_t checkedListSize(size_t n);
 // A tensor descriptor checked against the rules of docs/wire_protocol.md (without its payload).
 struct TensorLayout {
   DType dtype = DType::kFloat32;
+  Device device;  // where the receiver puts it (CPU, or a CUDA index in [0, kMaxCudaDevices))
   Shape shape;
   uint32_t payloadIndex = 0;
   uint64_t byteLength = 0;

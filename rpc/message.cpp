@@ -68,6 +68,25 @@ void openEnvelope(EnvelopeReader& out, std::span<const uint8_t> bytes, const Dec
   }
 }
 
+// The envelope's device map, validated (CodecError naming the bad entry).
+DeviceMap readDeviceMap(wire::Envelope::Reader env) {
+  DeviceMap map;
+  if (!env.hasDeviceMap()) return map;
+  auto pairs = env.getDeviceMap();
+  if (pairs.size() > static_cast<unsigned>(kMaxCudaDevices)) {
+    throw CodecError("device map has " + std::to_string(pairs.size()) + " entries (at most " +
+                     std::to_string(kMaxCudaDevices) + ")");
+  }
+  for (auto pair : pairs) {
+    try {
+      map.setIndex(pair.getSource(), pair.getTarget(), "the envelope's device map");
+    } catch (const ValueError& e) {
+      throw CodecError(e.what());
+    }
+  }
+  return map;
+}
+
 // Checks everything in the envelope that does not depend on the payloads' contents; payloadSizes are
 // the frame's. Throws CodecError or kj::Exception. `gradLayouts` (optional) receives the tensors that
 // require grad, in payload order.
@@ -92,6 +111,8 @@ void checkEnvelope(wire::Envelope::Reader env, std::span<const uint64_t> payload
     (void)ref.getId().getLocalId();
     (void)ref.getFork();
   }
+  // The device map (docs/wire_protocol.md): indices in range, one-to-one. readDeviceMap throws naming the entry.
+  (void)readDeviceMap(env);
   if (env.getKind() == wire::Envelope::Kind::ERROR) {
     auto error = env.getError();
     if (static_cast<unsigned>(error.getKind()) >= kNumErrorKinds) {
@@ -199,6 +220,16 @@ Result<transport::OutgoingFrame> encodeMessage(const EnvelopeFields& fields, con
       error.setMessage(textOf(fields.error->message));
       error.setWorker(textOf(fields.error->worker));
       error.setRemoteType(textOf(fields.error->remoteType));
+    }
+    if (scope != nullptr && scope->deviceMap && !scope->deviceMap->empty()) {
+      // The map this message's CUDA tensors were sent with: the receiver answers with its inverse.
+      auto pairs = env.initDeviceMap(static_cast<unsigned>(scope->deviceMap->size()));
+      unsigned i = 0;
+      for (const auto& [from, to] : scope->deviceMap->entries()) {
+        pairs[i].setSource(static_cast<int16_t>(from));
+        pairs[i].setTarget(static_cast<int16_t>(to));
+        ++i;
+      }
     }
     EncodeContext ctx(scope != nullptr ? *scope : CodecScope{});
     auto value = env.initValue();
@@ -329,7 +360,7 @@ Result<DecodedMessage> decodeMessage(transport::IncomingFrame frame, const Decod
       auto index = std::make_shared<std::vector<int32_t>>(state->payloads.size(), -1);
       for (size_t i = 0; i < gradLayouts.size(); ++i) {
         (*index)[gradLayouts[i].payloadIndex] = static_cast<int32_t>(i);
-        state->gradMetas.push_back(autograd::TensorMeta{gradLayouts[i].shape, gradLayouts[i].dtype, Device::cpu()});
+        state->gradMetas.push_back(autograd::TensorMeta{gradLayouts[i].shape, gradLayouts[i].dtype, gradLayouts[i].device});
       }
       state->gradIndexOfPayload = std::move(index);
     }
@@ -343,12 +374,14 @@ Result<DecodedMessage> decodeMessage(transport::IncomingFrame frame, const Decod
     fields.timeoutMicros = env.getTimeoutMicros();
     fields.traceId = env.getTraceId();
     fields.spanId = env.getSpanId();
+    fields.deviceMap = readDeviceMap(env);
     if (env.getHasAutogradContext()) {
       fields.autograd = AutogradIds{env.getAutogradContextId(), env.getAutogradMessageId(), false, {}};
       auto closure = env.getAutogradClosure();  // its size was checked by checkEnvelope
       fields.autograd->closureKnown = env.getAutogradClosureKnown();
       fields.autograd->closure.reserve(closure.size());
       for (uint64_t id : closure) fields.autograd->closure.push_back(id);
+      fields.autograd->senderDeviceMap = fields.deviceMap;
     }
     if (fields.kind == MessageKind::kError) {
       auto error = env.getError();
@@ -367,6 +400,9 @@ Result<DecodedMessage> decodeMessage(transport::IncomingFrame frame, const Decod
     DecodedMessage message(std::move(state));
     message.fields_ = std::move(fields);
     message.scope_.references = std::move(references);
+    // Note [Received CUDA tensors] (rpc/codec.cpp): a call's arguments are decoded on the thread that runs
+    // its handler, which then waits for their copies in stream order; anything else waits on the host.
+    message.scope_.cudaWaitOnHost = message.fields_.kind != MessageKind::kCall;
     return message;
   });
 }

@@ -27,6 +27,7 @@
 #include <capnp/message.h>
 
 #include "rpc/codec.h"
+#include "rpc/device_map.h"
 #include "rpc/error.h"
 #include "rpc/transport/transport.h"
 
@@ -55,6 +56,9 @@ struct AutogradIds {
   uint64_t messageId = 0;
   bool closureKnown = false;
   std::vector<uint64_t> closure = {};
+  // Receiving side: the device map the sender applied to the message (EnvelopeFields::deviceMap); the
+  // gradients of its tensors go back with the inverse.
+  DeviceMap senderDeviceMap = {};
   friend bool operator==(const AutogradIds&, const AutogradIds&) = default;
 };
 
@@ -70,6 +74,9 @@ struct EnvelopeFields {
   uint64_t spanId = 0;
   std::optional<AutogradIds> autograd;
   std::optional<Error> error;  // set for kind == kError (and only then)
+  // Receiving side: the device map the sender applied to the message's CUDA tensors (empty: none). The
+  // sending side writes the map of its CodecScope instead.
+  DeviceMap deviceMap;
 };
 
 // Limits applied to untrusted envelopes (on top of the transport's FrameLimits).
@@ -160,6 +167,7 @@ class DecodedMessage {
   // The references the message carries (scope().references) stay: they belong to its bytes.
   void setScope(CodecScope scope) {
     scope.references = std::move(scope_.references);
+    scope.cudaWaitOnHost = scope_.cudaWaitOnHost;
     scope_ = std::move(scope);
   }
   // The references this message carries (null when none): the agent binds them to its ReferenceSink.

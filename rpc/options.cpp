@@ -386,6 +386,15 @@ void Options::validate() const {
   DG_CHECK(heartbeatTimeout > heartbeatInterval, "Options: heartbeatTimeout (", heartbeatTimeout.count(),
            " ms) must be longer than heartbeatInterval (", heartbeatInterval.count(), " ms)");
   DG_CHECK(maxMessageBytes >= 1024, "Options: maxMessageBytes must be >= 1024, got ", maxMessageBytes);
+  for (const auto& [worker, map] : deviceMaps) {
+    DG_CHECK(!worker.empty(), "Options: deviceMaps has an entry for an empty worker name (map ", map.str(), ")");
+  }
+}
+
+Options& Options::setDeviceMap(const std::string& worker, DeviceMap map) {
+  DG_CHECK(!worker.empty(), "Options::setDeviceMap: the worker name is empty (map ", map.str(), ")");
+  deviceMaps[worker] = std::move(map);
+  return *this;
 }
 
 std::string Options::rendezvousAddress() const {

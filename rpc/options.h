@@ -33,6 +33,8 @@
 #include <utility>
 #include <vector>
 
+#include "rpc/device_map.h"
+
 namespace distgrad::rpc {
 
 // torchrun's default rendezvous port; used when a Slurm or Open MPI job names no port.
@@ -63,6 +65,13 @@ struct Options {
   // Tracing (rpc/trace.h, docs/tracing.md): when set, the agent records spans from start-up and writes
   // traceDir/<worker>.trace.jsonl (the directory is created) when it shuts down. Empty: off.
   std::string traceDir;
+
+  // CUDA tensors over RPC (rpc/device_map.h, docs/cuda.md): per destination worker, where this worker's
+  // CUDA devices land there. A CUDA tensor sent to a worker with no entry for its device is refused at the
+  // sender. Checked by Agent::start: every worker named must be in the job and have the target devices.
+  std::map<std::string, DeviceMap> deviceMaps;
+  // Sets deviceMaps[worker] (ValueError for an empty worker name; the map validated itself when built).
+  Options& setDeviceMap(const std::string& worker, DeviceMap map);
 
   // Where the rank came from ("explicit", "distgrad", "torchrun", "slurm", "openmpi"), for log messages.
   std::string source = "explicit";

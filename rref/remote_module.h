@@ -21,8 +21,11 @@
 // Layering: this header is generic over M and includes nothing from models/, so dg_rref does not depend on
 // dg_models (models stays free of rpc); a program that instantiates RemoteModule<models::Linear> links both.
 //
-// Placement: "worker" or "worker/cpu". "worker/cuda:N" is parsed and refused (CUDA placement is not supported
-// yet); any other device is refused too.
+// Placement: "worker", "worker/cpu", "worker/cuda" (= cuda:0) or "worker/cuda:N". With a CUDA placement,
+// create() constructs the module at the owner, then asks the owner to move it to the device (M::to(Device),
+// which models::Module provides) and waits for that answer: a device the owner does not have is a clear
+// error from the owner (naming it and its device count), raised by create(). Arguments of forward travel
+// like any RPC argument: CUDA tensors need a device map to the owner (rpc/device_map.h, docs/cuda.md).
 //
 // Thread-safety: a RemoteModule is a value (copies share one RRef); its methods may be called from any
 // thread, and the sync ones block (never call them on an executor thread: use the Async forms there). At
@@ -40,6 +43,7 @@
 
 #include "rpc/agent.h"
 #include "rpc/class.h"
+#include "rpc/device_map.h"
 #include "rpc/codec.h"
 #include "rpc/error.h"
 #include "rpc/function.h"
@@ -47,6 +51,7 @@
 #include "rpc/registry.h"
 #include "rref/context.h"
 #include "rref/rref.h"
+#include "tensor/cuda/runtime.h"
 #include "tensor/error.h"
 #include "tensor/tensor.h"
 
@@ -64,22 +69,24 @@ rpc::Class<M> moduleClass(std::string name) {
 // Where a RemoteModule lives: "worker" or "worker/device".
 struct ModulePlacement {
   std::string worker;
-  std::string device = "cpu";
+  std::string device = "cpu";  // normalised: "cpu" or "cuda:N"
+  tensor::Device deviceValue;
 
-  // Throws ValueError for an empty worker, a CUDA device ("CUDA placement not supported yet") and any
-  // device other than cpu.
+  // Throws ValueError for an empty worker, a second '/', and a device other than cpu, cuda, cuda:N (N a
+  // decimal in [0, 64)). Whether the owner has the device is the owner's to say (RemoteModule::create).
   static ModulePlacement parse(const std::string& placement) {
     ModulePlacement out;
     const auto slash = placement.find('/');
     out.worker = placement.substr(0, slash);
     DG_CHECK(!out.worker.empty(), "RemoteModule: placement '", placement,
              "' names no worker (expected \"worker\" or \"worker/device\")");
-    if (slash != std::string::npos) out.device = placement.substr(slash + 1);
-    const bool cuda = out.device == "cuda" || out.device.rfind("cuda:", 0) == 0;
-    DG_CHECK(!cuda, "RemoteModule: placement '", placement, "': CUDA placement not supported yet (use '",
-             out.worker, "' or '", out.worker, "/cpu')");
-    DG_CHECK(out.device == "cpu", "RemoteModule: placement '", placement, "': unknown device '", out.device,
-             "' (expected cpu)");
+    if (slash != std::string::npos) {
+      const std::string device = placement.substr(slash + 1);
+      DG_CHECK(device.find('/') == std::string::npos, "RemoteModule: placement '", placement,
+               "' has more than one '/' (expected \"worker\" or \"worker/device\")");
+      out.deviceValue = rpc::parseDevice(device, "RemoteModule: placement '" + placement + "'");
+    }
+    out.device = out.deviceValue.str();
     return out;
   }
 };
@@ -95,6 +102,66 @@ const rpc::Function<std::vector<RRef<Tensor>>(RRefId)>& parametersFunction() {
   static const rpc::Function<std::vector<RRef<Tensor>>(RRefId)> fn{"dg.remote_module.parameters/" +
                                                                   ClassOf<M>::get().name()};
   return fn;
+}
+
+// Owner side of a CUDA placement (RemoteModule::create): one function per module class, like parameters.
+template <typename M>
+const rpc::Function<void(RRefId, std::string)>& placementFunction() {
+  static const rpc::Function<void(RRefId, std::string)> fn{"dg.remote_module.place/" + ClassOf<M>::get().name()};
+  return fn;
+}
+
+// Runs at the module's owner: checks this worker has the device (an error naming it and the device count
+// otherwise), waits for the module to exist and moves it there with M::to(Device).
+template <typename M>
+rpc::Future<void> servePlacement(const rpc::CallContext& ctx, RRefId module, std::string device) {
+  auto context = RRefContext::of(*ctx.agent);
+  auto promise = std::make_shared<rpc::Promise<void>>(context->executor());
+  auto future = promise->getFuture();
+  auto fail = [&](const std::string& message) {
+    promise->setError(rpc::Error::failed("RemoteModule: " + message).onWorker(context->name()));
+  };
+  if (module.ownerWorkerId != context->rank()) {
+    fail(context->name() + " is not the owner of the module (its owner is " +
+         context->workerOfRank(module.ownerWorkerId) + ")");
+    return future;
+  }
+  tensor::Device target;
+  try {
+    target = rpc::parseDevice(device, "RemoteModule placement");
+  } catch (const ValueError& e) {
+    fail(e.what());
+    return future;
+  }
+  if (target.isCuda() && target.index >= tensor::cuda::deviceCount()) {
+    const int count = tensor::cuda::deviceCount();
+    fail("cannot place a " + ClassOf<M>::get().name() + " on " + target.str() + ": " + context->name() + " has " +
+         std::to_string(count) + " CUDA device(s)" + (count == 0 ? " (no GPU, no driver, or built without CUDA)" : ""));
+    return future;
+  }
+  context->whenResolved(module, [promise, context, target](rpc::Result<OwnedValue> owned) {
+    if (!owned.ok()) return promise->setError(owned.error());
+    std::shared_ptr<M> object = typedValue<M>(owned.value());
+    if (!object) {
+      return promise->setError(rpc::Error::failed("RemoteModule: the owned object is not a " + ClassOf<M>::get().name())
+                                   .onWorker(context->name()));
+    }
+    if constexpr (requires(M& m, tensor::Device d) { m.to(d); }) {
+      try {
+        object->to(target);
+      } catch (const std::exception& e) {
+        return promise->setError(rpc::Error::failed(std::string("RemoteModule: moving the ") + ClassOf<M>::get().name() +
+                                                    " to " + target.str() + " failed: " + e.what())
+                                     .onWorker(context->name()));
+      }
+      promise->setValue();
+    } else {
+      promise->setError(rpc::Error::failed("RemoteModule: module class " + ClassOf<M>::get().name() +
+                                           " has no to(Device), so it cannot be placed on " + target.str())
+                            .onWorker(context->name()));
+    }
+  });
+  return future;
 }
 
 // Runs at the module's owner: waits for the module to exist (the creating call may still be queued behind
@@ -136,6 +203,7 @@ rpc::ClassBinder<M> bindRemoteModule(rpc::Registry& registry, const rpc::Class<M
   DG_CHECK(&cls == &ClassOf<M>::get(), "bindRemoteModule: class '", cls.name(),
            "' is not the declaration DG_REMOTE_MODULE tied to its type ('", ClassOf<M>::get().name(), "')");
   registry.bind(detail::parametersFunction<M>(), &detail::serveParameters<M>);
+  registry.bind(detail::placementFunction<M>(), &detail::servePlacement<M>);
   return registry.bindClass(cls);
 }
 
@@ -156,7 +224,18 @@ class RemoteModule {
     DG_CHECK(rrefs != nullptr, "RemoteModule::create: no RRefContext");
     const ModulePlacement where = ModulePlacement::parse(placement);
     (void)rrefs->rankOf(where.worker);  // an unknown worker: ValueError naming the workers, before any send
-    return RemoteModule(rrefs->remote<M>(where.worker, std::forward<A>(ctorArgs)...), where.device);
+    RemoteModule out(rrefs->remote<M>(where.worker, std::forward<A>(ctorArgs)...), where.device);
+    if (where.deviceValue.isCuda()) {
+      // The owner moves the module and answers; waiting here makes every later call see it on the device
+      // and surfaces a missing device (or a constructor error) now, as an RpcError from the owner.
+      std::optional<rpc::Future<void>> placed;
+      const bool sent = rrefs->withAgent([&](rpc::Agent& agent) {
+        placed.emplace(agent.rpcAsync(where.worker, detail::placementFunction<M>(), out.module_.id(), where.device));
+      });
+      DG_CHECK(sent, "RemoteModule::create: agent ", rrefs->name(), " is shut down");
+      placed->get();
+    }
+    return out;
   }
   template <typename... A>
   static RemoteModule create(rpc::Agent& agent, const std::string& placement, A&&... ctorArgs) {

@@ -182,6 +182,9 @@ struct DistAutogradState::Context {
   }
 
   void accumulateLocked(const Tensor& leaf, Tensor grad) {
+    // A gradient lives on its leaf's device (CUDA leaves included: the sum below runs there).
+    DG_CHECK(grad.device() == leaf.device(), "distributed autograd: a gradient on ", grad.device().str(),
+             " for a leaf on ", leaf.device().str());
     auto [it, fresh] = grads.try_emplace(leaf.implPtr().get(), leaf, Tensor());
     if (fresh) {
       // Keep the incoming buffer when nobody else can see it; otherwise a private copy, so an optimizer
@@ -434,6 +437,7 @@ std::shared_ptr<Node> DistAutogradState::onReceive(const rpc::AutogradIds& ids, 
   auto node = std::make_shared<RecvBackward>(ids.contextId, ids.messageId, peer);
   node->closureKnown = ids.closureKnown;
   node->closure = ids.closure;
+  node->gradientDeviceMap = ids.senderDeviceMap.inverse();
   node->outputs().resize(gradMetas.size());
   node->outputMeta() = std::move(gradMetas);
   it->second = node;
@@ -818,6 +822,15 @@ std::optional<rpc::Error> DistAutogradState::deliverToSend(Context& ctx, Pass& p
                                                      tensor::shapeStr(grads[i].shape()) + ", but the sent tensor was " +
                                                      dtypeName(meta.dtype) + " " + tensor::shapeStr(meta.shape));
     }
+    // CUDA over RPC: the gradient must come back on the sent tensor's device (the receiver answers with the
+    // inverse of the forward's device map); anything else is a map mismatch, never silently moved.
+    if (grads[i].defined() && grads[i].device() != meta.device) {
+      return localError(rpc::ErrorKind::kFailed, "gradient " + std::to_string(i) + " for message " + hex(messageId) +
+                                                     " arrived on " + grads[i].device().str() +
+                                                     ", but the sent tensor was on " + meta.device.str() +
+                                                     " (the receiver's device map back to " + name_ +
+                                                     " is not the inverse of the forward's)");
+    }
   }
   pass.task->deliverAll(it->second.get(), std::move(grads));
   return std::nullopt;
@@ -934,8 +947,11 @@ void DistAutogradState::sendGradients(const std::shared_ptr<Context>& ctx, const
   ++pass->outstanding;
   const auto timeout = remaining(*pass);
   const std::string peer = recv.peer;
+  // The gradients go back through the inverse of the forward message's device map (when it had one; else
+  // the agent's map for the sender, rpc/device_map.h).
+  const rpc::DeviceMap* deviceMap = recv.gradientDeviceMap.empty() ? nullptr : &recv.gradientDeviceMap;
   lock.unlock();
-  track(ctx, pass, call(peer, kPropagate, request, timeout));
+  track(ctx, pass, call(peer, kPropagate, request, timeout, deviceMap));
   lock.lock();
 }
 
@@ -1020,7 +1036,8 @@ void DistAutogradState::broadcast(const std::set<std::string>& peers, const std:
 
 template <typename Req>
 rpc::Future<void> DistAutogradState::call(const std::string& peer, const rpc::Function<void(Req)>& fn,
-                                          const Req& request, std::chrono::milliseconds timeout) {
+                                          const Req& request, std::chrono::milliseconds timeout,
+                                          const rpc::DeviceMap* deviceMap) {
   std::lock_guard<std::mutex> lock(agentMutex_);
   if (agent_ == nullptr) {
     return rpc::makeErrorFuture<void>(localError(rpc::ErrorKind::kFailed, "worker " + name_ + " is shut down"),
@@ -1029,6 +1046,7 @@ rpc::Future<void> DistAutogradState::call(const std::string& peer, const rpc::Fu
   rpc::AutogradContextScope outside(0);  // protocol messages belong to no context
   rpc::CallOptions options;
   options.timeout = timeout;
+  if (deviceMap != nullptr) options.deviceMap = *deviceMap;
   return agent_->rpcAsyncWith(options, peer, fn, request);
 }
 

@@ -50,6 +50,9 @@ class RecvBackward final : public Node {
   // The sender's closure (rpc::AutogradSend): messages upstream of this one; set before the node is shared.
   bool closureKnown = false;
   std::vector<uint64_t> closure;
+  // CUDA over RPC: the inverse of the device map the forward message came with (empty: it had none), so
+  // the gradients land on the devices the sent tensors were on (rpc/device_map.h).
+  rpc::DeviceMap gradientDeviceMap;
 };
 
 // Wire forms of the "dg.autograd.*" messages.
@@ -199,7 +202,7 @@ class DistAutogradState final : public rpc::AgentExtension,
   // Sends `fn(request)` to `peer` outside any context; a failed future when the agent is gone.
   template <typename Req>
   rpc::Future<void> call(const std::string& peer, const rpc::Function<void(Req)>& fn, const Req& request,
-                         std::chrono::milliseconds timeout);
+                         std::chrono::milliseconds timeout, const rpc::DeviceMap* deviceMap = nullptr);
   rpc::Error localError(rpc::ErrorKind kind, const std::string& message) const;
   // Timeout for a call the pass makes: the time left to its deadline plus a grace (-1: no deadline).
   std::chrono::milliseconds remaining(const Pass& pass) const;

@@ -43,6 +43,11 @@ struct Envelope {
   # the value (an unknown function, a refused or expired call, a reply nobody waits for) can still settle
   # them (docs/rref_protocol.md, Note [Unclaimed references]).
   references @16 :List(CarriedReference);
+  # CUDA tensors over RPC (docs/cuda.md): the device map the sender applied to the CUDA tensors of `value`
+  # (its cuda:source -> the receiver's cuda:target), written whenever the sender had one for this message.
+  # One-to-one, indices in [0, 64). The receiver answers a call (and sends gradients back to a message of an
+  # autograd context) with the inverse map.
+  deviceMap @17 :List(DevicePair);
 
   enum Kind {
     call @0;
@@ -110,13 +115,23 @@ struct TensorDesc {
   dtype @0 :UInt8;            # distgrad::tensor::DType code
   shape @1 :List(Int64);
   strides @2 :List(Int64);    # of the payload as sent: always the contiguous strides of `shape`
-  deviceType @3 :UInt8;       # distgrad::tensor::DeviceType code of the sender's tensor
+  # Where the receiver puts the tensor: deviceType is a distgrad::tensor::DeviceType code; for CUDA
+  # (1), deviceIndex is the receiver's device (the sender's index through the message's device map), in
+  # [0, 64) and below the receiver's device count; for CPU (0) it is -1 (0, Cap'n Proto's default, is
+  # accepted from writers that leave it unset). The payload holds the bytes in host memory either way.
+  deviceType @3 :UInt8;
   deviceIndex @4 :Int16;
   payloadIndex @5 :UInt32;
   byteLength @6 :UInt64;      # == product(shape) * itemSize(dtype) == the payload's size
   # Distributed autograd: the sender's tensor requires grad (only in a message with an autograd context,
   # floating dtypes only); the receiver's copy hangs from the message's RecvBackward node.
   requiresGrad @7 :Bool;
+}
+
+# One entry of a device map: the sender's cuda:source lands on the receiver's cuda:target.
+struct DevicePair {
+  source @0 :Int16;
+  target @1 :Int16;
 }
 
 # One remote reference carried by a message: the RRef and the fork the sender made for the receiver.

@@ -26,7 +26,9 @@
 namespace distgrad::rpc::transport {
 
 inline constexpr uint32_t kFrameMagic = 0x44474652;  // "DGFR"
-inline constexpr uint16_t kProtocolVersion = 3;  // 3: clock-offset times in handshake and heartbeats
+// 3: clock-offset times in handshake and heartbeats; 4: CUDA device count and device map in the handshake,
+// the envelope's device map and CUDA tensor descriptors (docs/cuda.md).
+inline constexpr uint16_t kProtocolVersion = 4;
 inline constexpr size_t kPayloadAlignment = 64;
 
 // Fixed-size start of every frame, little-endian on the wire.

@@ -64,6 +64,8 @@ struct WireHandshake {
   int64_t helloReceivedNs = 0;
   int64_t offsetNs = 0;
   int64_t rttNs = 0;
+  int64_t cudaDevices = 0;
+  std::vector<std::pair<int64_t, int64_t>> deviceMap;
   template <class V>
   void visitFields(V& v) {
     v("stage", stage);
@@ -76,6 +78,8 @@ struct WireHandshake {
     v("helloReceivedNs", helloReceivedNs);
     v("offsetNs", offsetNs);
     v("rttNs", rttNs);
+    v("cudaDevices", cudaDevices);
+    v("deviceMap", deviceMap);
   }
 };
 
@@ -662,6 +666,45 @@ TEST_P(HandshakeTest, AHelloWithoutASendTimeIsRefused) {
   EXPECT_EQ(error, "");
   EXPECT_NE(log.find("a hello with sentNs 0 (expected the sender's steady clock in ns, > 0)"), std::string::npos)
       << log;
+}
+
+// CUDA over RPC: a hello's device count and device map are validated like every other field.
+TEST_P(HandshakeTest, AHelloAnnouncingImpossibleDevicesIsRefused) {
+  Scene scene(GetParam());
+  scene.startAgent(1, 2);
+  scene.publish(0, "worker0", "unused:1");
+  const std::string address = scene.addressOf(1);
+  ::testing::internal::CaptureStderr();
+  auto tooMany = scene.connect(address);
+  ASSERT_TRUE(tooMany);
+  WireHandshake message = hello("worker0", 0, freshNonce());
+  message.cudaDevices = 65;
+  tooMany->send(message);
+  EXPECT_TRUE(tooMany->waitClosed());
+  EXPECT_EQ(tooMany->received(), 0u);
+  auto ambiguous = scene.connect(address);
+  ASSERT_TRUE(ambiguous);
+  message = hello("worker0", 0, freshNonce());
+  message.cudaDevices = 2;
+  message.deviceMap = {{0, 1}, {1, 1}};
+  ambiguous->send(message);
+  EXPECT_TRUE(ambiguous->waitClosed());
+  EXPECT_EQ(ambiguous->received(), 0u);
+  auto outOfRange = scene.connect(address);
+  ASSERT_TRUE(outOfRange);
+  message = hello("worker0", 0, freshNonce());
+  message.deviceMap = {{0, 70000}};
+  outOfRange->send(message);
+  EXPECT_TRUE(outOfRange->waitClosed());
+  auto link = scene.connect(address);
+  ASSERT_TRUE(link);
+  scene.handshakeAsWorker0(*link);
+  const std::string error = scene.waitStarted();
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(error, "");
+  EXPECT_NE(log.find("a handshake announcing 65 CUDA devices (expected [0, 64])"), std::string::npos) << log;
+  EXPECT_NE(log.find("cuda:0 and cuda:1 are both mapped to cuda:1"), std::string::npos) << log;
+  EXPECT_NE(log.find("device map entry cuda:0 -> cuda:70000"), std::string::npos) << log;
 }
 
 // The acceptor knows t0 and t1 of the connector's estimate: an estimate that does not follow from them (or

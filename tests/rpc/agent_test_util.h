@@ -176,6 +176,7 @@ struct ClusterSpec {
   std::chrono::milliseconds shutdownTimeout{10'000};
   std::string traceDir;                            // Options::traceDir of every rank (empty: no tracing)
   std::vector<std::chrono::nanoseconds> clockSkews;  // per rank (AgentConfig::clockSkewForTesting); empty: none
+  std::function<void(int rank, Options&)> customize;  // last word on each rank's options (device maps, ...)
 };
 
 struct Cluster {
@@ -220,6 +221,7 @@ inline void startCluster(Cluster& cluster, const ClusterSpec& spec, World& world
       options.rendezvousTimeout = spec.rendezvousTimeout;
       options.defaultTimeout = 20s;
       options.traceDir = spec.traceDir;
+      if (spec.customize) spec.customize(rank, options);
       AgentConfig config;
       config.inprocHub = hub;
       config.shutdownTimeout = spec.shutdownTimeout;

@@ -452,10 +452,17 @@ TEST(CodecMalformed, BadDtypeCode) {
   expectRejected(builder, {8}, "unknown dtype code 17");
 }
 
-TEST(CodecMalformed, NonCpuDevice) {
+// CUDA descriptors are valid on the wire (tests/rpc/cuda_rpc_test.cpp has their cases); unknown device
+// types and out-of-range CUDA indices are not.
+TEST(CodecMalformed, UnknownDevice) {
   capnp::MallocMessageBuilder builder;
-  tensorEnvelope(builder, 0, {2}, 8).setDeviceType(1);
-  expectRejected(builder, {8}, "only CPU tensors");
+  tensorEnvelope(builder, 0, {2}, 8).setDeviceType(2);
+  expectRejected(builder, {8}, "unknown device type 2");
+  capnp::MallocMessageBuilder cuda;
+  auto desc = tensorEnvelope(cuda, 0, {2}, 8);
+  desc.setDeviceType(1);
+  desc.setDeviceIndex(100);
+  expectRejected(cuda, {8}, "CUDA device index 100");
 }
 
 TEST(CodecMalformed, RequiresGradOnlyInsideAnAutogradContextAndForFloats) {

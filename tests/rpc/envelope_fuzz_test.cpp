@@ -6,6 +6,9 @@
 #include <fstream>
 #include <random>
 
+#include <capnp/message.h>
+#include <capnp/serialize.h>
+
 #include "rpc/fuzz_envelope_input.h"
 
 namespace distgrad::rpc::fuzz {
@@ -48,6 +51,34 @@ std::vector<std::vector<uint8_t>> seeds() {
   out.push_back(toFuzzInput(encodeMessageWith(kindFields(MessageKind::kResponse),
                                               std::map<std::string, int32_t>{{"a", 1}, {"b", 2}})
                                 .value()));
+  // CUDA over RPC: a call whose envelope carries a device map, and a response with a CUDA descriptor
+  // (built by hand: encoding a CUDA tensor needs a GPU).
+  CodecScope mapped;
+  mapped.deviceMap = std::make_shared<const DeviceMap>(DeviceMap().setIndex(0, 1).setIndex(1, 0));
+  out.push_back(toFuzzInput(encodeCallIn(&mapped, callFields("g"), a).value()));
+  {
+    capnp::MallocMessageBuilder builder;
+    auto env = builder.initRoot<wire::Envelope>();
+    env.setKind(wire::Envelope::Kind::RESPONSE);
+    env.setPayloadCount(1);
+    auto desc = env.initValue().initTensor();
+    desc.setDtype(static_cast<uint8_t>(DType::kFloat32));
+    desc.initShape(1).set(0, 2);
+    desc.initStrides(1).set(0, 1);
+    desc.setDeviceType(static_cast<uint8_t>(tensor::DeviceType::kCUDA));
+    desc.setDeviceIndex(0);
+    desc.setByteLength(8);
+    auto pairs = env.initDeviceMap(1);
+    pairs[0].setSource(0);
+    pairs[0].setTarget(0);
+    auto words = capnp::messageToFlatArray(builder);
+    auto bytes = words.asBytes();
+    transport::OutgoingFrame frame;
+    frame.envelope.assign(bytes.begin(), bytes.end());
+    static const uint8_t kPayload[8] = {};
+    frame.payloads.push_back(transport::SendBuffer{kPayload, 8, nullptr});
+    out.push_back(toFuzzInput(frame));
+  }
   EnvelopeFields error = kindFields(MessageKind::kError);
   error.error = Error::timeout("late").onWorker("w");
   out.push_back(toFuzzInput(encodeMessage(error).value()));

@@ -34,6 +34,8 @@ struct FuzzConfig {
 
 inline uint64_t touchTensor(const Tensor& t) {
   if (!t.defined()) return 0;
+  // A CUDA descriptor decodes to a device tensor where a GPU exists: read it through a host copy.
+  if (!t.device().isCpu()) return touchTensor(t.to(Device::cpu()));
   const auto* bytes = static_cast<const uint8_t*>(t.rawData());
   uint64_t sum = 0;
   for (size_t i = 0; i < t.nbytes(); ++i) sum += bytes[i];

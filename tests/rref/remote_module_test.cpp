@@ -9,6 +9,7 @@
 #include "models/zoo/mlp.h"
 #include "rref/remote_module.h"
 #include "rref_test_util.h"
+#include "tensor/cuda/runtime.h"
 #include "tensor/random.h"
 #include "tests/transport_params.h"
 
@@ -177,10 +178,27 @@ TEST_P(RemoteModuleTest, PlacementAndBindingErrors) {
   };
   expectValueError([&] { create("nosuchworker"); }, "nosuchworker");
   expectValueError([&] { create("nosuchworker"); }, name(1));  // the message lists the workers
-  expectValueError([&] { create(name(1) + "/cuda:0"); }, "CUDA placement not supported yet");
-  expectValueError([&] { create(name(1) + "/cuda"); }, "CUDA placement not supported yet");
   expectValueError([&] { create(name(1) + "/tpu"); }, "unknown device 'tpu'");
+  expectValueError([&] { create(name(1) + "/cuda:x"); }, "no valid index");
+  expectValueError([&] { create(name(1) + "/cuda:64"); }, "index 64");
+  expectValueError([&] { create(name(1) + "/cuda:0/x"); }, "more than one '/'");
   expectValueError([&] { create("/cpu"); }, "names no worker");
+  // Placement strings are normalised ("cuda" is cuda:0).
+  EXPECT_EQ(rref::ModulePlacement::parse("w/cuda").device, "cuda:0");
+  EXPECT_EQ(rref::ModulePlacement::parse("w/cuda:3").device, "cuda:3");
+  EXPECT_EQ(rref::ModulePlacement::parse("w/cuda:3").deviceValue, tensor::Device::cuda(3));
+  EXPECT_EQ(rref::ModulePlacement::parse("w").device, "cpu");
+  {
+    // A CUDA device the owner does not have: the owner says so (naming itself and its device count), and
+    // create() raises it.
+    const int devices = tensor::cuda::deviceCount();
+    const std::string placement = name(1) + "/cuda:" + std::to_string(devices);
+    auto error = rpc::testing::errorOf([&] { create(placement); });
+    EXPECT_EQ(error.worker, name(1)) << error.describe();
+    EXPECT_NE(error.message.find("cuda:" + std::to_string(devices)), std::string::npos) << error.describe();
+    EXPECT_NE(error.message.find("has " + std::to_string(devices) + " CUDA device(s)"), std::string::npos)
+        << error.describe();
+  }
   {
     // No constructor bound for these argument types: every call on the module says so.
     auto noCtor = RemoteModule<Linear>::create(rrefs(0), name(1), int64_t{2}, int64_t{2});
