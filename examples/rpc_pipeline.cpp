@@ -1,8 +1,9 @@
 // rpc_pipeline: distgrad's main job. A ResNet cut into --stage-workers stages, each on its own worker
-// process, trained on Fashion-MNIST by a driver (rank 0: the data, the loss) through an RpcPipeline
+// process, trained on Fashion-MNIST by a driver (rank 0: the data) through an RpcPipeline
 // (models/pipeline/rpc_pipeline.h): every batch is split into --micro-batches micro-batches whose
-// forwards go stage to stage directly (each stage fetches its input from the previous one; only the logits
-// come back to the driver), whose backwards run under distributed autograd in the --schedule's order
+// forwards go stage to stage directly (each stage fetches its input from the previous one; the last stage
+// computes the loss and only the loss comes back to the driver), whose backwards run under distributed
+// autograd, started by the last stage, in the --schedule's order
 // (GPipe: all forwards, then all backwards; 1F1B: one forward, one backward, stage s holding at most
 // stages - s micro-batches in flight), and one DistributedOptimizer step per batch updates every stage where
 // it lives. Run it on local processes with:
@@ -101,7 +102,7 @@ void printOverheadSummary(const pipeline::StepStats& total, const CpuTotals& cpu
                 percent(compute).c_str(), percent(bubble).c_str(), percent(overhead).c_str(),
                 static_cast<long long>(total.maxInFlight[s]), 1e3 * stageCpu / steps, percent(notCompute).c_str());
   }
-  std::printf("  driver CPU %.1f ms/step (data, loss, schedule)\n", 1e3 * cpu.driver / steps);
+  std::printf("  driver CPU %.1f ms/step (data, calls, optimizer step)\n", 1e3 * cpu.driver / steps);
   std::printf(
       "RPC overhead is %s of the step; bubbles %s; compute %s (ideal pipelined step %.1f ms, measured %.1f ms)\n",
       percent(total.overheadShare()).c_str(), percent(total.bubbleShare()).c_str(),

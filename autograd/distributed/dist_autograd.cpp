@@ -97,6 +97,11 @@ Gradients DistContext::gradients() const {
   return state_->gradients(id_);
 }
 
+rpc::Future<void> backwardAsync(rpc::Agent& agent, uint64_t contextId, const std::vector<Tensor>& roots,
+                                const BackwardOptions& options, const std::vector<Tensor>& grads) {
+  return DistAutogradState::of(agent)->backward(contextId, roots, grads, options, /*drainHere=*/false, /*join=*/true);
+}
+
 Gradients gradientsOf(rpc::Agent& agent, uint64_t contextId) {
   return DistAutogradState::of(agent)->gradients(contextId);
 }

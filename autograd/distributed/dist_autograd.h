@@ -131,6 +131,16 @@ class DistContext {
   std::thread::id thread_;  // the creating thread
 };
 
+// Runs a distributed backward pass of context `contextId` rooted at THIS worker, which takes part in the
+// context (a handler called in it: joined here now if its messages carried no grad tensor yet) but did not
+// create it: e.g.
+// a pipeline's last stage starting a micro-batch's backward from the loss it computed, without a round trip
+// to the driver that owns the context. Same roots, gradients and options as DistContext::backwardAsync;
+// completes once every worker has finished its part. The creator still ends the context (its end() releases
+// it everywhere; a pass still running then fails). ValueError when the context is unknown here or released.
+rpc::Future<void> backwardAsync(rpc::Agent& agent, uint64_t contextId, const std::vector<Tensor>& roots,
+                                const BackwardOptions& options = {}, const std::vector<Tensor>& grads = {});
+
 // Gradients of context `contextId` on this worker, e.g. in a handler that steps an optimizer for a
 // context created elsewhere. Throws ValueError when this worker does not know the context (never joined,
 // or released).

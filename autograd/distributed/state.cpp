@@ -479,7 +479,7 @@ std::shared_ptr<DistAutogradState::Pass> DistAutogradState::passFor(Context& ctx
 
 rpc::Future<void> DistAutogradState::backward(uint64_t contextId, const std::vector<Tensor>& roots,
                                               const std::vector<Tensor>& grads, const BackwardOptions& options,
-                                              bool drainHere) {
+                                              bool drainHere, bool join) {
   trace::WorkerScope traceWorker(traceWorker_);  // the caller's thread runs nodes of the pass too
   DG_CHECK(!roots.empty(), "distributed backward: no roots given");
   DG_CHECK(grads.empty() || grads.size() == roots.size(), "distributed backward: ", roots.size(), " roots but ",
@@ -504,8 +504,12 @@ rpc::Future<void> DistAutogradState::backward(uint64_t contextId, const std::vec
   const auto timeout = options.timeout.count() == 0 ? defaultTimeout_ : options.timeout;
   const auto deadline = timeout.count() > 0 ? Clock::now() + timeout : Clock::time_point::max();
 
-  auto ctx = find(contextId, false);
+  auto ctx = find(contextId, join);
   std::unique_lock<std::mutex> lock(ctx->mutex);
+  if (ctx->released) {
+    lock.unlock();
+    throwReleased(contextId);
+  }
   if (ctx->pass && ctx->pass->busy()) {
     throw ValueError("distributed backward: another backward pass is running in context " + std::to_string(contextId));
   }

@@ -139,9 +139,11 @@ class DistAutogradState final : public rpc::AgentExtension,
   size_t liveContexts() const;
 
   // The root's side of DistContext::backward. With `drainHere`, the discovery is awaited and the local
-  // part of the backward runs on the calling thread; otherwise on the executor.
+  // part of the backward runs on the calling thread; otherwise on the executor. With `join`, a context
+  // created elsewhere that this worker has not joined yet (its calls in it carried no grad tensor) is joined
+  // here, as a received grad tensor would (backwardAsync(agent, contextId, ...)).
   rpc::Future<void> backward(uint64_t contextId, const std::vector<Tensor>& roots, const std::vector<Tensor>& grads,
-                             const BackwardOptions& options, bool drainHere);
+                             const BackwardOptions& options, bool drainHere, bool join = false);
 
   // Handlers of the "dg.autograd.*" functions.
   rpc::Future<void> onPropagate(PropagateRequest request, const rpc::CallContext& call);

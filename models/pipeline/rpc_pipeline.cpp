@@ -4,6 +4,7 @@
 #include <time.h>
 
 #include <algorithm>
+#include <cmath>
 #include <condition_variable>
 #include <exception>
 #include <functional>
@@ -84,10 +85,28 @@ T& slot(std::vector<T>& values, int64_t index) {
 // schedule's own bound (models/pipeline/schedule.h): the driver sets it per stage (setMaxInFlight) and the
 // stage enforces it itself, so the forward of micro-batch m + S - s starts right when the backward of m
 // ends HERE, as stageOrder says, instead of after that backward's completion has travelled to the driver
-// and a new call has come back (a round trip of idle time at every steady-state forward). The driver only
-// keeps the calls coming early enough: it issues the forward of m + S when the logits of m arrive. A forward
-// over the limit waits in the queue without a thread; the end of a micro-batch's graph here (its backward,
-// or its release after a failed step) frees the slot and wakes it. GPipe sets no limit.
+// and a new call has come back (a round trip of idle time at every steady-state forward). The driver issues
+// every call of a step at once, so each stage finds the next forward waiting when its limit lets it start.
+// A forward over the limit waits in the queue without a thread; the end of a micro-batch's graph here (its
+// backward, or its release after a failed step) frees the slot and wakes it. GPipe sets no limit.
+//
+// Note [Loss on the last stage]
+// The last stage computes each micro-batch's loss itself (the driver sends the labels with the stage's
+// forward call: a few bytes in a message it sends anyway, where making them travel with the activations
+// would add them to every hop and every stage's interface) and starts that micro-batch's distributed
+// backward there, as the pass's root (autograd::distributed::backwardAsync on a context the driver
+// created): the gradient of the logits never leaves the stage, and under 1F1B the backward starts right
+// after the forward, as stageOrder says, instead of after the logits' trip to the driver and the loss
+// gradient's trip back (about 1 ms each way under load, four times per step, each one idling the whole
+// pipeline in the steady state). Under GPipe the stage keeps the losses until every forward of the step has
+// run here, then starts the backwards in micro-batch order: fill, then drain. Only the scaled loss and the
+// count of correct predictions go back, in the reply to the forward call, sent once the backward has
+// finished on every stage (the root's pass completes last), so the driver's one event per micro-batch
+// means "this micro-batch is done". A micro-batch that fails here (its input's error, its forward's, its
+// loss's) makes the stage give up its step: the losses kept for it fail at once (kCancelled, so the driver
+// reports the real error), as do the step's micro-batches still to come (abandonStep, which the driver also
+// sends on the first error it sees, covers failures that never reach this stage). Nothing of a failed step
+// waits for a micro-batch that will not come.
 
 class ComputeToken {
  public:
@@ -379,6 +398,32 @@ void PipelineStage::recordSource(int64_t microBatch, const std::string& from) {
   slot(meter_->stats.inputFrom, microBatch) = from;
 }
 
+void LossCall::validate() const {
+  DG_CHECK(labels.defined() && labels.dim() == 1 && labels.dtype() == tensor::DType::kInt64,
+           "LossCall: labels must be a 1-D int64 tensor, got ",
+           labels.defined() ? tensor::shapeStr(labels.shape()) + " " + dtypeName(labels.dtype()) : std::string("none"));
+  DG_CHECK(std::isfinite(share) && share > 0 && share <= 1, "LossCall: share must be in (0, 1], got ", share);
+  DG_CHECK(microBatches >= 1 && microBatches <= kMaxMicroBatches, "LossCall: microBatches must be in [1, ",
+           kMaxMicroBatches, "], got ", microBatches);
+  DG_CHECK(microBatch >= 0 && microBatch < microBatches, "LossCall: microBatch must be in [0, ", microBatches,
+           "), got ", microBatch);
+  DG_CHECK(step >= 0, "LossCall: step must be >= 0, got ", step);
+  DG_CHECK(backwardMode <= static_cast<uint8_t>(autograd::distributed::BackwardMode::kFast),
+           "LossCall: unknown backward mode ", static_cast<int>(backwardMode));
+}
+
+// One forwardLoss call, from its arrival to its reply (Note [Loss on the last stage]).
+struct PipelineStage::LossJob {
+  LossJob(rpc::Agent& agent, rpc::Executor& executor, LossCall call, uint64_t context)
+      : agent(&agent), call(std::move(call)), context(context), promise(executor) {}
+  rpc::Agent* agent;
+  const LossCall call;
+  const uint64_t context;  // the micro-batch's distributed autograd context (the call's)
+  rpc::Promise<LossResult> promise;
+  LossResult result;  // set by the forward
+  Tensor root;        // the scaled loss, from the forward to the backward's start
+};
+
 // Note [Stage gradient folding]
 // Each micro-batch has its own distributed autograd context, and the optimizer steps once on the sum of
 // their gradients. Left alone, each context would keep its own gradients of this stage's parameters until
@@ -422,18 +467,150 @@ rpc::Future<Tensor> PipelineStage::forward(const rpc::CallContext& ctx, rref::RR
       });
 }
 
+std::shared_ptr<PipelineStage::LossJob> PipelineStage::makeLossJob(const rpc::CallContext& ctx, LossCall call) {
+  call.validate();
+  DG_CHECK(training_.load(), what_, ": forwardLoss in evaluation mode (train(true) first)");
+  DG_CHECK(ctx.autogradContext != 0, what_,
+           ": forwardLoss must be called inside a distributed autograd context (the backward runs in it)");
+  return std::make_shared<LossJob>(*ctx.agent, ctx.agent->executor(), std::move(call), ctx.autogradContext);
+}
+
+rpc::Future<LossResult> PipelineStage::forwardLoss(const rpc::CallContext& ctx, rref::RRef<Tensor> previous,
+                                                   LossCall call) {
+  DG_CHECK(previous.valid(), what_, ": forwardLoss got an empty RRef");
+  std::shared_ptr<LossJob> job = makeLossJob(ctx, std::move(call));
+  recordSource(job->call.microBatch, previous.isOwner() ? worker_ : previous.owner());
+  foldGradients(ctx, job->call.gradientContext);
+  rpc::Future<LossResult> result = job->promise.getFuture();
+  // As in forward(): the fetch joins the micro-batch's context.
+  rpc::Executor* executor = &ctx.agent->executor();
+  (void)previous.toHereAsync().then(
+      [self = shared_from_this(), executor, job](rpc::Result<Tensor>&& fetched) {
+        if (!fetched.ok()) return self->lossForwarded(job, fetched.error());
+        self->enqueueJob(*executor,
+                         Job{std::move(fetched).value(), job->call.microBatch, job->call.step, nullptr, job});
+      });
+  return result;
+}
+
+rpc::Future<LossResult> PipelineStage::forwardFirstLoss(const rpc::CallContext& ctx, Tensor input, LossCall call) {
+  std::shared_ptr<LossJob> job = makeLossJob(ctx, std::move(call));
+  recordSource(job->call.microBatch, ctx.caller);
+  foldGradients(ctx, job->call.gradientContext);
+  rpc::Future<LossResult> result = job->promise.getFuture();
+  enqueueJob(ctx.agent->executor(), Job{std::move(input), job->call.microBatch, job->call.step, nullptr, job});
+  return result;
+}
+
+void PipelineStage::abandonStep(int64_t step) {
+  std::vector<std::shared_ptr<LossJob>> failed;
+  {
+    std::lock_guard<std::mutex> lock(lossMutex_);
+    abandonedStep_ = std::max(abandonedStep_, step);
+    if (lossStep_ == step) failed.swap(waiting_);
+  }
+  for (const auto& job : failed) {
+    job->root = Tensor();  // its graph here goes: the in-flight slot is free again
+    job->promise.setError(rpc::Error::cancelled(what_ + ": micro-batch " + std::to_string(job->call.microBatch) +
+                                                " of step " + std::to_string(step) +
+                                                " not run backward: the step was abandoned")
+                              .onWorker(worker_));
+  }
+}
+
+void PipelineStage::lossForwarded(const std::shared_ptr<LossJob>& job, rpc::Result<Tensor> root) {
+  const int64_t step = job->call.step;
+  std::vector<std::shared_ptr<LossJob>> start;
+  std::vector<std::shared_ptr<LossJob>> failed;
+  std::vector<std::shared_ptr<LossJob>> stale;
+  std::optional<rpc::Error> error;
+  {
+    std::lock_guard<std::mutex> lock(lossMutex_);
+    if (step > lossStep_) {  // the step's first micro-batch here
+      lossStep_ = step;
+      forwarded_ = 0;
+      stale.swap(waiting_);  // none: the driver starts a step once every call of the last one has settled
+    }
+    if (!root.ok()) {
+      // Nothing more of this step starts here (Note [Loss on the last stage]).
+      error = root.error();
+      abandonedStep_ = std::max(abandonedStep_, step);
+      if (step == lossStep_) failed.swap(waiting_);
+    } else if (step <= abandonedStep_ || step < lossStep_) {
+      error = rpc::Error::cancelled(what_ + ": micro-batch " + std::to_string(job->call.microBatch) + " of step " +
+                                    std::to_string(step) + " not run backward: the step was abandoned")
+                  .onWorker(worker_);
+    } else {
+      job->root = std::move(root).value();
+      if (!job->call.fillDrain) {
+        start.push_back(job);
+      } else {
+        waiting_.push_back(job);
+        if (++forwarded_ == job->call.microBatches) {
+          start.swap(waiting_);
+          std::sort(start.begin(), start.end(),
+                    [](const auto& a, const auto& b) { return a->call.microBatch < b->call.microBatch; });
+        }
+      }
+    }
+  }
+  if (error) job->promise.setError(*error);
+  for (const auto& other : failed) {
+    other->root = Tensor();
+    other->promise.setError(rpc::Error::cancelled(what_ + ": micro-batch " + std::to_string(other->call.microBatch) +
+                                                  " of step " + std::to_string(other->call.step) +
+                                                  " not run backward: micro-batch " +
+                                                  std::to_string(job->call.microBatch) + " of the step failed")
+                                .onWorker(worker_));
+  }
+  for (const auto& old : stale) {
+    old->root = Tensor();
+    old->promise.setError(rpc::Error::cancelled(what_ + ": micro-batch " + std::to_string(old->call.microBatch) +
+                                                " of step " + std::to_string(old->call.step) +
+                                                " not run backward: step " + std::to_string(step) + " began")
+                              .onWorker(worker_));
+  }
+  for (const auto& ready : start) startBackward(ready);
+}
+
+void PipelineStage::startBackward(const std::shared_ptr<LossJob>& job) {
+  autograd::distributed::BackwardOptions options;
+  options.mode = static_cast<autograd::distributed::BackwardMode>(job->call.backwardMode);
+  rpc::Future<void> done;
+  try {
+    done = autograd::distributed::backwardAsync(*job->agent, job->context, {job->root}, options);
+  } catch (...) {
+    // The context is gone here (the driver released it: its step failed elsewhere).
+    job->root = Tensor();
+    job->promise.setError(rpc::detail::handlerError(std::current_exception(), worker_));
+    return;
+  }
+  (void)std::move(done).then(rpc::kInlineSafe, [job](rpc::Result<void>&& finished) {
+    job->root = Tensor();
+    if (finished.ok()) {
+      job->promise.setValue(job->result);
+    } else {
+      job->promise.setError(finished.error());
+    }
+  });
+}
+
 rpc::Future<Tensor> PipelineStage::enqueue(rpc::Executor& executor, Tensor input, int64_t microBatch, int64_t step) {
   auto promise = std::make_shared<rpc::Promise<Tensor>>(executor);
   rpc::Future<Tensor> future = promise->getFuture();
+  enqueueJob(executor, Job{std::move(input), microBatch, step, std::move(promise), nullptr});
+  return future;
+}
+
+void PipelineStage::enqueueJob(rpc::Executor& executor, Job job) {
   {
     std::lock_guard<std::mutex> lock(queueMutex_);
     executor_ = &executor;
-    queue_.push_back(Job{std::move(input), microBatch, step, std::move(promise)});
-    if (running_) return future;  // the running thread takes it
+    queue_.push_back(std::move(job));
+    if (running_) return;  // the running thread takes it
     running_ = true;
   }
   runQueued();
-  return future;
 }
 
 void PipelineStage::runQueued() {
@@ -462,7 +639,7 @@ void PipelineStage::runQueued() {
     }
     rpc::Result<Tensor> result = [&]() -> rpc::Result<Tensor> {
       try {
-        return runForward(job.input, job.microBatch, job.step);
+        return runForward(job.input, job.microBatch, job.step, job.loss.get());
       } catch (...) {
         rpc::Error error = rpc::detail::handlerError(std::current_exception(), worker_);
         error.message = what_ + ", forward of micro-batch " + std::to_string(job.microBatch) + ": " + error.message;
@@ -470,11 +647,17 @@ void PipelineStage::runQueued() {
       }
     }();
     meter_->token->release();
-    job.promise->setResult(std::move(result));
+    job.input = Tensor();
+    if (job.loss) {
+      lossForwarded(job.loss, std::move(result));
+    } else {
+      job.promise->setResult(std::move(result));
+    }
   }
 }
 
-Tensor PipelineStage::runForward(const Tensor& input, int64_t microBatch, int64_t step) {
+Tensor PipelineStage::runForward(const Tensor& input, int64_t microBatch, int64_t step, LossJob* loss) {
+  DG_ASSERT(loss == nullptr || training_.load(), "a loss job in evaluation mode");
   if (!training_.load()) {
     autograd::NoGradGuard noGrad;
     return module_->forward(input);
@@ -500,6 +683,22 @@ Tensor PipelineStage::runForward(const Tensor& input, int64_t microBatch, int64_
   }
   Tensor y = module_->forward(x);
   if (!inputNeedsGrad) endAtFirstOps(y, flight);
+  if (loss != nullptr) {
+    // Note [Loss on the last stage]: the ops the driver used to run on the logits, the same ones
+    // LocalPipeline runs, so the gradients are the same bit for bit. The backward bracket below starts at
+    // the loss, so the stage's backward time covers the loss's too.
+    try {
+      const Tensor& labels = loss->call.labels;
+      Tensor scaled = mul(crossEntropy(y, labels), loss->call.share);
+      autograd::NoGradGuard noGrad;
+      loss->result.loss = scaled.item();
+      loss->result.correct = static_cast<int64_t>(sum(eq(argmax(y, 1), labels)).item());
+      y = scaled;
+    } catch (const std::exception& e) {
+      // Logits that do not fit the labels: the last stage's output is not a classifier's.
+      throw ValueError(std::string("its loss failed: ") + e.what());
+    }
+  }
   Tensor out = autograd::recordOp("PipelineStageOutput", {y}, y.detach(),
                                   [flight](const std::vector<Tensor>& grads, const autograd::Node&) {
                                     flight->backwardStarts();
@@ -548,6 +747,9 @@ std::vector<Tensor> PipelineStage::parameters() const { return module_->paramete
 const rpc::Class<PipelineStage>& pipelineStageClass() {
   static const rpc::Class<PipelineStage> cls = rref::moduleClass<PipelineStage>("dg.pipeline.PipelineStage")
                                                    .method("forwardFirst", &PipelineStage::forwardFirst)
+                                                   .method("forwardLoss", &PipelineStage::forwardLoss)
+                                                   .method("forwardFirstLoss", &PipelineStage::forwardFirstLoss)
+                                                   .method("abandonStep", &PipelineStage::abandonStep)
                                                    .method("train", &PipelineStage::train)
                                                    .method("setMaxInFlight", &PipelineStage::setMaxInFlight)
                                                    .method("setIndex", &PipelineStage::setIndex)
@@ -654,12 +856,12 @@ std::string RpcPipeline::describe() const {
 
 namespace {
 
-// What the step loop waits for: a micro-batch's logits arrived (or failed), or its backward finished.
+// What the step loop waits for: a micro-batch is done (its loss and correct count, or its error), or the
+// last stage answered abandonStep.
 struct StepEvent {
-  bool logits = false;
+  bool control = false;  // abandonStep's answer
   int64_t microBatch = 0;
-  std::optional<rpc::Error> error;
-  Tensor value;
+  rpc::Result<LossResult> result = rpc::Error::failed("no result");
 };
 
 class EventQueue {
@@ -686,9 +888,12 @@ class EventQueue {
 };
 
 // The first error of a step; later ones are consequences (a stage's failure fails every later stage's
-// fetch of that micro-batch) unless they come from another worker.
+// fetch of that micro-batch) unless they come from another worker. A cancellation (the last stage giving
+// up the rest of a failed step, Note [Loss on the last stage]) gives way to the error that caused it.
 void noteError(std::optional<rpc::Error>& first, const rpc::Error& error) {
-  if (!first) first = error;
+  if (!first || (first->kind == rpc::ErrorKind::kCancelled && error.kind != rpc::ErrorKind::kCancelled)) {
+    first = error;
+  }
 }
 
 }  // namespace
@@ -698,7 +903,6 @@ struct RpcPipeline::MicroBatch {
   Tensor inputs, labels;
   double share = 0;  // of the batch: the loss scale
   std::unique_ptr<autograd::distributed::DistContext> context;
-  Tensor logits;
 };
 
 StepResult RpcPipeline::step(const Tensor& inputs, const Tensor& labels) {
@@ -706,6 +910,8 @@ StepResult RpcPipeline::step(const Tensor& inputs, const Tensor& labels) {
   DG_CHECK(labels.defined() && labels.dim() == 1 && labels.shape()[0] == inputs.shape()[0],
            "RpcPipeline::step: labels must be one per input (", inputs.shape()[0], "), got shape ",
            tensor::shapeStr(labels.shape()));
+  DG_CHECK(labels.dtype() == tensor::DType::kInt64, "RpcPipeline::step: labels must be int64 class indices, got ",
+           dtypeName(labels.dtype()));
   DG_CHECK(!agent_->executor().isCurrentThread(),
            "RpcPipeline::step blocks: never call it on the agent's executor (inside a handler)");
   const auto start = Clock::now();
@@ -742,97 +948,85 @@ StepResult RpcPipeline::step(const Tensor& inputs, const Tensor& labels) {
   StepResult result;
   result.samples = n;
   result.microBatches = count;
+  const bool fillDrain = options_.schedule == Schedule::kGPipe;
 
-  auto issueForward = [&](MicroBatch& mb) {
+  // One micro-batch's calls, issued at once: each stage's call carries the previous stage's result RRef,
+  // which its owner resolves when that forward finishes (promise pipelining); activations never come here.
+  // The last stage's call carries the labels: it computes the loss and starts the backward there (Note
+  // [Loss on the last stage]), and its reply, once the backward has finished everywhere, is the micro-batch's
+  // one event here.
+  auto issue = [&](MicroBatch& mb) {
     auto active = mb.context->activate();
-    // The chain is issued at once: each stage's call carries the previous stage's result RRef, which its
-    // owner resolves when that forward finishes (promise pipelining); activations never come here.
-    rref::RRef<Tensor> out =
-        stages_[0].moduleRRef().remote(&PipelineStage::forwardFirst, mb.inputs, mb.index, stepIndex, gradientContext);
-    for (int64_t s = 1; s < numStages; ++s) {
-      out = stages_[static_cast<size_t>(s)].moduleRRef().remote(&PipelineStage::forward, out, mb.index, stepIndex,
-                                                                 gradientContext);
-    }
-    ++outstanding;
-    (void)out.toHereAsync().then(rpc::kInlineSafe, [events, m = mb.index](rpc::Result<Tensor>&& logits) {
-      StepEvent event;
-      event.logits = true;
-      event.microBatch = m;
-      if (logits.ok()) {
-        event.value = std::move(logits).value();
-      } else {
-        event.error = logits.error();
+    LossCall call;
+    call.labels = mb.labels;
+    call.share = mb.share;
+    call.microBatch = mb.index;
+    call.microBatches = count;
+    call.step = stepIndex;
+    call.gradientContext = gradientContext;
+    call.fillDrain = fillDrain;
+    call.backwardMode = static_cast<uint8_t>(mode_);
+    rpc::Future<LossResult> done = [&] {
+      if (numStages == 1) {
+        return stages_[0].moduleRRef().rpcAsync(&PipelineStage::forwardFirstLoss, mb.inputs, std::move(call));
       }
+      rref::RRef<Tensor> out = stages_[0].moduleRRef().remote(&PipelineStage::forwardFirst, mb.inputs, mb.index,
+                                                               stepIndex, gradientContext);
+      for (int64_t s = 1; s + 1 < numStages; ++s) {
+        out = stages_[static_cast<size_t>(s)].moduleRRef().remote(&PipelineStage::forward, out, mb.index, stepIndex,
+                                                                   gradientContext);
+      }
+      return stages_.back().moduleRRef().rpcAsync(&PipelineStage::forwardLoss, out, std::move(call));
+    }();
+    ++outstanding;
+    (void)std::move(done).then(rpc::kInlineSafe, [events, m = mb.index](rpc::Result<LossResult>&& r) {
+      StepEvent event;
+      event.microBatch = m;
+      event.result = std::move(r);
       events->push(std::move(event));
     });
-  };
-  autograd::distributed::BackwardOptions backwardOptions;
-  backwardOptions.mode = mode_;
-  // Starts micro-batch mb's backward; false (the step's failure noted) when its loss cannot be computed.
-  auto startBackward = [&](MicroBatch& mb) -> bool {
-    Tensor loss;
-    try {
-      loss = mul(crossEntropy(mb.logits, mb.labels), mb.share);
-      autograd::NoGradGuard noGrad;
-      result.loss += loss.item();
-      result.correct += static_cast<int64_t>(sum(eq(argmax(mb.logits, 1), mb.labels)).item());
-    } catch (const std::exception& e) {
-      // Logits that do not fit the labels: the last stage's output is not a classifier's.
-      noteError(failure, rpc::Error::failed(std::string("RpcPipeline: the loss of micro-batch ") +
-                                            std::to_string(mb.index) + " failed: " + e.what())
-                             .onWorker(agent_->name()));
-      return false;
-    }
-    ++outstanding;
-    (void)mb.context->backwardAsync({loss}, backwardOptions)
-        .then(rpc::kInlineSafe, [events, m = mb.index](rpc::Result<void>&& done) {
-          StepEvent event;
-          event.microBatch = m;
-          if (!done.ok()) event.error = done.error();
-          events->push(std::move(event));
-        });
-    return true;
   };
 
   // docs/tracing.md: from the first forward submitted to the optimizer step's end.
   trace::Scope stepSpan("pipeline.step", trace::Category::kPipeline, stepIndex, count, numStages);
   stepSpan.setDetail(scheduleName(options_.schedule));
-  const bool oneFOneB = options_.schedule == Schedule::k1F1B;
-  int64_t nextForward = 0;
-  const int64_t firstWave = oneFOneB ? std::min(count, numStages) : count;
-  for (; nextForward < firstWave; ++nextForward) issueForward(batches[static_cast<size_t>(nextForward)]);
-  int64_t logitsIn = 0;
-  // Once a step has failed, nothing new starts, and every micro-batch whose own calls have all settled
-  // releases its context at once: that frees its graphs on the stages, and with them the compute token and
-  // in-flight slots they may hold, which later micro-batches' forwards may be waiting for (Note [Stage
-  // in-flight limit]); waiting for the others first could stall the step until the calls' deadlines.
+  // Both schedules issue every call at once: the stages keep the schedule themselves (Note [Stage in-flight
+  // limit], Note [Loss on the last stage]).
+  for (auto& mb : batches) issue(mb);
+  // Once a step has failed, the last stage is told to start nothing more of it, and every micro-batch whose
+  // own calls have all settled releases its context at once: that frees its graphs on the stages, and with
+  // them the compute token and in-flight slots they may hold, which later micro-batches' forwards may be
+  // waiting for (Note [Stage in-flight limit]); waiting for the others first could stall the step until the
+  // calls' deadlines.
   auto abandon = [](MicroBatch& mb) { mb.context.reset(); };
+  bool abandoning = false;
   while (outstanding > 0) {
     StepEvent event = events->pop();
     --outstanding;
+    if (event.control) continue;  // abandonStep's answer: its outcome changes nothing here
     MicroBatch& mb = batches[static_cast<size_t>(event.microBatch)];
-    if (event.error) {
-      noteError(failure, *event.error);
+    if (!event.result.ok()) {
+      noteError(failure, event.result.error());
       abandon(mb);
-      continue;
-    }
-    if (!event.logits) continue;  // a backward finished: the optimizer step waits for all of them
-    mb.logits = std::move(event.value);
-    ++logitsIn;
-    if (failure) {
-      abandon(mb);
-      continue;
-    }
-    if (oneFOneB) {
-      // The next micro-batch's calls go out now, so each stage finds them there when its in-flight limit
-      // lets it start (Note [Stage in-flight limit]); then this one's backward.
-      if (nextForward < count) issueForward(batches[static_cast<size_t>(nextForward++)]);
-      if (!startBackward(mb)) abandon(mb);
-    } else if (logitsIn == count) {
-      for (auto& b : batches) {
-        if (failure || !startBackward(b)) abandon(b);
+      if (!abandoning) {
+        abandoning = true;
+        rpc::AutogradContextScope noContext(0);
+        ++outstanding;
+        (void)stages_.back()
+            .moduleRRef()
+            .rpcAsync(&PipelineStage::abandonStep, stepIndex)
+            .then(rpc::kInlineSafe, [events](rpc::Result<void>&&) {
+              StepEvent done;
+              done.control = true;
+              events->push(std::move(done));
+            });
       }
+      continue;
     }
+    const LossResult& r = event.result.value();
+    result.loss += r.loss;
+    result.correct += r.correct;
+    if (failure) abandon(mb);
   }
   if (failure) {
     batches.clear();  // ends every context (on every worker)

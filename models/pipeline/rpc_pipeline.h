@@ -1,9 +1,12 @@
 // RpcPipeline: a model split into stages that live on other workers, trained with micro-batches under a
-// GPipe or 1F1B schedule (ARCHITECTURE §8, issue 6). The driver (any worker: it holds the data and computes
-// the loss) never touches an activation: for each micro-batch it sends the input to stage 0 and chains
-// `remote()` calls stage to stage, each passing on the RRef of the previous stage's output, so every stage
-// fetches its input straight from the stage before it (promise pipelining at the owner: the calls are all
-// issued at once, without waiting). Only the last stage's logits come back to the driver.
+// GPipe or 1F1B schedule (ARCHITECTURE §8, issue 6). The driver (any worker: it holds the data) never
+// touches an activation: for each micro-batch it sends the input to stage 0 and chains `remote()` calls
+// stage to stage, each passing on the RRef of the previous stage's output, so every stage fetches its input
+// straight from the stage before it (promise pipelining at the owner: the calls are all issued at once,
+// without waiting). The last stage's call carries the micro-batch's labels: that stage computes the loss
+// right after its forward and starts the micro-batch's backward itself (Note [Loss on the last stage] in
+// the .cpp); only the loss and the count of correct predictions come back to the driver, once the
+// micro-batch's backward has finished on every stage.
 //
 //   rpc::Registry reg;
 //   rref::RRefContext::install(reg);
@@ -17,12 +20,12 @@
 //   RpcPipeline pipe(*agent, stages, {.microBatches = 4, .schedule = Schedule::k1F1B, .optimizer = spec});
 //   StepResult r = pipe.step(images, labels);       // r.stats: compute / bubble / overhead of the step
 //
-// One step: one distributed autograd context PER MICRO-BATCH (so each micro-batch's backward can start as
-// soon as its logits are in, independently of the others), the loss of micro-batch m scaled by its share of
-// the batch, the backwards ordered by the schedule (GPipe: all forwards, then all backwards; 1F1B: each
-// micro-batch's backward starts as soon as its logits are in, and stage s holds at most S - s micro-batches
-// in flight, a bound the stage enforces itself so its next forward starts right after a backward, without a
-// round trip to the driver: Note [Stage in-flight limit] in the .cpp), then ONE
+// One step: one distributed autograd context PER MICRO-BATCH (created by the driver; each micro-batch's
+// backward runs in its own context, independently of the others), the loss of micro-batch m scaled by its
+// share of the batch, the backwards ordered by the schedule (GPipe: the last stage starts them once it has
+// run every forward of the step; 1F1B: right after each forward, and stage s holds at most S - s
+// micro-batches in flight, a bound the stage enforces itself so its next forward starts right after a
+// backward, without a round trip to the driver: Note [Stage in-flight limit] in the .cpp), then ONE
 // DistributedOptimizer step over all the micro-batch contexts (each owner sums its parameters' gradients
 // over them: the step of the whole batch), then the contexts end. A stage never holds more than one copy
 // of its parameters' gradients: each micro-batch's context folds its gradients there into the first one's
@@ -40,8 +43,9 @@
 // Errors of any stage (a bad shape, a dead worker, a timeout) make step() throw an RpcError naming the
 // worker, after every call of the step has settled (nothing is left running, every context is released).
 // Every call has the agent's default deadline (rpc::Options::defaultTimeout, 60 s unless configured),
-// counted from when the driver issues it: a micro-batch whose whole forward takes longer (GPipe issues all
-// forwards at once) fails the step with a timeout; raise the deadline for very long steps.
+// counted from when the driver issues it: the driver issues every call of a step at once, and the last
+// stage's call is answered when its micro-batch's backward has finished, so a step longer than the deadline
+// fails with a timeout; raise the deadline for very long steps.
 //
 // Thread-safety: an RpcPipeline is driven by one thread at a time (step/predict block: never call them on
 // an agent's executor thread). PipelineStage's methods are called by the agent on executor threads and are
@@ -116,6 +120,46 @@ struct StageStats {
   }
 };
 
+// What the last stage needs to compute a micro-batch's loss and start its backward (Note [Loss on the last
+// stage] in the .cpp). A value: the driver sends it with the last stage's forward call.
+struct LossCall {
+  Tensor labels;                // int64 [micro-batch size]: the targets of the cross-entropy
+  double share = 1;             // the micro-batch's share of the batch, in (0, 1]: its loss is scaled by it
+  int64_t microBatch = 0;       // in [0, microBatches)
+  int64_t microBatches = 1;     // of the step
+  int64_t step = 0;             // the driver's step number
+  uint64_t gradientContext = 0;  // Note [Stage gradient folding]
+  // GPipe (fill-drain): the backwards start once every forward of the step has run here; else (1F1B) each
+  // starts right after its forward.
+  bool fillDrain = false;
+  uint8_t backwardMode = 0;  // autograd::distributed::BackwardMode
+
+  // ValueError naming the field (the call came from the wire).
+  void validate() const;
+  template <class V>
+  void visitFields(V& v) {
+    v("labels", labels);
+    v("share", share);
+    v("microBatch", microBatch);
+    v("microBatches", microBatches);
+    v("step", step);
+    v("gradientContext", gradientContext);
+    v("fillDrain", fillDrain);
+    v("backwardMode", backwardMode);
+  }
+};
+
+// What the last stage reports of one micro-batch once its backward has finished everywhere.
+struct LossResult {
+  double loss = 0;      // the micro-batch's mean cross-entropy times its share of the batch
+  int64_t correct = 0;  // its samples whose logits' argmax was the label
+  template <class V>
+  void visitFields(V& v) {
+    v("loss", loss);
+    v("correct", correct);
+  }
+};
+
 // One pipeline stage on its worker. Created by the driver through RemoteModule<PipelineStage>::create with a
 // StageSpec (installPipeline binds the constructor); the methods below are what the driver calls.
 class PipelineStage : public std::enable_shared_from_this<PipelineStage> {
@@ -138,6 +182,18 @@ class PipelineStage : public std::enable_shared_from_this<PipelineStage> {
   // `gradientContext` as for forwardFirst.
   rpc::Future<Tensor> forward(const rpc::CallContext& ctx, rref::RRef<Tensor> previous, int64_t microBatch,
                               int64_t step, uint64_t gradientContext);
+  // The last stage's training forward (Note [Loss on the last stage]): forward() on `previous`, then the
+  // cross-entropy against call.labels, scaled by call.share, and the micro-batch's distributed backward
+  // started HERE from that loss, in the call's context (right away, or under GPipe once every forward of the
+  // step has run here). Completes when that backward has finished on every stage, with the loss and the
+  // count of correct predictions; fails with the forward's, the loss's or the backward's error.
+  rpc::Future<LossResult> forwardLoss(const rpc::CallContext& ctx, rref::RRef<Tensor> previous, LossCall call);
+  // The same for a pipeline of one stage: the input comes from the driver.
+  rpc::Future<LossResult> forwardFirstLoss(const rpc::CallContext& ctx, Tensor input, LossCall call);
+  // The driver gave up step `step` (one of its micro-batches failed): the micro-batches of that step whose
+  // backward waits here (GPipe) fail now, and those still to come fail on arrival, so no call of the
+  // failed step waits for a micro-batch that will never come.
+  void abandonStep(int64_t step);
   // The stage's index in its pipeline (a0 of its trace events); set by the driver before the first step.
   void setIndex(int64_t index);
   // At most `limit` micro-batches in flight here (forwarded, backward not done; 0: no limit): a training
@@ -158,16 +214,26 @@ class PipelineStage : public std::enable_shared_from_this<PipelineStage> {
  private:
   struct Meter;  // the measurements and the stage's compute state, shared with the backward closures
   class Flight;  // one micro-batch's graph here, from its forward to the end of its backward
+  struct LossJob;  // a forwardLoss call: its labels, the loss root and correct count, its result's promise
   struct Job {
     Tensor input;
     int64_t microBatch = 0;
     int64_t step = 0;
-    std::shared_ptr<rpc::Promise<Tensor>> promise;
+    std::shared_ptr<rpc::Promise<Tensor>> promise;  // forwardFirst / forward (null for a loss job)
+    std::shared_ptr<LossJob> loss;                  // forwardLoss / forwardFirstLoss
   };
   // Queues a forward; runs it (and any queued behind it) on this thread when none runs.
   rpc::Future<Tensor> enqueue(rpc::Executor& executor, Tensor input, int64_t microBatch, int64_t step);
+  void enqueueJob(rpc::Executor& executor, Job job);
   void runQueued();
-  Tensor runForward(const Tensor& input, int64_t microBatch, int64_t step);
+  // The module on `input`; with `loss`, also the scaled cross-entropy, which it returns (the backward's
+  // root) after setting loss->correct.
+  Tensor runForward(const Tensor& input, int64_t microBatch, int64_t step, LossJob* loss);
+  std::shared_ptr<LossJob> makeLossJob(const rpc::CallContext& ctx, LossCall call);
+  // A loss job's forward ended (`root` the scaled loss, or the error): start its backward, keep it for the
+  // step's last forward (GPipe), or fail it (Note [Loss on the last stage]).
+  void lossForwarded(const std::shared_ptr<LossJob>& job, rpc::Result<Tensor> root);
+  void startBackward(const std::shared_ptr<LossJob>& job);
   // Ends `flight` when the backward has run the first ops of the graph of `y` (Note [Stage backward bracket]).
   static void endAtFirstOps(const Tensor& y, const std::shared_ptr<Flight>& flight);
   void recordSource(int64_t microBatch, const std::string& from);
@@ -184,6 +250,15 @@ class PipelineStage : public std::enable_shared_from_this<PipelineStage> {
   bool running_ = false;               // GUARDED_BY(queueMutex_): a forward runs (on the thread that runs the queue)
   std::deque<Job> queue_;              // GUARDED_BY(queueMutex_)
   std::atomic<bool> training_{true};
+
+  // Note [Loss on the last stage]: the step whose micro-batches arrive here now, how many of them have been
+  // forwarded, the ones whose backward waits for the step's last forward (GPipe), and the latest step the
+  // driver abandoned (or one of whose micro-batches failed here).
+  std::mutex lossMutex_;
+  int64_t lossStep_ = -1;                           // GUARDED_BY(lossMutex_)
+  int64_t forwarded_ = 0;                           // GUARDED_BY(lossMutex_): of lossStep_
+  std::vector<std::shared_ptr<LossJob>> waiting_;  // GUARDED_BY(lossMutex_): of lossStep_
+  int64_t abandonedStep_ = -1;                      // GUARDED_BY(lossMutex_)
   std::atomic<int64_t> index_{-1};  // setIndex
 };
 

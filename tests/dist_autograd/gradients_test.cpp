@@ -6,7 +6,8 @@
 // parameters fetched from their owner and tensors echoed back, and a non-scalar root with an explicit
 // gradient. Every worker's per-context gradients are checked (the root through DistContext::gradients(),
 // the others through gradientsOf), .grad stays untouched, and every worker releases the context once it
-// ends (RRef tables settle too where RRefs were used).
+// ends (RRef tables settle too where RRefs were used). A backward rooted at a worker that did not create
+// the context (backwardAsync(agent, contextId, ...)), also one that joins the context only then.
 #include <gtest/gtest.h>
 
 #include "dist_autograd_test_util.h"
@@ -287,6 +288,82 @@ TEST_P(GradientsTest, NonScalarRootWithAnExplicitGradient) {
   }
   EXPECT_TRUE(allReleased()) << liveCounts();
 }
+
+// A loss computed in a handler on the worker it runs on, its backward rooted there
+// (backwardAsync(agent, contextId, ...)) in the caller's context: what a pipeline's last stage does
+// (Note [Loss on the last stage] in models/pipeline/rpc_pipeline.cpp). Answers the loss once the backward has
+// finished on every worker.
+inline const rpc::Function<double(std::string, std::string, int64_t, Tensor, Tensor)> kLossHere{"e2e.loss_here"};
+
+class RootElsewhereTest : public DistAutogradFixture {
+ protected:
+  void bindExtra(rpc::Registry& reg) override {
+    reg.bind(kLossHere, [this](const rpc::CallContext& ctx, std::string key, std::string headKey, int64_t mode,
+                               Tensor h, Tensor y) -> rpc::Future<double> {
+      Tensor loss = headLoss(applyLayer(h, world_.layer(ctx.callee, key)), world_.layer(ctx.callee, headKey), y);
+      BackwardOptions options;
+      options.mode = static_cast<BackwardMode>(mode);
+      return backwardAsync(*ctx.agent, ctx.autogradContext, {loss}, options).then([value = loss.item()] {
+        return value;
+      });
+    });
+  }
+};
+
+TEST_P(RootElsewhereTest, BackwardRootedAtAWorkerThatDidNotCreateTheContext) {
+  ASSERT_NO_FATAL_FAILURE(start(3));
+  // x (worker0) -> worker1's l1 -> worker2's l2 and head, the loss on worker2; worker0 created the context.
+  const Tensor x = input({8, 5}, 601);
+  const Tensor y = labels(8, 3, 602);
+  Reference ref;
+  const Tensor xr = twin(x);
+  const Layer& r1 = ref.layer("worker1", "l1");
+  const Layer& r2 = ref.layer("worker2", "l2");
+  const Layer& rh = ref.layer("worker2", "head");
+  const Tensor lossR = headLoss(applyLayer(applyLayer(xr, r1), r2), rh, y);
+  const double lossValue = lossR.item();
+  const auto g = Reference::gradients(lossR, {xr, r1.weight, r1.bias, r2.weight, r2.bias, rh.weight, rh.bias});
+  std::vector<Expected> expected{Expected{"worker0", "x", x, g[0]}};
+  appendAll(expected, layerExpected("worker1", "l1", {g[1], g[2]}));
+  appendAll(expected, layerExpected("worker2", "l2", {g[3], g[4]}));
+  appendAll(expected, layerExpected("worker2", "head", {g[5], g[6]}));
+  for (BackwardMode mode : bothModes()) {
+    SCOPED_TRACE(backwardModeName(mode));
+    DistContext ctx(agent(0));
+    Tensor h = agent(0).rpcSync(name(1), kLayer, std::string("l1"), x);
+    const double loss =
+        agent(0).rpcSync(name(2), kLossHere, std::string("l2"), std::string("head"), static_cast<int64_t>(mode), h, y);
+    EXPECT_NEAR(loss, lossValue, 1e-12);
+    expectGradients(ctx, 0, expected);
+  }
+  EXPECT_TRUE(allReleased()) << liveCounts();
+
+  // worker2's call carries no tensor that requires grad, so only the backward makes it join the context:
+  // its own parameters get their gradients there, and the creator's end releases it there too.
+  const Tensor plain = input({8, 5}, 603, /*requiresGrad=*/false);
+  const Layer& p1 = ref.layer("worker2", "l1");
+  const Layer& ph = ref.layer("worker2", "head7");
+  const Tensor plainLoss = headLoss(applyLayer(plain, p1), ph, y);
+  const auto pg = Reference::gradients(plainLoss, {p1.weight, p1.bias, ph.weight, ph.bias});
+  std::vector<Expected> own = layerExpected("worker2", "l1", {pg[0], pg[1]});
+  appendAll(own, layerExpected("worker2", "head7", {pg[2], pg[3]}));
+  uint64_t ended = 0;
+  {
+    DistContext ctx(agent(0));
+    ended = ctx.id();
+    const double loss = agent(0).rpcSync(name(2), kLossHere, std::string("l1"), std::string("head7"),
+                                         static_cast<int64_t>(BackwardMode::kExact), plain, y);
+    EXPECT_NEAR(loss, plainLoss.item(), 1e-12);
+    expectGradients(ctx, 0, own);
+  }
+  EXPECT_TRUE(allReleased()) << liveCounts();
+  // A released context cannot be backwarded again, and nothing is joined by trying.
+  EXPECT_THROW((void)backwardAsync(agent(2), ended, {sum(layer("worker2", "l1").weight)}), ValueError);
+  EXPECT_EQ(liveContexts(agent(2)), 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, RootElsewhereTest, ::testing::ValuesIn(distgrad::testing::endToEndTransports()),
+                         [](const auto& info) { return info.param; });
 
 INSTANTIATE_TEST_SUITE_P(Transports, GradientsTest, ::testing::ValuesIn(distgrad::testing::endToEndTransports()),
                          [](const auto& info) { return info.param; });

@@ -1,7 +1,9 @@
-// RpcPipeline over inproc and tcp: a driver (worker0) and two stage workers (worker1, worker2) in this
+// RpcPipeline over inproc and tcp: a driver (worker0) and three stage workers (worker1..3) in this
 // process. An MLP pipeline with GPipe and 1F1B and 1..4 micro-batches (uneven ones included) ends where
-// plain full-batch training of the same ModelSpec ends; the activations travel stage to stage, never through
-// the driver (its byte counters and the stages' own record of where their inputs came from); GPipe holds all
+// plain full-batch training of the same ModelSpec ends; with 1, 2 and 3 stages it computes what the
+// LocalPipeline computes on the same stages (losses, correct counts, parameters after SGD and Adam steps); the activations travel stage to stage, never through
+// the driver, and neither do the logits: the last stage computes the loss (the driver's byte counters and
+// the stages' own record of where their inputs came from); GPipe holds all
 // micro-batches in flight at every stage, 1F1B exactly stages - s at stage s; with 8 micro-batches the stages
 // hold one copy of their gradients, not 8 (folded contexts); a small ResNet trains; a stage
 // error (a wrong input shape) comes back from step() naming the stage's worker under both schedules, a 1F1B
@@ -31,6 +33,7 @@
 #include "autograd/grad_mode.h"
 #include "autograd/ops.h"
 #include "models/optim/distributed_optimizer.h"
+#include "models/pipeline/local_pipeline.h"
 #include "models/pipeline/model_spec.h"
 #include "models/pipeline/partition.h"
 #include "models/pipeline/schedule.h"
@@ -103,7 +106,7 @@ class RpcPipelineTest : public ::testing::TestWithParam<std::string> {
     bindPipelineWorker(registry_);
     rpc::testing::ClusterSpec spec;
     spec.transport = GetParam();
-    spec.size = 3;
+    spec.size = 4;  // a driver and up to three stage workers
     spec.executorThreads = 3;
     spec.traceDir = traceDir_;
     rpc::testing::startCluster(cluster_, spec, world_, registry_);
@@ -199,6 +202,61 @@ TEST_P(RpcPipelineTest, MlpMatchesLocalFullBatchTrainingForEverySchedule) {
   }
 }
 
+// The RPC pipeline computes what the local pipeline computes on the same stages: the last stage's loss
+// (Note [Loss on the last stage]) is the local pipeline's last stage's, the same ops on the same logits, so
+// losses, correct counts and every parameter after two steps agree, for both schedules, with 1 (the
+// one-stage call, forwardFirstLoss), 2 and 3 stages, SGD with momentum and Adam. Each stage sums its
+// micro-batches' gradients in the order their backwards reach it, which a stage's threads may change, so
+// parameters agree to float rounding of that sum (1e-6), not necessarily bit for bit.
+TEST_P(RpcPipelineTest, SameLossesAndParametersAsTheLocalPipeline) {
+  const ModelSpec model = mlpSpec();  // 3 units
+  const int64_t units = numUnits(model);
+  struct Case {
+    Schedule schedule;
+    int64_t stages;
+    int64_t microBatches;
+    bool adam;
+  };
+  const std::vector<Case> cases{
+      {Schedule::kGPipe, 2, 4, false}, {Schedule::k1F1B, 2, 4, false}, {Schedule::kGPipe, 3, 3, false},
+      {Schedule::k1F1B, 3, 4, true},   {Schedule::k1F1B, 3, 2, false}, {Schedule::kGPipe, 1, 2, true},
+      {Schedule::k1F1B, 1, 3, false},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(std::string(scheduleName(c.schedule)) + ", " + std::to_string(c.stages) + " stages, " +
+                 std::to_string(c.microBatches) + " micro-batches" + (c.adam ? ", adam" : ", sgd"));
+    const OptimizerSpec optimizer = c.adam ? OptimizerSpec::adam({.learningRate = 0.01})
+                                           : OptimizerSpec::sgd({.learningRate = 0.1, .momentum = 0.9});
+    const Partition partition = uniformPartition(units, c.stages);
+    const std::vector<StageSpec> specs = stageSpecs(model, partition);
+    std::vector<RemoteStage> remote;
+    std::vector<std::shared_ptr<Module>> local;
+    for (size_t s = 0; s < specs.size(); ++s) {
+      remote.push_back({"worker" + std::to_string(s + 1), specs[s]});
+      local.push_back(buildStage(specs[s]));
+    }
+    const PipelineOptions options{.microBatches = c.microBatches, .schedule = c.schedule, .optimizer = optimizer};
+    RpcPipeline rpcPipe(agent(0), remote, options);
+    LocalPipeline localPipe(local, options);
+    for (int step = 0; step < 2; ++step) {
+      const Tensor x = images(10, model, 300 + step);  // 10 in 3 or 4: uneven micro-batches
+      const Tensor y = classes(10, 5, 400 + step);
+      const StepResult got = rpcPipe.step(x, y);
+      const StepResult want = localPipe.step(x, y);
+      EXPECT_NEAR(got.loss, want.loss, 1e-6) << "step " << step;
+      EXPECT_EQ(got.correct, want.correct) << "step " << step;
+      EXPECT_EQ(got.microBatches, want.microBatches);
+    }
+    const std::vector<Tensor> got = rpcPipe.fetchParameters();
+    std::vector<Tensor> want;
+    for (const auto& stage : local) {
+      for (const Tensor& p : stage->parameters()) want.push_back(p);
+    }
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) EXPECT_LE(maxAbsDiff(got[i], want[i]), 1e-6) << "parameter " << i;
+  }
+}
+
 TEST_P(RpcPipelineTest, ActivationsGoStageToStageNeverThroughTheDriver) {
   ModelSpec model = mlpSpec();
   model.hidden = {64, 2048};  // wide activations between the stages, small inputs and logits
@@ -216,7 +274,7 @@ TEST_P(RpcPipelineTest, ActivationsGoStageToStageNeverThroughTheDriver) {
   // What stage 0 hands to stage 1 in one step, forward (and as much again backward).
   const uint64_t activationBytes = kBatch * 2048 * sizeof(float);
   const uint64_t inputBytes = kBatch * 36 * sizeof(float);
-  const uint64_t logitBytes = kBatch * 5 * sizeof(float);
+  const uint64_t labelBytes = kBatch * sizeof(int64_t);
   const uint64_t received1 = after1.bytesReceived - to1.bytesReceived;
   const uint64_t sent1 = after1.bytesSent - to1.bytesSent;
   const uint64_t received2 = after2.bytesReceived - to2.bytesReceived;
@@ -225,12 +283,13 @@ TEST_P(RpcPipelineTest, ActivationsGoStageToStageNeverThroughTheDriver) {
                "; driver <-> worker2: sent " + std::to_string(sent2) + ", received " + std::to_string(received2) +
                "; activations per step " + std::to_string(activationBytes));
   // To stage 0: the inputs plus control (calls, RRef forks, autograd plans, the optimizer step, stats); from
-  // it: control only. With stage 1: the logits and their gradients plus control. None of it carries the
-  // activations (each direction's total stays well below them).
+  // it: control only. To stage 1: the labels plus control; from it: the losses (scalars) plus control (the
+  // logits stay there: Note [Loss on the last stage]). None of it carries the activations (each direction's
+  // total stays well below them).
   EXPECT_GE(sent1, inputBytes);
   EXPECT_LT(sent1, inputBytes + activationBytes / 4);
   EXPECT_LT(received1, activationBytes / 4);
-  EXPECT_GE(received2, logitBytes);
+  EXPECT_GE(sent2, labelBytes);
   EXPECT_LT(received2, activationBytes / 4);
   EXPECT_LT(sent2, activationBytes / 4);
   // The stages' own record: stage 0's inputs came from the driver, stage 1's from stage 0's worker.
@@ -239,24 +298,42 @@ TEST_P(RpcPipelineTest, ActivationsGoStageToStageNeverThroughTheDriver) {
   EXPECT_EQ(pipe.lastStageStats()[1].inputFrom, std::vector<std::string>(kMicroBatches, "worker1"));
 }
 
+// GPipe: every stage holds all micro-batches (the last stage keeps every loss until its last forward).
+// 1F1B: stage s never holds more than S - s, and reaches it: the driver issues every call at once, so a stage
+// finds its next forward waiting unless the whole micro-batch went through before the driver's next call
+// arrived, which a loaded machine can make happen in a step of this tiny model, not in all five.
 TEST_P(RpcPipelineTest, GPipeHoldsEveryMicroBatchAnd1F1BAtMostStagesMinusStageIndex) {
   ModelSpec model = mlpSpec();
+  const int64_t units = numUnits(model);
   constexpr int64_t kMicroBatches = 6;
-  for (Schedule schedule : {Schedule::kGPipe, Schedule::k1F1B}) {
-    SCOPED_TRACE(scheduleName(schedule));
-    RpcPipeline pipe(agent(0), twoStages(model, 1),
-                     {.microBatches = kMicroBatches, .schedule = schedule, .optimizer = OptimizerSpec::sgd({})});
-    for (int step = 0; step < 3; ++step) {
-      StepResult r = pipe.step(images(12, model, 10 + step), classes(12, 5, 20 + step));
-      ASSERT_EQ(r.stats.maxInFlight.size(), 2u);
-      for (size_t s = 0; s < 2; ++s) {
-        if (schedule == Schedule::kGPipe) {
-          EXPECT_EQ(r.stats.maxInFlight[s], kMicroBatches) << "stage " << s;
-        } else {
-          // 1F1B's own bound, S - s (at most the number of stages anywhere), reached.
-          EXPECT_EQ(r.stats.maxInFlight[s], static_cast<int64_t>(2 - s)) << "stage " << s;
+  constexpr int kSteps = 5;
+  for (int64_t stages : {2, 3}) {
+    for (Schedule schedule : {Schedule::kGPipe, Schedule::k1F1B}) {
+      SCOPED_TRACE(std::string(scheduleName(schedule)) + ", " + std::to_string(stages) + " stages");
+      std::vector<RemoteStage> remote;
+      for (const StageSpec& spec : stageSpecs(model, uniformPartition(units, stages))) {
+        remote.push_back({"worker" + std::to_string(remote.size() + 1), spec});
+      }
+      RpcPipeline pipe(agent(0), remote,
+                       {.microBatches = kMicroBatches, .schedule = schedule, .optimizer = OptimizerSpec::sgd({})});
+      std::vector<int64_t> most(static_cast<size_t>(stages), 0);
+      for (int step = 0; step < kSteps; ++step) {
+        StepResult r = pipe.step(images(12, model, 10 + step), classes(12, 5, 20 + step));
+        ASSERT_EQ(r.stats.maxInFlight.size(), static_cast<size_t>(stages));
+        for (int64_t s = 0; s < stages; ++s) {
+          const int64_t inFlight = r.stats.maxInFlight[static_cast<size_t>(s)];
+          if (schedule == Schedule::kGPipe) {
+            EXPECT_EQ(inFlight, kMicroBatches) << "stage " << s << ", step " << step;
+          } else {
+            EXPECT_GE(inFlight, 1) << "stage " << s << ", step " << step;
+            EXPECT_LE(inFlight, stages - s) << "stage " << s << ", step " << step;  // 1F1B's own bound
+          }
+          most[static_cast<size_t>(s)] = std::max(most[static_cast<size_t>(s)], inFlight);
+          EXPECT_GE(r.stats.peakActivationBytes[static_cast<size_t>(s)], 0) << "stage " << s;
         }
-        EXPECT_GE(r.stats.peakActivationBytes[s], 0) << "stage " << s;
+      }
+      if (schedule == Schedule::k1F1B) {
+        for (int64_t s = 0; s < stages; ++s) EXPECT_EQ(most[static_cast<size_t>(s)], stages - s) << "stage " << s;
       }
     }
   }
@@ -362,40 +439,75 @@ TEST_P(RpcPipelineTest, StageErrorNamesTheWorkerAndThePipelineRecovers) {
     }
     StepResult r = pipe.step(images(8, model, 3), classes(8, 5, 4));
     EXPECT_TRUE(std::isfinite(r.loss));
-    // Labels that do not fit the logits fail at the driver, naming it.
+    // Labels that do not fit the logits fail at the last stage, which computes the loss, naming it.
     try {
       (void)pipe.step(images(4, model, 3), Tensor::fromVector(std::vector<int64_t>{7, 7, 7, 7}, {4}));
       ADD_FAILURE() << "expected an RpcError";
     } catch (const rpc::RpcError& e) {
-      EXPECT_EQ(e.error().worker, "worker0") << e.what();
+      EXPECT_EQ(e.error().worker, "worker2") << e.what();
+      EXPECT_NE(std::string(e.what()).find("loss failed"), std::string::npos) << e.what();
+      EXPECT_NE(e.error().kind, rpc::ErrorKind::kCancelled) << e.what();
     }
+    // Float labels are the caller's mistake, found before anything is sent.
+    EXPECT_THROW((void)pipe.step(images(4, model, 3), tensor::uniform({4}, 0.0, 4.0, gen)), ValueError);
+    r = pipe.step(images(8, model, 5), classes(8, 5, 6));
+    EXPECT_TRUE(std::isfinite(r.loss));
   }
 }
 
-TEST_P(RpcPipelineTest, AFailed1F1BStepLeavesNoMicroBatchInFlight) {
+// Under GPipe the last stage keeps micro-batches 0 and 1's losses for the drain when micro-batch 2's fails:
+// they fail at once (cancelled), and so does 3 when it arrives; the step reports micro-batch 2's own error.
+TEST_P(RpcPipelineTest, AFailedStepLeavesNoMicroBatchInFlight) {
   const ModelSpec model = mlpSpec();
-  RpcPipeline pipe(agent(0), twoStages(model, 2),
-                   {.microBatches = 4, .schedule = Schedule::k1F1B, .optimizer = OptimizerSpec::sgd({})});
-  // Micro-batch 2's labels (rows 4 and 5) are out of range: its loss fails at the driver after micro-batches
-  // 0 and 1 went through and 3 was forwarded, so the stages hold graphs that never get a backward.
-  Tensor bad = Tensor::fromVector(std::vector<int64_t>{0, 1, 2, 3, 7, 9, 4, 0}, {8});
-  const auto begin = std::chrono::steady_clock::now();
-  try {
-    (void)pipe.step(images(8, model, 40), bad);
-    ADD_FAILURE() << "expected an RpcError";
-  } catch (const rpc::RpcError& e) {
-    EXPECT_EQ(e.error().worker, "worker0") << e.what();
-    EXPECT_NE(std::string(e.what()).find("micro-batch 2"), std::string::npos) << e.what();
-  }
-  EXPECT_LT(std::chrono::steady_clock::now() - begin, 5s) << "the failed step waited for something that never came";
-  // Those graphs went with the step's contexts: their in-flight slots are free again (a held slot would
-  // stall these steps' forwards behind stage 0's limit until the calls time out).
-  for (int step = 0; step < 2; ++step) {
-    const auto start = std::chrono::steady_clock::now();
-    StepResult r = pipe.step(images(8, model, 41 + step), classes(8, 5, 51 + step));
-    EXPECT_LT(std::chrono::steady_clock::now() - start, 5s) << "step " << step << " stalled";
-    EXPECT_TRUE(std::isfinite(r.loss));
-    EXPECT_EQ(r.stats.maxInFlight, (std::vector<int64_t>{2, 1}));
+  for (Schedule schedule : {Schedule::kGPipe, Schedule::k1F1B}) {
+    SCOPED_TRACE(scheduleName(schedule));
+    // Micro-batch 2's labels (rows 4 and 5) are out of range: its loss fails at the last stage after
+    // micro-batches 0 and 1 went through it, while 3 is forwarded or waits at stage 0, so the stages hold
+    // graphs that never get a backward.
+    Tensor bad = Tensor::fromVector(std::vector<int64_t>{0, 1, 2, 3, 7, 9, 4, 0}, {8});
+    auto ownedRRefs = [&] {
+      size_t owned = 0;
+      for (auto& a : cluster_.agents) owned += rref::RRefContext::of(*a)->ownedCount();
+      return owned;
+    };
+    // The previous schedule's pipeline is gone: its RRefs too (asynchronously), before this one's are counted.
+    ASSERT_TRUE(eventually([&] { return ownedRRefs() == 0; })) << ownedRRefs();
+    RpcPipeline pipe(agent(0), twoStages(model, 2),
+                     {.microBatches = 4, .schedule = schedule, .optimizer = OptimizerSpec::sgd({})});
+    const size_t ownedBefore = ownedRRefs();  // the stages and their parameters
+    const auto begin = std::chrono::steady_clock::now();
+    try {
+      (void)pipe.step(images(8, model, 40), bad);
+      ADD_FAILURE() << "expected an RpcError";
+    } catch (const rpc::RpcError& e) {
+      EXPECT_EQ(e.error().worker, "worker2") << e.what();
+      EXPECT_NE(e.error().kind, rpc::ErrorKind::kCancelled) << e.what();
+      EXPECT_NE(std::string(e.what()).find("micro-batch 2"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("loss failed"), std::string::npos) << e.what();
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - begin, 5s) << "the failed step waited for something that never came";
+    // Those graphs went with the step's contexts: their in-flight slots are free again (a held slot would
+    // stall these steps' forwards behind stage 0's limit until the calls time out). They go asynchronously,
+    // with the contexts and with the RRefs of the stages' outputs: waited for, so that GPipe's next step,
+    // which has no limit to wait behind, does not count them in flight beside its own.
+    for (auto& a : cluster_.agents) ASSERT_TRUE(eventually([&] { return liveContexts(*a) == 0; })) << a->name();
+    ASSERT_TRUE(eventually([&] { return ownedRRefs() == ownedBefore; })) << ownedRRefs() << " vs " << ownedBefore;
+    for (int step = 0; step < 2; ++step) {
+      const auto start = std::chrono::steady_clock::now();
+      StepResult r = pipe.step(images(8, model, 41 + step), classes(8, 5, 51 + step));
+      EXPECT_LT(std::chrono::steady_clock::now() - start, 5s) << "step " << step << " stalled";
+      EXPECT_TRUE(std::isfinite(r.loss));
+      ASSERT_EQ(r.stats.maxInFlight.size(), 2u);
+      if (schedule == Schedule::kGPipe) {
+        // The last stage keeps every loss for the drain, so every stage holds all four.
+        EXPECT_EQ(r.stats.maxInFlight, (std::vector<int64_t>{4, 4})) << "step " << step;
+      } else {
+        // Within 1F1B's bound (reached or not: that depends on how fast the calls come).
+        EXPECT_GE(r.stats.maxInFlight[0], 1) << "step " << step;
+        EXPECT_LE(r.stats.maxInFlight[0], 2) << "step " << step;
+        EXPECT_EQ(r.stats.maxInFlight[1], 1) << "step " << step;
+      }
+    }
   }
 }
 
