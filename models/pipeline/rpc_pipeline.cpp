@@ -23,6 +23,10 @@
 #include "tensor/storage.h"
 
 namespace distgrad::models::pipeline {
+namespace {
+// A one-element tensor's value wherever it lives (a stage on a GPU computes its loss there).
+double hostItem(const Tensor& t) { return (t.device().isCpu() ? t : t.to(Device::cpu())).item(); }
+}  // namespace
 
 namespace {
 
@@ -774,8 +778,8 @@ StepResult RpcPipeline::step(const Tensor& inputs, const Tensor& labels) {
     try {
       loss = mul(crossEntropy(mb.logits, mb.labels), mb.share);
       autograd::NoGradGuard noGrad;
-      result.loss += loss.item();
-      result.correct += static_cast<int64_t>(sum(eq(argmax(mb.logits, 1), mb.labels)).item());
+      result.loss += hostItem(loss);
+      result.correct += static_cast<int64_t>(hostItem(sum(eq(argmax(mb.logits, 1), mb.labels))));
     } catch (const std::exception& e) {
       // Logits that do not fit the labels: the last stage's output is not a classifier's.
       noteError(failure, rpc::Error::failed(std::string("RpcPipeline: the loss of micro-batch ") +
