@@ -135,7 +135,8 @@ int runDriver(rpc::Agent& agent, const examples::PipelineFlags& opt) {
   for (size_t s = 0; s < specs.size(); ++s) {
     const Device device = opt.stageDevice(static_cast<int64_t>(s));
     // "workerN" for a CPU stage (the placement every earlier run used), "workerN/cuda:i" for a GPU stage.
-    const std::string placement = workers.at(s + 1) + (device.isCpu() ? "" : "/" + device.str());
+    std::string placement = workers.at(s + 1);
+    if (device.isCuda()) placement.append("/").append(device.str());
     stages.push_back({placement, specs[s]});
   }
 

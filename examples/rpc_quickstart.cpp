@@ -55,8 +55,9 @@ int main(int argc, char** argv) {
                   f.get().to(Device::cpu()).toVector<float>()[0]);
 
       auto rrefs = rref::RRefContext::of(*agent);
-      auto layer = rref::RemoteModule<models::Linear>::create(
-          rrefs, device.isCpu() ? std::string("worker1") : "worker1/" + device.str(), int64_t{4}, int64_t{3}, uint64_t{7});
+      std::string placement = "worker1";  // "worker1/cuda:N" puts the module on worker1's GPU
+      if (device.isCuda()) placement.append("/").append(device.str());
+      auto layer = rref::RemoteModule<models::Linear>::create(rrefs, placement, int64_t{4}, int64_t{3}, uint64_t{7});
       Tensor y = layer.forward(Tensor::full({1, 4}, 1.0).to(device));  // runs on worker1
       std::vector<rref::RRef<Tensor>> params = layer.remoteParameters();
       std::printf("Linear(4, 3) on %s: output of shape [%lld, %lld], %zu parameter RRefs owned by %s\n",
