@@ -33,10 +33,10 @@ namespace {
 
 struct Options {
   std::string device = "cpu";
-  std::string model;  // default by device: resnet18 on the CPU, resnet50 on a GPU
-  int64_t image = 0;  // 32 on the CPU, 224 on a GPU
+  std::string model;    // default by device: resnet18 on the CPU, resnet50 on a GPU
+  int64_t image = 0;    // 32 on the CPU, 224 on a GPU
   int64_t classes = 0;  // 10 on the CPU, 1000 on a GPU
-  int64_t batch = 0;  // 32 on the CPU, 64 on a GPU
+  int64_t batch = 0;    // 32 on the CPU, 64 on a GPU
   int warmup = 5;
   int steps = 30;
   int threads = 1;
@@ -79,13 +79,20 @@ Options parseArgs(int argc, char** argv) {
     char* end = nullptr;
     const long number = std::strtol(value.c_str(), &end, 10);
     if (end == value.c_str() || *end != '\0' || number < 1) usage(arg + " needs a positive integer, got " + value);
-    if (arg == "--batch") o.batch = number;
-    else if (arg == "--image") o.image = number;
-    else if (arg == "--classes") o.classes = number;
-    else if (arg == "--warmup") o.warmup = static_cast<int>(number);
-    else if (arg == "--steps") o.steps = static_cast<int>(number);
-    else if (arg == "--threads") o.threads = static_cast<int>(number);
-    else usage("unknown argument " + arg);
+    if (arg == "--batch")
+      o.batch = number;
+    else if (arg == "--image")
+      o.image = number;
+    else if (arg == "--classes")
+      o.classes = number;
+    else if (arg == "--warmup")
+      o.warmup = static_cast<int>(number);
+    else if (arg == "--steps")
+      o.steps = static_cast<int>(number);
+    else if (arg == "--threads")
+      o.threads = static_cast<int>(number);
+    else
+      usage("unknown argument " + arg);
   }
   return o;
 }
@@ -102,13 +109,14 @@ int main(int argc, char** argv) {
   if (opt.batch == 0) opt.batch = gpu ? 64 : 32;
   const std::string input = "3x" + std::to_string(opt.image) + "x" + std::to_string(opt.image);
   if (gpu && device.index >= tensor::cuda::deviceCount()) {
-    std::printf("{\"bench\":\"train_step\",\"impl\":\"distgrad\",\"device\":\"%s\",\"model\":\"%s\","
-                "\"skipped\":\"%s requested but %d CUDA devices are available%s\"}\n",
-                device.str().c_str(), opt.model.c_str(), device.str().c_str(), tensor::cuda::deviceCount(),
+    std::printf(
+        "{\"bench\":\"train_step\",\"impl\":\"distgrad\",\"device\":\"%s\",\"model\":\"%s\","
+        "\"skipped\":\"%s requested but %d CUDA devices are available%s\"}\n",
+        device.str().c_str(), opt.model.c_str(), device.str().c_str(), tensor::cuda::deviceCount(),
 #ifdef DG_WITH_CUDA
-                ""
+        ""
 #else
-                " (built without CUDA)"
+        " (built without CUDA)"
 #endif
     );
     return 0;
@@ -140,13 +148,11 @@ int main(int argc, char** argv) {
     };
     bench::Timings timings = bench::timeWallAndCpu(step, opt.steps, opt.warmup);
 
-    std::map<std::string, std::string> common = {{"impl", bench::quoted("distgrad")},
-                                                 {"model", bench::quoted(opt.model)},
-                                                 {"batch", std::to_string(opt.batch)},
-                                                 {"input", bench::quoted(input)},
-                                                 {"classes", std::to_string(opt.classes)},
-                                                 {"device", bench::quoted(device.str())},
-                                                 {"threads", std::to_string(opt.threads)}};
+    std::map<std::string, std::string> common = {
+        {"impl", bench::quoted("distgrad")},      {"model", bench::quoted(opt.model)},
+        {"batch", std::to_string(opt.batch)},     {"input", bench::quoted(input)},
+        {"classes", std::to_string(opt.classes)}, {"device", bench::quoted(device.str())},
+        {"threads", std::to_string(opt.threads)}};
     bench::emit("train_step", "images_per_s", "images/s",
                 bench::statsOf(bench::ratesOf(timings.wall, static_cast<double>(opt.batch))), common);
     if (!gpu) {

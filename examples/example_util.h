@@ -178,8 +178,8 @@ inline std::string deviceUnavailableReason(Device device) {
   const int count = tensor::cuda::deviceCount();
   if (device.index >= 0 && device.index < count) return "";
   if (count == 0) return device.str() + " requested but no CUDA device is available (0 devices)";
-  return device.str() + " requested but only " + std::to_string(count) + " CUDA device" + (count == 1 ? " is" : "s are") +
-         " available (cuda:0.." + "cuda:" + std::to_string(count - 1) + ")";
+  return device.str() + " requested but only " + std::to_string(count) + " CUDA device" +
+         (count == 1 ? " is" : "s are") + " available (cuda:0.." + "cuda:" + std::to_string(count - 1) + ")";
 #endif
 }
 

@@ -60,8 +60,8 @@ inline int runLocalPipeline(const std::string& name, const std::string& mode, co
                 device.str().c_str());
     std::printf("partition by %s: %s\n", opt.balance.c_str(), partition.describe().c_str());
 
-    models::data::DataLoader loader(data.train, {.batchSize = opt.batchSize, .shuffle = true, .seed = opt.seed,
-                                                      .device = device});
+    models::data::DataLoader loader(data.train,
+                                    {.batchSize = opt.batchSize, .shuffle = true, .seed = opt.seed, .device = device});
     pipeline::StepStats total;
     int64_t trainImages = 0;
     double accuracy = 0;

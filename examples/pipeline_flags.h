@@ -2,10 +2,9 @@
 // rpc_pipeline), so their figures compare: ResNet-18 of base width 16 with a CIFAR stem, 1 epoch, batch 64,
 // Adam lr 0.001 (sgd: lr 0.05, momentum 0.9), seed 0, 1 oneDNN thread, on the CPU; pipelines: 2 stages balanced by
 // measured time, 4 micro-batches, GPipe. --device picks where the model computes: one device for the
-// programs in one process, one per stage (or one for all stages) for rpc_pipeline. --trace DIR writes a trace of the run (docs/tracing.md): rpc_pipeline
-// through every agent's Options::traceDir, the programs without an agent through LocalTrace below.
-// Header-only, like example_util.h.
-// Thread-safety: none needed (parsed once on the main thread).
+// programs in one process, one per stage (or one for all stages) for rpc_pipeline. --trace DIR writes a trace of the
+// run (docs/tracing.md): rpc_pipeline through every agent's Options::traceDir, the programs without an agent through
+// LocalTrace below. Header-only, like example_util.h. Thread-safety: none needed (parsed once on the main thread).
 #pragma once
 
 #include <cstdint>

@@ -72,18 +72,19 @@ int main(int argc, char** argv) {
     examples::Data data = examples::loadFashionMnist(opt.dataDir, opt.limit);
     const data::TensorDataset& trainSet = data.train;
     const data::TensorDataset& testSet = data.test;
-    std::printf("train_local: Fashion-MNIST %lld train / %lld test images, LeNet-5, Adam lr %g, batch %lld, "
-                "%d thread(s), %s\n",
-                static_cast<long long>(trainSet.size()), static_cast<long long>(testSet.size()), opt.lr,
-                static_cast<long long>(opt.batchSize), opt.threads, opt.device.str().c_str());
+    std::printf(
+        "train_local: Fashion-MNIST %lld train / %lld test images, LeNet-5, Adam lr %g, batch %lld, "
+        "%d thread(s), %s\n",
+        static_cast<long long>(trainSet.size()), static_cast<long long>(testSet.size()), opt.lr,
+        static_cast<long long>(opt.batchSize), opt.threads, opt.device.str().c_str());
 
     tensor::Generator gen(opt.seed);
     auto model = std::make_shared<models::LeNet5>(gen);
     model->to(opt.device);  // before the optimizer (models/optim/optimizer.h, "Devices")
     models::optim::Adam optimizer(model->parameters(), {.learningRate = opt.lr});
     models::optim::CosineAnnealingLR schedule(optimizer, opt.epochs);
-    data::DataLoader loader(trainSet, {.batchSize = opt.batchSize, .shuffle = true, .seed = opt.seed,
-                                        .device = opt.device});
+    data::DataLoader loader(trainSet,
+                            {.batchSize = opt.batchSize, .shuffle = true, .seed = opt.seed, .device = opt.device});
 
     double trainSeconds = 0;
     int64_t trainImages = 0;
@@ -100,8 +101,8 @@ int main(int argc, char** argv) {
         optimizer.zeroGrad();
         distgrad::backward(loss);
         optimizer.step();
-        const double l =
-            runningLoss.add(examples::itemOf(loss), "epoch " + std::to_string(epoch) + " batch " + std::to_string(done));
+        const double l = runningLoss.add(examples::itemOf(loss),
+                                         "epoch " + std::to_string(epoch) + " batch " + std::to_string(done));
         images += batch.size();
         progress.update(++done, images, l);
       }
@@ -110,8 +111,7 @@ int main(int argc, char** argv) {
       trainImages += images;
       schedule.step();
       model->eval();
-      accuracy = examples::testAccuracy([&](const Tensor& x) { return model->forward(x); }, testSet, 1000,
-                                            opt.device);
+      accuracy = examples::testAccuracy([&](const Tensor& x) { return model->forward(x); }, testSet, 1000, opt.device);
       model->train();
       std::printf("epoch %lld: test accuracy %.2f%%, %.0f images/s, lr %.2g\n", static_cast<long long>(epoch),
                   100.0 * accuracy, static_cast<double>(images) / seconds, optimizer.learningRate());

@@ -2,20 +2,19 @@
 // adam.cpp, clip_grad.cpp, gradient_aggregator.cpp) expression for expression, so float32 results differ
 // from the CPU's only by the GPU's fused multiply-adds and sqrt rounding (tests compare with a tolerance).
 // Compiled, untested on hardware (no GPU was available when this was written).
-#include "models/cuda_kernels.h"
-
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 
+#include "models/cuda_kernels.h"
 #include "tensor/cuda/cuda_check.h"
 
 namespace distgrad::models::detail {
 namespace {
 
 using tensor::cuda::DeviceGuard;
-using tensor::cuda::Stream;
 using tensor::cuda::rawStream;
+using tensor::cuda::Stream;
 
 constexpr int kThreads = 256;
 // Enough blocks to fill an H100 several times over; larger tensors loop (grid-stride), which also keeps the
@@ -27,8 +26,8 @@ int blocksFor(int64_t n) { return static_cast<int>(std::min<int64_t>((n + kThrea
 void checkLaunch(const char* kernel) { tensor::cuda::checkCuda(cudaGetLastError(), kernel); }
 
 template <typename T, bool kMomentum, bool kFirstStep, bool kNesterov>
-__global__ void sgdKernel(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ buf, int64_t n, T lr, T wd,
-                          T mom, T keep) {
+__global__ void sgdKernel(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ buf, int64_t n, T lr, T wd, T mom,
+                          T keep) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     const T d = g[i] + wd * p[i];
@@ -121,11 +120,15 @@ void sgdStepCuda(int device, T* param, const T* grad, T* momentumBuffer, int64_t
   if (momentumBuffer == nullptr) {
     launchSgd<T, false, false, false>(stream, param, grad, momentumBuffer, n, args);
   } else if (args.firstStep) {
-    if (args.nesterov) launchSgd<T, true, true, true>(stream, param, grad, momentumBuffer, n, args);
-    else launchSgd<T, true, true, false>(stream, param, grad, momentumBuffer, n, args);
+    if (args.nesterov)
+      launchSgd<T, true, true, true>(stream, param, grad, momentumBuffer, n, args);
+    else
+      launchSgd<T, true, true, false>(stream, param, grad, momentumBuffer, n, args);
   } else {
-    if (args.nesterov) launchSgd<T, true, false, true>(stream, param, grad, momentumBuffer, n, args);
-    else launchSgd<T, true, false, false>(stream, param, grad, momentumBuffer, n, args);
+    if (args.nesterov)
+      launchSgd<T, true, false, true>(stream, param, grad, momentumBuffer, n, args);
+    else
+      launchSgd<T, true, false, false>(stream, param, grad, momentumBuffer, n, args);
   }
   checkLaunch("SGD step kernel");
 }
@@ -182,8 +185,7 @@ template <typename T>
 void axpyCuda(int device, T* acc, const T* src, int64_t n, double factor) {
   if (n == 0) return;
   DeviceGuard guard(device);
-  axpyKernel<T><<<blocksFor(n), kThreads, 0, rawStream(Stream::current(device))>>>(acc, src, n,
-                                                                                  static_cast<T>(factor));
+  axpyKernel<T><<<blocksFor(n), kThreads, 0, rawStream(Stream::current(device))>>>(acc, src, n, static_cast<T>(factor));
   checkLaunch("weighted average kernel");
 }
 
@@ -206,11 +208,11 @@ void zeroBytesCuda(int device, void* ptr, size_t nbytes) {
   DG_CUDA_CHECK(cudaMemsetAsync(ptr, 0, nbytes, rawStream(Stream::current(device))));
 }
 
-#define DG_INSTANTIATE_MODEL_KERNELS(T)                                                              \
-  template void sgdStepCuda<T>(int, T*, const T*, T*, int64_t, const SgdStepArgs&);                  \
-  template void adamStepCuda<T>(int, T*, const T*, T*, T*, T*, int64_t, const AdamStepArgs&);        \
-  template void addSumOfSquaresCuda<T>(int, const T*, int64_t, double*);                             \
-  template void scaleCuda<T>(int, T*, int64_t, double);                                              \
+#define DG_INSTANTIATE_MODEL_KERNELS(T)                                                       \
+  template void sgdStepCuda<T>(int, T*, const T*, T*, int64_t, const SgdStepArgs&);           \
+  template void adamStepCuda<T>(int, T*, const T*, T*, T*, T*, int64_t, const AdamStepArgs&); \
+  template void addSumOfSquaresCuda<T>(int, const T*, int64_t, double*);                      \
+  template void scaleCuda<T>(int, T*, int64_t, double);                                       \
   template void axpyCuda<T>(int, T*, const T*, int64_t, double);
 DG_INSTANTIATE_MODEL_KERNELS(float)
 DG_INSTANTIATE_MODEL_KERNELS(double)

@@ -39,9 +39,9 @@ struct AdamStepArgs {
   double beta1 = 0.9;
   double beta2 = 0.999;
   double eps = 1e-8;
-  double l2 = 0;            // Adam's weight decay (added to the gradient); 0 for AdamW
-  double decay = 1;         // AdamW's decoupled decay factor 1 - lr * weightDecay; 1 for Adam
-  double stepSize = 0;      // lr / (1 - beta1^t)
+  double l2 = 0;                      // Adam's weight decay (added to the gradient); 0 for AdamW
+  double decay = 1;                   // AdamW's decoupled decay factor 1 - lr * weightDecay; 1 for Adam
+  double stepSize = 0;                // lr / (1 - beta1^t)
   double invBiasCorrection2Sqrt = 1;  // 1 / sqrt(1 - beta2^t)
 };
 template <typename T>

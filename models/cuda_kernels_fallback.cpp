@@ -10,7 +10,8 @@
 namespace distgrad::models::detail {
 namespace {
 [[noreturn]] void noCuda(const char* what) {
-  throw ValueError(::distgrad::detail::concatMessage(what, " on a CUDA device: distgrad was built without CUDA (DG_WITH_CUDA=OFF)"));
+  throw ValueError(
+      ::distgrad::detail::concatMessage(what, " on a CUDA device: distgrad was built without CUDA (DG_WITH_CUDA=OFF)"));
 }
 }  // namespace
 
@@ -39,11 +40,11 @@ void maxInt64Cuda(int, int64_t*, const int64_t*, int64_t) { noCuda("buffer maxim
 void incrementInt64Cuda(int, int64_t*) { noCuda("counter increment"); }
 void zeroBytesCuda(int, void*, size_t) { noCuda("zero fill"); }
 
-#define DG_INSTANTIATE_MODEL_KERNELS(T)                                                              \
-  template void sgdStepCuda<T>(int, T*, const T*, T*, int64_t, const SgdStepArgs&);                  \
-  template void adamStepCuda<T>(int, T*, const T*, T*, T*, T*, int64_t, const AdamStepArgs&);        \
-  template void addSumOfSquaresCuda<T>(int, const T*, int64_t, double*);                             \
-  template void scaleCuda<T>(int, T*, int64_t, double);                                              \
+#define DG_INSTANTIATE_MODEL_KERNELS(T)                                                       \
+  template void sgdStepCuda<T>(int, T*, const T*, T*, int64_t, const SgdStepArgs&);           \
+  template void adamStepCuda<T>(int, T*, const T*, T*, T*, T*, int64_t, const AdamStepArgs&); \
+  template void addSumOfSquaresCuda<T>(int, const T*, int64_t, double*);                      \
+  template void scaleCuda<T>(int, T*, int64_t, double);                                       \
   template void axpyCuda<T>(int, T*, const T*, int64_t, double);
 DG_INSTANTIATE_MODEL_KERNELS(float)
 DG_INSTANTIATE_MODEL_KERNELS(double)

@@ -83,9 +83,9 @@ class Module {
   // CUDA tensors to the host), do not expect them to track a later toDType or to().
   StateDict stateDict() const;
   // Copies values from `state` into the module's existing tensors (no reallocation, so optimizers holding
-  // the parameters keep working; a CPU state loads into a CUDA module and the reverse, byte for byte). Every entry is validated before anything is copied: a shape or dtype
-  // mismatch is always an error; with `strict`, so is a key the module lacks or a module tensor missing
-  // from `state`. The error lists every problem found, naming the keys.
+  // the parameters keep working; a CPU state loads into a CUDA module and the reverse, byte for byte). Every entry is
+  // validated before anything is copied: a shape or dtype mismatch is always an error; with `strict`, so is a key the
+  // module lacks or a module tensor missing from `state`. The error lists every problem found, naming the keys.
   void loadStateDict(const StateDict& state, bool strict = true);
 
  protected:

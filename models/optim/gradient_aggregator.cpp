@@ -60,14 +60,17 @@ std::vector<Tensor> weightedAverage(const std::vector<std::vector<Tensor>>& grad
     if (!reference[i].defined()) continue;  // nobody produced this gradient
     const Device device = reference[i].device();
     out[i] = Tensor::empty(reference[i].shape(), reference[i].dtype(), device);
-    if (device.isCpu()) out[i].fill(0.0);
-    else detail::zeroBytesCuda(device.index, out[i].rawData(), out[i].nbytes());
+    if (device.isCpu())
+      out[i].fill(0.0);
+    else
+      detail::zeroBytesCuda(device.index, out[i].rawData(), out[i].nbytes());
     tensor::dispatchFloat(out[i].dtype(), "weightedAverage", [&](auto zero) {
       using T = decltype(zero);
       if (device.isCuda()) {  // validated above: every contribution is contiguous on `device`
         for (size_t k = 0; k < grads.size(); ++k) {
           const Tensor& g = grads[k][i];
-          if (g.defined()) detail::axpyCuda<T>(device.index, out[i].data<T>(), g.data<T>(), g.numel(), weights[k] / total);
+          if (g.defined())
+            detail::axpyCuda<T>(device.index, out[i].data<T>(), g.data<T>(), g.numel(), weights[k] / total);
         }
         return;
       }

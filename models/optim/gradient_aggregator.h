@@ -35,12 +35,12 @@
 // Errors come back as failed futures (kFailed, the message names contributor and round) and leave the round
 // as it was: a contributor outside [0, contributors), a round other than the current one, a second
 // submission of one contributor in a round, a submission while the round is being applied, gradients whose
-// count, shapes or dtypes differ from the round's other submissions, non-float gradients, a gradient on another device than the round's first one for that parameter, a
-// weight that is not finite and > 0, buffers whose count, shapes or dtypes differ from the round's first
-// submission's (or that are undefined, or on another device than the first submission's). abort(error) fails the open round's futures and
-// every later submission with `error`: call it when a contributor died (its round could never complete, and
-// the others must not wait forever). If `apply` throws, the round's futures fail with its error and the aggregator
-// aborts (the parameters are in an unknown state).
+// count, shapes or dtypes differ from the round's other submissions, non-float gradients, a gradient on another device
+// than the round's first one for that parameter, a weight that is not finite and > 0, buffers whose count, shapes or
+// dtypes differ from the round's first submission's (or that are undefined, or on another device than the first
+// submission's). abort(error) fails the open round's futures and every later submission with `error`: call it when a
+// contributor died (its round could never complete, and the others must not wait forever). If `apply` throws, the
+// round's futures fail with its error and the aggregator aborts (the parameters are in an unknown state).
 //
 // Thread-safety: submit() and abort() may be called from any threads at once. `apply` runs on the thread of
 // the round's last submit() (an RPC executor thread in a server), outside the aggregator's lock, and never

@@ -81,8 +81,10 @@ void Optimizer::checkStateDevice(size_t index) const {
 Tensor Optimizer::newState(const Tensor& param, bool zeroed) const {
   Tensor state = Tensor::empty(param.shape(), param.dtype(), param.device());
   if (!zeroed) return state;
-  if (param.device().isCpu()) state.fill(0.0);
-  else detail::zeroBytesCuda(param.device().index, state.rawData(), state.nbytes());
+  if (param.device().isCpu())
+    state.fill(0.0);
+  else
+    detail::zeroBytesCuda(param.device().index, state.rawData(), state.nbytes());
   return state;
 }
 

@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "autograd/engine.h"
-#include "examples/example_util.h"
 #include "autograd/ops.h"
+#include "examples/example_util.h"
 #include "models/checkpoint.h"
 #include "models/data/data_loader.h"
 #include "models/nn/nn.h"
@@ -154,8 +154,9 @@ TEST(ClipGradDevices, NonContiguousCudaGradientIsRejected) {
 }
 
 TEST(AggregatorDevices, GradientsOfOneParameterOnTwoDevicesAreAnError) {
-  const std::string message =
-      errorOf([&] { optim::weightedAverage({{Tensor::ones({3})}, {fakeCuda({3})}}, {1.0, 1.0}); });
+  const std::string message = errorOf([&] {
+    optim::weightedAverage({{Tensor::ones({3})}, {fakeCuda({3})}}, {1.0, 1.0});
+  });
   EXPECT_NE(message.find("gradient 0 is on cuda:0, expected cpu"), std::string::npos) << message;
   auto mismatch = optim::bufferMismatch({Tensor::zeros({2})}, {fakeCuda({2})});
   ASSERT_TRUE(mismatch.has_value());
@@ -177,8 +178,9 @@ TEST(DataDevices, LoaderAndBatchRejectAnUnavailableDevice) {
 
 TEST(DataDevices, DataSetOnADeviceIsRejected) {
   // The loader's gather is a host memcpy: TensorDataset (what every loader holds) refuses device tensors.
-  const std::string message =
-      errorOf([&] { data::TensorDataset set(fakeCuda({4, 2}), Tensor::zeros({4}, DType::kInt64)); });
+  const std::string message = errorOf([&] {
+    data::TensorDataset set(fakeCuda({4, 2}), Tensor::zeros({4}, DType::kInt64));
+  });
   EXPECT_NE(message.find("must be in host memory, got inputs on cuda:0 and labels on cpu"), std::string::npos)
       << message;
 }
@@ -251,9 +253,9 @@ TEST(GpuOptimizer, SgdMatchesCpu) {
   for (bool nesterov : {false, true}) {
     compareOptimizer(
         [&](Tensor p) {
-          return std::make_unique<optim::SGD>(std::vector<Tensor>{p},
-                                              optim::SgdOptions{.learningRate = 0.05, .momentum = 0.9,
-                                                                .weightDecay = 1e-3, .nesterov = nesterov});
+          return std::make_unique<optim::SGD>(
+              std::vector<Tensor>{p},
+              optim::SgdOptions{.learningRate = 0.05, .momentum = 0.9, .weightDecay = 1e-3, .nesterov = nesterov});
         },
         DType::kFloat32, 1e-5, 1e-6);
   }
@@ -276,9 +278,9 @@ TEST(GpuOptimizer, AdamAndAdamWMatchCpu) {
   for (bool amsgrad : {false, true}) {
     compareOptimizer(
         [&](Tensor p) {
-          return std::make_unique<optim::Adam>(std::vector<Tensor>{p},
-                                               optim::AdamOptions{.learningRate = 1e-2, .weightDecay = 1e-2,
-                                                                  .amsgrad = amsgrad});
+          return std::make_unique<optim::Adam>(
+              std::vector<Tensor>{p},
+              optim::AdamOptions{.learningRate = 1e-2, .weightDecay = 1e-2, .amsgrad = amsgrad});
         },
         DType::kFloat32, 1e-5, 1e-6);
     compareOptimizer(
@@ -311,8 +313,7 @@ TEST(GpuOptimizer, StateDictMovesBetweenDevices) {
 
 TEST(GpuClipGrad, NormAndScaleMatchCpu) {
   DG_REQUIRE_GPU();
-  std::vector<Tensor> cpuGrads{randomTensor({1000}, 5), randomTensor({3, 333}, 6, DType::kFloat64),
-                               Tensor::zeros({0})};
+  std::vector<Tensor> cpuGrads{randomTensor({1000}, 5), randomTensor({3, 333}, 6, DType::kFloat64), Tensor::zeros({0})};
   std::vector<Tensor> gpuGrads;
   for (const auto& g : cpuGrads) gpuGrads.push_back(g.to(kCuda0));
   const double cpuNorm = optim::gradNorm(cpuGrads);
