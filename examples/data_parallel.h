@@ -74,6 +74,9 @@ inline void parseDataParallelFlags(const std::string& name, const std::string& s
   if (more) more(flags);
   parsePipelineFlags(flags, o, argc, argv, /*stagesFlag=*/"", "", /*pipelined=*/false);
   flags.require(o.bucketKb >= 1, "--bucket-kb must be >= 1");
+  (void)cpuOnlyDeviceFromFlag(flags, o.deviceList,
+                              "DistributedDataParallel's gradient buckets and the collectives that reduce them are "
+                              "host-only so far");
   flags.require(o.compression == "none" || o.compression == "fp16" || o.compression == "bf16",
                 "--compression must be none, fp16 or bf16");
 }

@@ -4,7 +4,10 @@
 //   examples::Flags flags("train_local", "Trains LeNet-5 on Fashion-MNIST in one process.");
 //   int64_t epochs = 3;
 //   flags.add("--epochs", epochs, "passes over the training set");
+//   std::string deviceName = "cpu";
+//   flags.add("--device", deviceName, examples::kDeviceHelp);
 //   flags.parse(argc, argv);                        // --help prints the usage; a bad value exits 2
+//   Device device = examples::deviceFromFlag(flags, deviceName);   // malformed or unavailable: exits 2
 //   examples::Data data = examples::loadFashionMnist(dataDir, limit);
 //   examples::Progress progress("epoch 1/3", loader.numBatches());   progress.update(done, images, loss);
 //   examples::JsonLine("train_local").add("test_accuracy", acc).add("images_per_s", rate).print();
@@ -34,6 +37,7 @@
 #include "models/data/data_loader.h"
 #include "models/data/fashion_mnist.h"
 #include "models/data/tensor_dataset.h"
+#include "tensor/cuda/runtime.h"
 #include "tensor/tensor.h"
 
 namespace distgrad::examples {
@@ -100,6 +104,8 @@ class Flags {
     if (!ok) fail(message);
   }
 
+  const std::string& program() const { return program_; }
+
   std::string usage() const {
     std::ostringstream out;
     out << program_ << ": " << summary_ << "\nusage: " << program_ << " [FLAGS]\n";
@@ -145,6 +151,72 @@ class Flags {
   std::string program_, summary_;
   std::vector<Flag> flags_;
 };
+
+// --device: where an example computes.
+inline constexpr const char* kDeviceHelp = "where to compute: cpu | cuda | cuda:N (cuda = cuda:0)";
+
+// "cpu", "cuda" (cuda:0) or "cuda:N" (N a decimal ordinal); throws ValueError naming the text otherwise.
+inline Device parseDevice(const std::string& text) {
+  if (text == "cpu") return Device::cpu();
+  if (text == "cuda") return Device::cuda(0);
+  const std::string prefix = "cuda:";
+  if (text.rfind(prefix, 0) == 0 && text.size() > prefix.size() && text.size() <= prefix.size() + 4 &&
+      text.find_first_not_of("0123456789", prefix.size()) == std::string::npos) {
+    return Device::cuda(std::stoi(text.substr(prefix.size())));
+  }
+  throw ValueError("bad device '" + text + "': expected cpu, cuda or cuda:N");
+}
+
+// Why `device` cannot be used in this process, or "" when it can: "cuda:0 requested but no CUDA device is
+// available (0 devices)", "cuda:2 requested but only 2 CUDA devices are available (cuda:0..cuda:1)", or that
+// distgrad was built without CUDA.
+inline std::string deviceUnavailableReason(Device device) {
+  if (device.isCpu()) return "";
+#ifndef DG_WITH_CUDA
+  return device.str() + " requested but distgrad was built without CUDA (DG_WITH_CUDA=OFF)";
+#else
+  const int count = tensor::cuda::deviceCount();
+  if (device.index >= 0 && device.index < count) return "";
+  if (count == 0) return device.str() + " requested but no CUDA device is available (0 devices)";
+  return device.str() + " requested but only " + std::to_string(count) + " CUDA device" +
+         (count == 1 ? " is" : "s are") + " available (cuda:0.." + "cuda:" + std::to_string(count - 1) + ")";
+#endif
+}
+
+// The device named by a --device flag's value, checked at start-up: a malformed name prints the usage and
+// exits 2 (like any bad flag); a device this process cannot use prints why and exits 2, before any work.
+inline Device deviceFromFlag(const Flags& flags, const std::string& text, const std::string& flagName = "--device") {
+  Device device;
+  try {
+    device = parseDevice(text);
+  } catch (const ValueError& e) {
+    flags.require(false, flagName + ": " + e.what());
+  }
+  const std::string reason = deviceUnavailableReason(device);
+  if (!reason.empty()) {
+    std::cerr << flags.program() << ": " << flagName << ": " << reason << "\n";
+    std::exit(2);
+  }
+  return device;
+}
+
+// For the examples whose CUDA path does not exist yet (docs/cuda.md, "Models, optimizers and examples on
+// CUDA" lists them and why): --device is parsed and checked like everywhere, so the flag and its start-up
+// errors are the same in every example, and then a CUDA device is refused with `why` (exit 2), before any
+// work, rather than failing later inside a host-only component.
+inline Device cpuOnlyDeviceFromFlag(const Flags& flags, const std::string& text, const std::string& why) {
+  const Device device = deviceFromFlag(flags, text);
+  if (device.isCuda()) {
+    std::cerr << flags.program() << ": --device " << device.str() << ": not supported by this example yet: " << why
+              << "\n";
+    std::exit(2);
+  }
+  return device;
+}
+
+// The value of a one-element tensor on any device (a CUDA tensor is copied to the host: the host waits for
+// the work that produced it, as loss.item() does in PyTorch).
+inline double itemOf(const Tensor& t) { return (t.device().isCpu() ? t : t.to(Device::cpu())).item(); }
 
 struct Data {
   models::data::TensorDataset train;
@@ -232,15 +304,17 @@ class RunningLoss {
 
 // Fraction of `set` that `forward` (inputs -> logits) classifies correctly, in batches, without autograd.
 // The caller puts its model in eval mode around it.
+// Batches go to `device` (where the model lives).
 inline double testAccuracy(const std::function<Tensor(const Tensor&)>& forward, const models::data::TensorDataset& set,
-                           int64_t batchSize = 1000) {
+                           int64_t batchSize = 1000, Device device = Device::cpu()) {
   autograd::NoGradGuard noGrad;
-  models::data::DataLoader loader(set, {.batchSize = batchSize});
+  models::data::DataLoader loader(set, {.batchSize = batchSize, .device = device});
   int64_t correct = 0;
   int64_t seen = 0;
   for (const auto& batch : loader) {
     Tensor predicted = argmax(forward(batch.inputs), 1);
-    correct += static_cast<int64_t>(sum(eq(predicted, batch.labels)).item());
+    const Tensor hits = sum(eq(predicted, batch.labels));
+    correct += static_cast<int64_t>((hits.device().isCpu() ? hits : hits.to(Device::cpu())).item());
     seen += batch.size();
   }
   return seen > 0 ? static_cast<double>(correct) / static_cast<double>(seen) : 0.0;

@@ -35,12 +35,16 @@ inline int runLocalPipeline(const std::string& name, const std::string& mode, co
     const Data data = loadFashionMnist(opt.dataDir, opt.limit);
     const pipeline::ModelSpec spec = opt.modelSpec();
     auto model = pipeline::buildModel(spec);
+    // Every stage on the one --device (the stages' optimizers are built by the pipeline, after this).
+    const Device device = opt.device();
+    model->to(device);
     const auto units = pipeline::modelUnits(spec, model);
 
     // Balance on a micro-batch of real images: a stage's cost is its forward + backward on what it will
     // actually receive.
     const int64_t microSize = std::max<int64_t>(1, opt.batchSize / opt.microBatches);
-    const Tensor sample = narrow(data.train.inputs(), 0, 0, std::min(microSize, data.train.size()));
+    const Tensor sample =
+        narrow(data.train.inputs(), 0, 0, std::min(microSize, data.train.size())).cloneData().to(device);
     const pipeline::Partition partition =
         pipeline::balance(units, opt.stages, pipeline::parseBalanceBy(opt.balance), sample);
 
@@ -49,13 +53,15 @@ inline int runLocalPipeline(const std::string& name, const std::string& mode, co
     options.schedule = pipeline::parseSchedule(opt.schedule);
     options.optimizer = opt.optimizerSpec();
     pipeline::LocalPipeline pipe(pipeline::stageModules(units, partition), options, threaded);
-    std::printf("%s: %s (%.2fM parameters), %s, %s, batch %lld, %lld train / %lld test images\n", name.c_str(),
+    std::printf("%s: %s (%.2fM parameters), %s, %s, batch %lld, %lld train / %lld test images, %s\n", name.c_str(),
                 spec.describe().c_str(), static_cast<double>(model->numParameters()) / 1e6, pipe.describe().c_str(),
                 options.optimizer.describe().c_str(), static_cast<long long>(opt.batchSize),
-                static_cast<long long>(data.train.size()), static_cast<long long>(data.test.size()));
+                static_cast<long long>(data.train.size()), static_cast<long long>(data.test.size()),
+                device.str().c_str());
     std::printf("partition by %s: %s\n", opt.balance.c_str(), partition.describe().c_str());
 
-    models::data::DataLoader loader(data.train, {.batchSize = opt.batchSize, .shuffle = true, .seed = opt.seed});
+    models::data::DataLoader loader(data.train,
+                                    {.batchSize = opt.batchSize, .shuffle = true, .seed = opt.seed, .device = device});
     pipeline::StepStats total;
     int64_t trainImages = 0;
     double accuracy = 0;
@@ -75,7 +81,7 @@ inline int runLocalPipeline(const std::string& name, const std::string& mode, co
       }
       total.accumulate(epochStats);
       trainImages += images;
-      accuracy = testAccuracy([&](const Tensor& x) { return pipe.predict(x); }, data.test);
+      accuracy = testAccuracy([&](const Tensor& x) { return pipe.predict(x); }, data.test, 1000, device);
       std::printf("epoch %lld: test accuracy %.2f%%, %.0f images/s, compute %.0f%%, bubble %.0f%%, overhead %.0f%%\n",
                   static_cast<long long>(epoch), 100.0 * accuracy, static_cast<double>(images) / epochStats.wallSeconds,
                   100.0 * epochStats.computeShare(), 100.0 * epochStats.bubbleShare(),

@@ -111,6 +111,7 @@ struct Options {
   int threads = 1;
   int64_t limit = 0;
   std::string dataDir;
+  std::string device = "cpu";
 };
 
 Options parseArgs(int argc, char** argv) {
@@ -127,8 +128,12 @@ Options parseArgs(int argc, char** argv) {
       .add("--seed", o.seed, "initialisation and shuffling seed")
       .add("--threads", o.threads, "oneDNN threads per process")
       .add("--limit", o.limit, "use only the first N training and test images (0 = all)")
-      .add("--data-dir", o.dataDir, "Fashion-MNIST directory (default: the Debian package's)");
+      .add("--data-dir", o.dataDir, "Fashion-MNIST directory (default: the Debian package's)")
+      .add("--device", o.device, examples::kDeviceHelp);
   flags.parse(argc, argv);
+  (void)examples::cpuOnlyDeviceFromFlag(flags, o.device,
+                                        "the trainers' gradients travel to the server as host tensors (CUDA "
+                                        "tensors over RPC are issue 9's RPC part)");
   flags.require(o.mode == "ssgd" || o.mode == "asgd" || o.mode == "local", "--mode must be ssgd, asgd or local");
   flags.require(o.model == "lenet5" || o.model == "mlp" || o.model == "resnet18" || o.model == "resnet50",
                 "--model must be lenet5, mlp, resnet18 or resnet50");

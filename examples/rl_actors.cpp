@@ -67,6 +67,7 @@ inline const rpc::Function<double()> kPeakRss{"rl.peak_rss_mib"};
 namespace {
 
 struct Options {
+  std::string device = "cpu";  // --device
   int64_t episodes = 500;
   double gamma = 0.99;
   double lr = 1e-2;
@@ -91,8 +92,13 @@ Options parseArgs(int argc, char** argv) {
       .add("--reward-threshold", o.rewardThreshold, "running reward that counts as solved (0: 0.95 x --max-steps)")
       .add("--hidden", o.hidden, "policy hidden units")
       .add("--log-every", o.logEvery, "print a progress line every N episodes")
-      .add("--threads", o.threads, "oneDNN threads per process");
+      .add("--threads", o.threads, "oneDNN threads per process")
+      .add("--device", o.device, examples::kDeviceHelp);
   flags.parse(argc, argv);
+  (void)examples::cpuOnlyDeviceFromFlag(flags, o.device,
+                                        "the policy answers one observation at a time over RPC; a GPU would only "
+                                        "add a transfer per action, and CUDA tensors over RPC are issue 9's RPC "
+                                        "part");
   flags.require(o.episodes >= 1 && o.maxSteps >= 1 && o.hidden >= 1 && o.logEvery >= 1 && o.threads >= 1,
                 "--episodes, --max-steps, --hidden, --log-every, --threads must be >= 1");
   flags.require(o.gamma > 0 && o.gamma <= 1 && o.lr > 0, "--gamma must be in (0, 1], --lr > 0");

@@ -73,6 +73,7 @@ inline const rpc::Function<std::vector<double>(rref::RemoteModule<Embedding>, rr
 namespace {
 
 struct Options {
+  std::string device = "cpu";  // --device
   int64_t epochs = 2;
   int64_t batchSize = 64;
   double lr = 5e-3;
@@ -101,8 +102,12 @@ Options parseArgs(int argc, char** argv) {
       .add("--embedding-dim", o.embeddingDim, "embedding size (server)")
       .add("--hidden", o.hidden, "LSTM hidden size (trainer)")
       .add("--segments", o.segments, "runs per image row (a divisor of 28)")
-      .add("--levels", o.levels, "brightness levels per run (vocabulary = levels^segments)");
+      .add("--levels", o.levels, "brightness levels per run (vocabulary = levels^segments)")
+      .add("--device", o.device, examples::kDeviceHelp);
   flags.parse(argc, argv);
+  (void)examples::cpuOnlyDeviceFromFlag(flags, o.device,
+                                        "the embedding and decoder on the parameter server exchange host tensors "
+                                        "with the trainer over RPC (CUDA tensors over RPC are issue 9's RPC part)");
   flags.require(o.epochs >= 1 && o.batchSize >= 1 && o.lr > 0 && o.threads >= 1 && o.limit >= 0,
                 "--epochs, --batch-size, --threads must be >= 1, --lr > 0, --limit >= 0");
   flags.require(o.embeddingDim >= 1 && o.hidden >= 1, "--embedding-dim and --hidden must be >= 1");

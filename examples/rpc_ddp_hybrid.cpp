@@ -51,6 +51,7 @@ constexpr int64_t kDim = 16;
 constexpr int64_t kClasses = 4;
 
 struct Options {
+  std::string device = "cpu";  // --device
   int64_t steps = 300;
   int64_t batchSize = 32;
   double lr = 0.1;
@@ -64,8 +65,12 @@ Options parseArgs(int argc, char** argv) {
   flags.add("--steps", o.steps, "training steps per trainer")
       .add("--batch-size", o.batchSize, "indices per step on each trainer")
       .add("--lr", o.lr, "SGD learning rate (table and head)")
-      .add("--seed", o.seed, "initialisation and data seed");
+      .add("--seed", o.seed, "initialisation and data seed")
+      .add("--device", o.device, examples::kDeviceHelp);
   flags.parse(argc, argv);
+  (void)examples::cpuOnlyDeviceFromFlag(flags, o.device,
+                                        "DistributedDataParallel's buckets and collectives are host-only, and the "
+                                        "embedding table's lookups cross RPC as host tensors");
   flags.require(o.steps >= 1 && o.batchSize >= 1 && o.lr > 0, "--steps, --batch-size must be >= 1, --lr > 0");
   return o;
 }

@@ -23,7 +23,15 @@
 //   rpc_pipeline [--stage-workers N] [--micro-batches N] [--schedule gpipe|1f1b] [--balance time|params]
 //                [--model resnet18|resnet50|mlp|lenet5] [--width N] [--epochs N] [--batch-size N]
 //                [--optimizer sgd|adam] [--lr X] [--seed N] [--limit N] [--threads N] [--data-dir DIR]
-//                [--trace DIR]
+//                [--trace DIR] [--device cpu|cuda[:N]|DEV0,DEV1,...]
+//
+// --device places the stages: one device for every stage or a comma list with one per stage (two stages
+// on one GPU: --device cuda:0; on two: --device cuda:0,cuda:1). Each stage process checks at start-up that
+// it can use its device (exit 2 naming the stage and the device otherwise); the driver keeps the data and
+// the loss on the CPU. A CUDA stage is created through RemoteModule placement "workerN/cuda:i": the CUDA
+// placement of RemoteModules and the transfer of CUDA activations between processes come with the CUDA
+// RPC work of issue 9 (until then RemoteModule rejects the placement with a clear error), and this path
+// is untested on hardware (docs/cuda.md, "Models, optimizers and examples on CUDA").
 //
 // --trace DIR: every worker (the driver and each stage) writes DIR/<worker>.trace.jsonl (docs/tracing.md);
 // tools/distgrad-trace merges and explains them.
@@ -125,7 +133,13 @@ int runDriver(rpc::Agent& agent, const examples::PipelineFlags& opt) {
   std::vector<pipeline::RemoteStage> stages;
   const std::vector<pipeline::StageSpec> specs = pipeline::stageSpecs(spec, partition);
   const std::vector<std::string> workers = agent.workerNames();  // by rank; rank 0 is this driver
-  for (size_t s = 0; s < specs.size(); ++s) stages.push_back({workers.at(s + 1), specs[s]});
+  for (size_t s = 0; s < specs.size(); ++s) {
+    const Device device = opt.stageDevice(static_cast<int64_t>(s));
+    // "workerN" for a CPU stage (the placement every earlier run used), "workerN/cuda:i" for a GPU stage.
+    std::string placement = workers.at(s + 1);
+    if (device.isCuda()) placement.append("/").append(device.str());
+    stages.push_back({placement, specs[s]});
+  }
 
   pipeline::PipelineOptions options;
   options.microBatches = opt.microBatches;
@@ -212,7 +226,8 @@ int main(int argc, char** argv) {
   examples::PipelineFlags opt;
   examples::Flags flags("rpc_pipeline", "pipeline-parallel training over RPC: stages on worker processes");
   examples::parsePipelineFlags(flags, opt, argc, argv, "--stage-workers",
-                               "pipeline stages, one per worker process (--nproc = this + 1)", /*pipelined=*/true);
+                               "pipeline stages, one per worker process (--nproc = this + 1)", /*pipelined=*/true,
+                               /*perStageDevices=*/true);
   try {
     tensor::setNumThreads(opt.threads);
     rpc::Options rpcOptions = rpc::Options::fromEnv();
@@ -223,6 +238,9 @@ int main(int argc, char** argv) {
                 << ": run it as distgrad-run --nproc " << opt.stages + 1 << " -- rpc_pipeline ...\n";
       return 2;
     }
+    // A stage process that cannot use its --device stops here, before joining (the others then fail to
+    // rendezvous with it and the launcher reports it).
+    if (rpcOptions.rank > 0) examples::checkStageDeviceOrExit(flags, opt, rpcOptions.rank - 1);
     // Every worker serves the same functions: the RRef protocol, distributed autograd, the optimizer's
     // parts and the pipeline stages.
     rpc::Registry reg;

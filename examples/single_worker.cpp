@@ -44,14 +44,18 @@ int main(int argc, char** argv) {
     const examples::Data data = examples::loadFashionMnist(opt.dataDir, opt.limit);
     const pipeline::ModelSpec spec = opt.modelSpec();
     auto model = pipeline::buildModel(spec);
+    const Device device = opt.device();
+    model->to(device);  // before the optimizer (models/optim/optimizer.h, "Devices")
     const models::optim::OptimizerSpec optSpec = opt.optimizerSpec();
     auto optimizer = optSpec.make(model->parameters());
-    std::printf("single_worker: %s (%.2fM parameters), %s, batch %lld, %lld train / %lld test images, %d thread(s)\n",
-                spec.describe().c_str(), static_cast<double>(model->numParameters()) / 1e6, optSpec.describe().c_str(),
-                static_cast<long long>(opt.batchSize), static_cast<long long>(data.train.size()),
-                static_cast<long long>(data.test.size()), opt.threads);
+    std::printf(
+        "single_worker: %s (%.2fM parameters), %s, batch %lld, %lld train / %lld test images, %d thread(s), %s\n",
+        spec.describe().c_str(), static_cast<double>(model->numParameters()) / 1e6, optSpec.describe().c_str(),
+        static_cast<long long>(opt.batchSize), static_cast<long long>(data.train.size()),
+        static_cast<long long>(data.test.size()), opt.threads, device.str().c_str());
 
-    data::DataLoader loader(data.train, {.batchSize = opt.batchSize, .shuffle = true, .seed = opt.seed});
+    data::DataLoader loader(data.train,
+                            {.batchSize = opt.batchSize, .shuffle = true, .seed = opt.seed, .device = device});
     pipeline::StepStats total;
     int64_t trainImages = 0;
     int64_t stepsDone = 0;
@@ -96,13 +100,13 @@ int main(int argc, char** argv) {
         step.steps = 1;
         epochStats.accumulate(step);
         images += batch.size();
-        const double smoothed = runningLoss.add(loss.item(), label + " batch " + std::to_string(done + 1));
+        const double smoothed = runningLoss.add(examples::itemOf(loss), label + " batch " + std::to_string(done + 1));
         progress.update(++done, images, smoothed);
       }
       total.accumulate(epochStats);
       trainImages += images;
       model->eval();
-      accuracy = examples::testAccuracy([&](const Tensor& x) { return model->forward(x); }, data.test);
+      accuracy = examples::testAccuracy([&](const Tensor& x) { return model->forward(x); }, data.test, 1000, device);
       model->train();
       std::printf("epoch %lld: test accuracy %.2f%%, %.0f images/s, compute %.0f%%\n", static_cast<long long>(epoch),
                   100.0 * accuracy, static_cast<double>(images) / epochStats.wallSeconds,

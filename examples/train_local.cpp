@@ -6,7 +6,7 @@
 //   {"example":"train_local","test_accuracy":...,"images_per_s":...,"peak_rss_mib":...,...}
 //
 //   train_local [--epochs N] [--batch-size N] [--lr X] [--seed N] [--threads N] [--limit N]
-//               [--data-dir DIR] [--checkpoint PATH]
+//               [--data-dir DIR] [--checkpoint PATH] [--device cpu|cuda[:N]]
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -40,6 +40,8 @@ struct Options {
   int64_t limit = 0;  // use only the first N training and test images (0 = all); for quick runs
   std::string dataDir;
   std::string checkpoint = "checkpoints/train_local.ckpt";
+  std::string deviceName = "cpu";
+  Device device;
 };
 
 Options parseArgs(int argc, char** argv) {
@@ -52,8 +54,10 @@ Options parseArgs(int argc, char** argv) {
       .add("--threads", o.threads, "oneDNN threads")
       .add("--limit", o.limit, "use only the first N training and test images (0 = all)")
       .add("--data-dir", o.dataDir, "Fashion-MNIST directory (default: the Debian package's)")
-      .add("--checkpoint", o.checkpoint, "where to save the trained model");
+      .add("--checkpoint", o.checkpoint, "where to save the trained model")
+      .add("--device", o.deviceName, examples::kDeviceHelp);
   flags.parse(argc, argv);
+  o.device = examples::deviceFromFlag(flags, o.deviceName);
   flags.require(o.epochs >= 1 && o.batchSize >= 1 && o.lr > 0 && o.threads >= 1 && o.limit >= 0,
                 "--epochs, --batch-size, --threads must be >= 1, --lr > 0, --limit >= 0");
   return o;
@@ -68,16 +72,19 @@ int main(int argc, char** argv) {
     examples::Data data = examples::loadFashionMnist(opt.dataDir, opt.limit);
     const data::TensorDataset& trainSet = data.train;
     const data::TensorDataset& testSet = data.test;
-    std::printf("train_local: Fashion-MNIST %lld train / %lld test images, LeNet-5, Adam lr %g, batch %lld, "
-                "%d thread(s)\n",
-                static_cast<long long>(trainSet.size()), static_cast<long long>(testSet.size()), opt.lr,
-                static_cast<long long>(opt.batchSize), opt.threads);
+    std::printf(
+        "train_local: Fashion-MNIST %lld train / %lld test images, LeNet-5, Adam lr %g, batch %lld, "
+        "%d thread(s), %s\n",
+        static_cast<long long>(trainSet.size()), static_cast<long long>(testSet.size()), opt.lr,
+        static_cast<long long>(opt.batchSize), opt.threads, opt.device.str().c_str());
 
     tensor::Generator gen(opt.seed);
     auto model = std::make_shared<models::LeNet5>(gen);
+    model->to(opt.device);  // before the optimizer (models/optim/optimizer.h, "Devices")
     models::optim::Adam optimizer(model->parameters(), {.learningRate = opt.lr});
     models::optim::CosineAnnealingLR schedule(optimizer, opt.epochs);
-    data::DataLoader loader(trainSet, {.batchSize = opt.batchSize, .shuffle = true, .seed = opt.seed});
+    data::DataLoader loader(trainSet,
+                            {.batchSize = opt.batchSize, .shuffle = true, .seed = opt.seed, .device = opt.device});
 
     double trainSeconds = 0;
     int64_t trainImages = 0;
@@ -94,8 +101,8 @@ int main(int argc, char** argv) {
         optimizer.zeroGrad();
         distgrad::backward(loss);
         optimizer.step();
-        const double l =
-            runningLoss.add(loss.item(), "epoch " + std::to_string(epoch) + " batch " + std::to_string(done));
+        const double l = runningLoss.add(examples::itemOf(loss),
+                                         "epoch " + std::to_string(epoch) + " batch " + std::to_string(done));
         images += batch.size();
         progress.update(++done, images, l);
       }
@@ -104,7 +111,7 @@ int main(int argc, char** argv) {
       trainImages += images;
       schedule.step();
       model->eval();
-      accuracy = examples::testAccuracy([&](const Tensor& x) { return model->forward(x); }, testSet);
+      accuracy = examples::testAccuracy([&](const Tensor& x) { return model->forward(x); }, testSet, 1000, opt.device);
       model->train();
       std::printf("epoch %lld: test accuracy %.2f%%, %.0f images/s, lr %.2g\n", static_cast<long long>(epoch),
                   100.0 * accuracy, static_cast<double>(images) / seconds, optimizer.learningRate());
@@ -120,6 +127,7 @@ int main(int argc, char** argv) {
         .add("epochs", opt.epochs)
         .add("batch_size", opt.batchSize)
         .add("threads", opt.threads)
+        .add("device", opt.device.str())
         .add("train_images", trainSet.size())
         .add("test_accuracy", accuracy)
         .add("images_per_s", static_cast<double>(trainImages) / trainSeconds)

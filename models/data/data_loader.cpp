@@ -3,6 +3,8 @@
 #include <cstring>
 #include <numeric>
 
+#include "tensor/cuda/runtime.h"
+
 namespace distgrad::models::data {
 
 DataLoader::DataLoader(TensorDataset dataset, const DataLoaderOptions& options, std::shared_ptr<Sampler> sampler)
@@ -11,6 +13,10 @@ DataLoader::DataLoader(TensorDataset dataset, const DataLoaderOptions& options, 
   DG_CHECK(options_.batchSize > 0, "DataLoader: batchSize must be > 0, got ", options_.batchSize);
   DG_CHECK(!(sampler_ && options_.shuffle), "DataLoader: shuffle must be false when a sampler is given (the sampler "
                                             "decides the order)");
+  if (options_.device.isCuda()) {
+    const std::string what = "DataLoader (options.device " + options_.device.str() + ")";
+    tensor::cuda::requireDevice(options_.device.index, what.c_str());
+  }
   const int64_t n = dataset_.size();
   inputRowBytes_ = n > 0 ? dataset_.inputs().nbytes() / static_cast<size_t>(n) : 0;
   labelRowBytes_ = n > 0 ? dataset_.labels().nbytes() / static_cast<size_t>(n) : 0;
@@ -79,6 +85,14 @@ Batch DataLoader::gather(const int64_t* indices, int64_t count) const {
   return batch;
 }
 
+Batch Batch::to(Device device) const {
+  if (device.isCuda()) tensor::cuda::requireDevice(device.index, ("Batch::to(" + device.str() + ")").c_str());
+  Batch out;
+  if (inputs.defined()) out.inputs = inputs.device() == device ? inputs : inputs.to(device);
+  if (labels.defined()) out.labels = labels.device() == device ? labels : labels.to(device);
+  return out;
+}
+
 DataLoader::Iterator::Iterator(const DataLoader* loader, std::shared_ptr<const std::vector<int64_t>> order,
                                int64_t numBatches)
     : loader_(loader), order_(std::move(order)), numBatches_(numBatches) {
@@ -94,6 +108,7 @@ void DataLoader::Iterator::load() {
   const int64_t start = index_ * bs;
   const int64_t count = std::min<int64_t>(bs, static_cast<int64_t>(order_->size()) - start);
   batch_ = loader_->gather(order_->data() + start, count);
+  if (!loader_->options_.device.isCpu()) batch_ = batch_.to(loader_->options_.device);
 }
 
 DataLoader::Iterator& DataLoader::Iterator::operator++() {

@@ -10,6 +10,13 @@
 // and then advances it, so successive epochs see different, reproducible orders; setEpoch(e) makes the
 // next iteration use epoch e (e.g. when resuming). Batches are gathered with one memcpy per sample row
 // into fresh contiguous tensors; the last short batch is dropped with dropLast.
+//
+// Devices. The data set stays in host memory (a data set on a GPU is rejected: the gather is a host memcpy).
+// With options.device = cuda:i each batch is gathered on the host and then copied to the device as a whole
+// (two copies per batch: inputs and labels), so training code receives device tensors. The copy is a plain
+// host-to-device copy from pageable memory (Tensor::to): no pinned staging buffer exists in the tensor layer
+// yet, so the copy does not overlap the next batch's gather. Batch::to does the same for one batch (use it
+// with a loader that yields host batches, e.g. to place micro-batches on different devices).
 // Thread-safety: not thread-safe; iterate a loader from one thread at a time. Batches are independent
 // tensors, safe to hand to other threads.
 #pragma once
@@ -28,6 +35,9 @@ struct Batch {
   Tensor inputs;  // [B, ...sample shape]
   Tensor labels;  // [B, ...label shape]
   int64_t size() const { return inputs.defined() ? inputs.size(0) : 0; }
+  // The batch on `device` (copies; the same tensors when already there). ValueError if the device is not
+  // available.
+  Batch to(Device device) const;
 };
 
 struct DataLoaderOptions {
@@ -35,6 +45,8 @@ struct DataLoaderOptions {
   bool shuffle = false;  // ignored (must be false) when a sampler is given
   uint64_t seed = 0;
   bool dropLast = false;
+  // Where the batches are delivered (see "Devices" above). Checked when the loader is built.
+  Device device = Device::cpu();
 };
 
 class DataLoader {

@@ -8,7 +8,9 @@ TensorDataset::TensorDataset(Tensor inputs, Tensor labels) {
            tensor::shapeStr(inputs.shape()), " and ", tensor::shapeStr(labels.shape()));
   DG_CHECK(inputs.size(0) == labels.size(0), "TensorDataset: inputs have ", inputs.size(0), " samples but labels have ",
            labels.size(0));
-  DG_CHECK(inputs.device().isCpu() && labels.device().isCpu(), "TensorDataset: tensors must be on the CPU");
+  DG_CHECK(inputs.device().isCpu() && labels.device().isCpu(), "TensorDataset: tensors must be in host memory, got ",
+           "inputs on ", inputs.device().str(), " and labels on ", labels.device().str(),
+           " (DataLoaderOptions::device delivers the batches on a GPU)");
   inputs_ = inputs.isContiguous() ? inputs.detach() : inputs.cloneData();
   labels_ = labels.isContiguous() ? labels.detach() : labels.cloneData();
 }

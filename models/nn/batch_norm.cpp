@@ -1,6 +1,8 @@
 #include "models/nn/batch_norm.h"
 
 #include "autograd/ops.h"
+#include "models/cuda_kernels.h"
+#include "tensor/cuda/runtime.h"
 
 namespace distgrad::models {
 
@@ -26,10 +28,26 @@ Tensor BatchNorm2d::forward(const Tensor& input) {
            numFeatures_, "): expected input [N, ", numFeatures_, ", H, W] or [N, ", numFeatures_, "], got ",
            tensor::shapeStr(input.shape()));
   Tensor out = batchNorm(input, weight_, bias_, runningMean_, runningVar_, isTraining(), momentum_, eps_);
-  if (isTraining()) ++numBatchesTracked_.data<int64_t>()[0];
+  if (isTraining()) {
+    // The counter lives where the module does (Module::to moves it, as PyTorch does): on a GPU one tiny
+    // kernel on the current stream bumps it, so a training step never waits for the device.
+    if (numBatchesTracked_.device().isCuda()) {
+      detail::incrementInt64Cuda(numBatchesTracked_.device().index, numBatchesTracked_.data<int64_t>());
+    } else {
+      ++numBatchesTracked_.data<int64_t>()[0];
+    }
+  }
   return out;
 }
 
-int64_t BatchNorm2d::numBatchesTracked() const { return numBatchesTracked_.data<int64_t>()[0]; }
+int64_t BatchNorm2d::numBatchesTracked() const {
+  if (numBatchesTracked_.device().isCuda()) {
+    // The increments were queued on this thread's current stream, which the host copy below (on the
+    // device's default stream) is not ordered after when it is a non-blocking pool stream.
+    tensor::cuda::Stream::current(numBatchesTracked_.device().index).synchronize();
+    return numBatchesTracked_.to(Device::cpu()).data<int64_t>()[0];
+  }
+  return numBatchesTracked_.data<int64_t>()[0];
+}
 
 }  // namespace distgrad::models

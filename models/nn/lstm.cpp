@@ -53,7 +53,7 @@ LstmOutput LSTM::forwardWithState(const Tensor& input, const std::optional<LstmS
     DG_CHECK(h0.dtype() == x.dtype() && c0.dtype() == x.dtype(), "LSTM: initial state dtype (",
              tensor::dtypeName(h0.dtype()), ") must match the input's (", tensor::dtypeName(x.dtype()), ")");
   } else {
-    h0 = Tensor::zeros(stateShape, x.dtype());
+    h0 = Tensor::zeros(stateShape, x.dtype(), x.device());  // on the input's device (a module moved by to())
     c0 = h0;
   }
 

@@ -3,6 +3,8 @@
 #include <sstream>
 #include <unordered_set>
 
+#include "tensor/cuda/runtime.h"
+
 namespace distgrad::models {
 
 template <typename F>
@@ -102,6 +104,41 @@ void Module::toDType(DType dtype) {
     converted.emplace_back(key, next);
     t = next;
   });
+}
+
+Module& Module::to(Device device) {
+  if (device.isCuda()) tensor::cuda::requireDevice(device.index, (typeName_ + "::to(" + device.str() + ")").c_str());
+  std::unordered_set<const tensor::TensorImpl*> moved;
+  // Copy everything first, then swap: a failed copy (out of device memory) leaves the module as it was.
+  std::vector<std::pair<tensor::TensorImpl*, Tensor>> replacements;
+  std::vector<std::pair<Tensor, Tensor>> grads;
+  visitSlots("", true, true, [&](const std::string& name, Tensor& t) {
+    if (t.device() == device || !moved.insert(t.implPtr().get()).second) return;
+    // Through a contiguous copy: Tensor::to keeps the view's shape, the copy owns a fresh storage.
+    Tensor copy = t.to(device);
+    replacements.emplace_back(t.implPtr().get(), std::move(copy));
+    const Tensor g = t.grad();
+    if (g.defined()) grads.emplace_back(t, g.device() == device ? g : g.to(device));
+  });
+  for (auto& [impl, copy] : replacements) {
+    // The swap PyTorch's Module._apply does with param.data: the impl (the tensor's identity, with its
+    // autograd slot) stays, its view now points at the new storage.
+    impl->storage = copy.storage();
+    impl->strides = copy.strides();
+    impl->offset = copy.offset();
+  }
+  for (auto& [t, g] : grads) t.setGrad(g);
+  return *this;
+}
+
+Device Module::device() const {
+  Device found = Device::cpu();
+  bool any = false;
+  visitSlots("", true, true, [&](const std::string&, Tensor& t) {
+    if (!any) found = t.device();
+    any = true;
+  });
+  return found;
 }
 
 StateDict Module::stateDict() const {

@@ -65,13 +65,27 @@ class Module {
   // alone. Tests use this to gradcheck modules in float64.
   void toDType(DType dtype);
 
+  // Moves every parameter and buffer (integer ones too: num_batches_tracked) to `device`, in place: each
+  // tensor keeps its identity (the same handle, requires-grad and hooks; like PyTorch's param.data swap),
+  // so handles taken before the move (parameters(), an optimizer's list) see the new device; a defined
+  // gradient moves along. Tensors already on `device` are left alone; a tensor registered in two places
+  // moves once. An unavailable device (no GPU, a bad ordinal, a build without CUDA) is a ValueError naming
+  // it, raised before anything moves. Build optimizers after to() (models/optim/optimizer.h says what an
+  // optimizer built before does). Do not call it between a forward and its backward: the graph saved the
+  // parameters' old storage views. Copies go through Tensor::to (synchronous with respect to the host).
+  // Returns *this for chaining.
+  Module& to(Device device);
+  // The device of the first parameter or buffer (the CPU for a module with neither).
+  Device device() const;
+
   // Parameters then buffers of this module, then each child's, with dotted names. The tensors alias the
-  // module's storage (detached): read them for checkpoints, do not expect them to track a later toDType.
+  // module's storage (detached), on the module's device: read them for checkpoints (saveCheckpoint copies
+  // CUDA tensors to the host), do not expect them to track a later toDType or to().
   StateDict stateDict() const;
   // Copies values from `state` into the module's existing tensors (no reallocation, so optimizers holding
-  // the parameters keep working). Every entry is validated before anything is copied: a shape or dtype
-  // mismatch is always an error; with `strict`, so is a key the module lacks or a module tensor missing
-  // from `state`. The error lists every problem found, naming the keys.
+  // the parameters keep working; a CPU state loads into a CUDA module and the reverse, byte for byte). Every entry is
+  // validated before anything is copied: a shape or dtype mismatch is always an error; with `strict`, so is a key the
+  // module lacks or a module tensor missing from `state`. The error lists every problem found, naming the keys.
   void loadStateDict(const StateDict& state, bool strict = true);
 
  protected:

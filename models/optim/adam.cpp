@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "models/cuda_kernels.h"
+
 namespace distgrad::models::optim {
 namespace {
 
@@ -75,9 +77,9 @@ Adam::Adam(std::vector<Tensor> parameters, const AdamOptions& options, bool deco
 void Adam::update(size_t index, const Tensor& param, const Tensor& grad) {
   State& st = state_[index];
   if (st.step == 0) {
-    st.expAvg = Tensor::zeros(param.shape(), param.dtype());
-    st.expAvgSq = Tensor::zeros(param.shape(), param.dtype());
-    if (options_.amsgrad) st.maxExpAvgSq = Tensor::zeros(param.shape(), param.dtype());
+    st.expAvg = newState(param, /*zeroed=*/true);
+    st.expAvgSq = newState(param, /*zeroed=*/true);
+    if (options_.amsgrad) st.maxExpAvgSq = newState(param, /*zeroed=*/true);
   }
   ++st.step;
   const double t = static_cast<double>(st.step);
@@ -92,6 +94,20 @@ void Adam::update(size_t index, const Tensor& param, const Tensor& grad) {
   s.decoupled = decoupledWeightDecay_;
   tensor::dispatchFloat(param.dtype(), "Adam::step", [&](auto zero) {
     using T = decltype(zero);
+    if (param.device().isCuda()) {
+      detail::AdamStepArgs args;
+      args.beta1 = s.beta1;
+      args.beta2 = s.beta2;
+      args.eps = s.eps;
+      args.l2 = s.decoupled ? 0.0 : s.weightDecay;
+      args.decay = s.decoupled ? 1.0 - s.lr * s.weightDecay : 1.0;
+      args.stepSize = s.stepSize;
+      args.invBiasCorrection2Sqrt = 1.0 / s.biasCorrection2Sqrt;
+      detail::adamStepCuda<T>(param.device().index, param.data<T>(), grad.data<T>(), st.expAvg.data<T>(),
+                              st.expAvgSq.data<T>(), options_.amsgrad ? st.maxExpAvgSq.data<T>() : nullptr,
+                              param.numel(), args);
+      return;
+    }
     adamUpdate<T>(param.data<T>(), grad.data<T>(), st.expAvg.data<T>(), st.expAvgSq.data<T>(),
                   options_.amsgrad ? st.maxExpAvgSq.data<T>() : nullptr, param.numel(), s);
   });

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "models/cuda_kernels.h"
 #include "tensor/error.h"
 
 namespace distgrad::models::optim {
@@ -19,8 +20,12 @@ std::optional<std::string> gradientMismatch(const std::vector<Tensor>& reference
     if (g.dtype() != DType::kFloat32 && g.dtype() != DType::kFloat64) {
       return which + " is " + tensor::dtypeName(g.dtype()) + ", expected float32 or float64";
     }
-    if (!g.device().isCpu()) return which + " is on " + g.device().str() + ", expected the CPU";
+    if (g.device().isCuda() && !g.isContiguous()) return which + " on " + g.device().str() + " is not contiguous";
     if (reference.empty() || !reference[i].defined()) continue;
+    if (g.device() != reference[i].device()) {
+      return which + " is on " + g.device().str() + ", expected " + reference[i].device().str() +
+             " (every submission's gradient of a parameter must be on one device)";
+    }
     if (g.shape() != reference[i].shape()) {
       return which + " has shape " + tensor::shapeStr(g.shape()) + ", expected " +
              tensor::shapeStr(reference[i].shape());
@@ -53,9 +58,22 @@ std::vector<Tensor> weightedAverage(const std::vector<std::vector<Tensor>>& grad
   std::vector<Tensor> out(reference.size());
   for (size_t i = 0; i < reference.size(); ++i) {
     if (!reference[i].defined()) continue;  // nobody produced this gradient
-    out[i] = Tensor::zeros(reference[i].shape(), reference[i].dtype());
+    const Device device = reference[i].device();
+    out[i] = Tensor::empty(reference[i].shape(), reference[i].dtype(), device);
+    if (device.isCpu())
+      out[i].fill(0.0);
+    else
+      detail::zeroBytesCuda(device.index, out[i].rawData(), out[i].nbytes());
     tensor::dispatchFloat(out[i].dtype(), "weightedAverage", [&](auto zero) {
       using T = decltype(zero);
+      if (device.isCuda()) {  // validated above: every contribution is contiguous on `device`
+        for (size_t k = 0; k < grads.size(); ++k) {
+          const Tensor& g = grads[k][i];
+          if (g.defined())
+            detail::axpyCuda<T>(device.index, out[i].data<T>(), g.data<T>(), g.numel(), weights[k] / total);
+        }
+        return;
+      }
       T* acc = out[i].data<T>();
       const int64_t n = out[i].numel();
       for (size_t k = 0; k < grads.size(); ++k) {
@@ -81,8 +99,11 @@ std::optional<std::string> bufferMismatch(const std::vector<Tensor>& reference, 
     const Tensor& b = candidate[i];
     const std::string which = "buffer " + std::to_string(i);
     if (!b.defined()) return which + " is undefined";
-    if (!b.device().isCpu()) return which + " is on " + b.device().str() + ", expected the CPU";
+    if (b.device().isCuda() && !b.isContiguous()) return which + " on " + b.device().str() + " is not contiguous";
     if (reference.empty()) continue;
+    if (b.device() != reference[i].device()) {
+      return which + " is on " + b.device().str() + ", expected " + reference[i].device().str();
+    }
     if (b.shape() != reference[i].shape()) {
       return which + " has shape " + tensor::shapeStr(b.shape()) + ", expected " +
              tensor::shapeStr(reference[i].shape());
@@ -117,6 +138,13 @@ std::vector<Tensor> averageBuffers(const std::vector<std::vector<Tensor>>& buffe
              "averageBuffers: weights must be finite and > 0");
     Tensor merged = buffers[0][i].cloneData();
     int64_t* acc = merged.data<int64_t>();
+    if (merged.device().isCuda()) {
+      for (size_t k = 1; k < buffers.size(); ++k) {
+        detail::maxInt64Cuda(merged.device().index, acc, buffers[k][i].data<int64_t>(), merged.numel());
+      }
+      out.push_back(std::move(merged));
+      continue;
+    }
     for (size_t k = 1; k < buffers.size(); ++k) {
       const Tensor b = buffers[k][i].isContiguous() ? buffers[k][i] : buffers[k][i].cloneData();
       const int64_t* src = b.data<int64_t>();

@@ -35,12 +35,12 @@
 // Errors come back as failed futures (kFailed, the message names contributor and round) and leave the round
 // as it was: a contributor outside [0, contributors), a round other than the current one, a second
 // submission of one contributor in a round, a submission while the round is being applied, gradients whose
-// count, shapes or dtypes differ from the round's other submissions, non-float or non-CPU gradients, a
-// weight that is not finite and > 0, buffers whose count, shapes or dtypes differ from the round's first
-// submission's (or that are undefined or not on the CPU). abort(error) fails the open round's futures and
-// every later submission with `error`: call it when a contributor died (its round could never complete, and
-// the others must not wait forever). If `apply` throws, the round's futures fail with its error and the aggregator
-// aborts (the parameters are in an unknown state).
+// count, shapes or dtypes differ from the round's other submissions, non-float gradients, a gradient on another device
+// than the round's first one for that parameter, a weight that is not finite and > 0, buffers whose count, shapes or
+// dtypes differ from the round's first submission's (or that are undefined, or on another device than the first
+// submission's). abort(error) fails the open round's futures and every later submission with `error`: call it when a
+// contributor died (its round could never complete, and the others must not wait forever). If `apply` throws, the
+// round's futures fail with its error and the aggregator aborts (the parameters are in an unknown state).
 //
 // Thread-safety: submit() and abort() may be called from any threads at once. `apply` runs on the thread of
 // the round's last submit() (an RPC executor thread in a server), outside the aggregator's lock, and never
@@ -70,13 +70,14 @@ namespace distgrad::models::optim {
 std::vector<Tensor> weightedAverage(const std::vector<std::vector<Tensor>>& grads, const std::vector<double>& weights);
 
 // Why `candidate` cannot be averaged with `reference` (same count, per parameter the same shape and dtype
-// where both are defined, float32/float64 CPU tensors), or nullopt when it can. An empty `reference` only
-// checks the dtypes and devices.
+// and device where both are defined, float32/float64 tensors, contiguous when on CUDA), or nullopt when it
+// can. An empty `reference` only checks the dtypes (and contiguity on CUDA). CUDA gradients are averaged by
+// a kernel on the parameter's device (the current stream); the result stays on that device.
 std::optional<std::string> gradientMismatch(const std::vector<Tensor>& reference, const std::vector<Tensor>& candidate);
 
-// Why `candidate` buffers cannot be merged with `reference` (same count, each defined, on the CPU, with the
-// reference's shape and dtype), or nullopt when they can. An empty `reference` only checks that each
-// candidate is defined and on the CPU.
+// Why `candidate` buffers cannot be merged with `reference` (same count, each defined, with the reference's
+// shape, dtype and device; contiguous when on CUDA), or nullopt when they can. An empty `reference` only
+// checks that each candidate is defined (and contiguous on CUDA).
 std::optional<std::string> bufferMismatch(const std::vector<Tensor>& reference, const std::vector<Tensor>& candidate);
 
 // Merges the workers' buffers, per buffer: floating ones weighted by `weights` and summed in the order of

@@ -5,6 +5,7 @@
 #include <unordered_set>
 
 #include "autograd/grad_mode.h"
+#include "models/cuda_kernels.h"
 
 namespace distgrad::models::optim {
 
@@ -19,7 +20,6 @@ Optimizer::Optimizer(std::vector<Tensor> parameters, double learningRate, std::s
     DG_CHECK(p.isLeaf(), name_, ": parameter ", i, " is not a leaf tensor (it was produced by an op)");
     DG_CHECK(p.dtype() == DType::kFloat32 || p.dtype() == DType::kFloat64, name_, ": parameter ", i,
              " must be float32 or float64, got ", tensor::dtypeName(p.dtype()));
-    DG_CHECK(p.device().isCpu(), name_, ": parameter ", i, " is on ", p.device().str(), "; only CPU is supported");
     DG_CHECK(p.isContiguous(), name_, ": parameter ", i, " of shape ", tensor::shapeStr(p.shape()),
              " is not contiguous");
     DG_CHECK(seen.insert(p.implPtr().get()).second, name_, ": parameter ", i, " appears twice in the list");
@@ -50,7 +50,11 @@ void Optimizer::step(const std::vector<Tensor>& grads) {
              ", parameter has ", tensor::shapeStr(p.shape()));
     DG_CHECK(g.dtype() == p.dtype(), name_, "::step: gradient ", i, " is ", tensor::dtypeName(g.dtype()),
              ", parameter is ", tensor::dtypeName(p.dtype()));
-    DG_CHECK(g.device().isCpu(), name_, "::step: gradient ", i, " is on ", g.device().str());
+    DG_CHECK(g.device() == p.device(), name_, "::step: gradient ", i, " is on ", g.device().str(), " but parameter ", i,
+             " is on ", p.device().str(), " (gradient and parameter must share a device)");
+    DG_CHECK(p.device().isCpu() || g.isContiguous(), name_, "::step: gradient ", i, " on ", g.device().str(),
+             " is not contiguous (the CUDA update kernels need contiguous gradients)");
+    checkStateDevice(i);
   }
   autograd::NoGradGuard noGrad;
   for (size_t i = 0; i < grads.size(); ++i) {
@@ -59,6 +63,29 @@ void Optimizer::step(const std::vector<Tensor>& grads) {
     update(i, parameters_[i], grad);
   }
   ++stepCount_;
+}
+
+void Optimizer::checkStateDevice(size_t index) const {
+  const Tensor& p = parameters_[index];
+  for (const auto& f : stateFields()) {
+    if (f.isStepCounter) continue;
+    const Tensor value = getState(index, f.name);
+    if (!value.defined()) return;  // no state yet: it is created on the parameter's device
+    DG_CHECK(value.device() == p.device(), name_, "::step: the '", f.name, "' state of parameter ", index, " is on ",
+             value.device().str(), " but the parameter is now on ", p.device().str(),
+             " (the module was moved after this optimizer stepped: build the optimizer after Module::to, or "
+             "save its stateDict and load it into a new optimizer over the moved parameters)");
+  }
+}
+
+Tensor Optimizer::newState(const Tensor& param, bool zeroed) const {
+  Tensor state = Tensor::empty(param.shape(), param.dtype(), param.device());
+  if (!zeroed) return state;
+  if (param.device().isCpu())
+    state.fill(0.0);
+  else
+    detail::zeroBytesCuda(param.device().index, state.rawData(), state.nbytes());
+  return state;
 }
 
 void Optimizer::zeroGrad() {
@@ -130,11 +157,17 @@ void Optimizer::loadStateDict(const StateDict& state) {
     fail("unexpected keys " + unexpected.str() + " (state of a different optimizer or parameter list?)");
   }
 
-  // Everything validated: install.
+  // Everything validated: install. Tensor state goes to its parameter's device (a checkpoint read from a file
+  // is on the CPU; a CUDA optimizer's stateDict stays on its device), always as a private copy.
   for (size_t i = 0; i < parameters_.size(); ++i) {
     resetState(i);
     if (!hasState[i]) continue;
-    for (const auto& f : fields) setState(i, f.name, state.at(std::to_string(i) + "." + f.name).cloneData());
+    const Device device = parameters_[i].device();
+    for (const auto& f : fields) {
+      const Tensor& value = state.at(std::to_string(i) + "." + f.name);
+      const bool copyHere = f.isStepCounter || value.device() == device;
+      setState(i, f.name, copyHere ? value.cloneData() : value.to(device));
+    }
   }
   learningRate_ = newLr;
   stepCount_ = static_cast<int64_t>(steps->item());

@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "models/cuda_kernels.h"
+
 namespace distgrad::models::optim {
 namespace {
 
@@ -56,10 +58,22 @@ void SGD::update(size_t index, const Tensor& param, const Tensor& grad) {
   Tensor& buf = momentumBuffers_[index];
   const bool useMomentum = options_.momentum != 0;
   const bool firstStep = useMomentum && !buf.defined();
-  if (firstStep) buf = Tensor::empty(param.shape(), param.dtype());
+  if (firstStep) buf = newState(param, /*zeroed=*/false);
   // Note the order: the decayed gradient uses p before this step's update, as in PyTorch.
   tensor::dispatchFloat(param.dtype(), "SGD::step", [&](auto zero) {
     using T = decltype(zero);
+    if (param.device().isCuda()) {
+      detail::SgdStepArgs args;
+      args.learningRate = learningRate();
+      args.weightDecay = options_.weightDecay;
+      args.momentum = options_.momentum;
+      args.dampening = options_.dampening;
+      args.nesterov = options_.nesterov;
+      args.firstStep = firstStep;
+      detail::sgdStepCuda<T>(param.device().index, param.data<T>(), grad.data<T>(),
+                             useMomentum ? buf.data<T>() : nullptr, n, args);
+      return;
+    }
     sgdUpdate<T>(param.data<T>(), grad.data<T>(), useMomentum ? buf.data<T>() : nullptr, n, firstStep, options_,
                  learningRate());
   });

@@ -14,6 +14,10 @@
 
 namespace distgrad::models::pipeline {
 namespace {
+// A one-element tensor's value wherever it lives (a stage on a GPU computes its loss there).
+double hostItem(const Tensor& t) { return (t.device().isCpu() ? t : t.to(Device::cpu())).item(); }
+}  // namespace
+namespace {
 
 // Thrown inside a stage whose step was aborted because another stage failed: that stage's error is the
 // one reported, this one is not an error of its own.
@@ -200,8 +204,8 @@ void LocalPipeline::runOp(int64_t stage, const Op& op, Tensor received) {
       Tensor loss = crossEntropy(y, labels);
       {
         autograd::NoGradGuard noGrad;
-        st.loss += loss.item() * share;
-        st.correct += static_cast<int64_t>(sum(eq(argmax(y, 1), labels)).item());
+        st.loss += hostItem(loss) * share;
+        st.correct += static_cast<int64_t>(hostItem(sum(eq(argmax(y, 1), labels))));
       }
       // Each micro-batch's mean loss weighted by its share of the batch: the gradients summed over the
       // micro-batches are those of the batch's mean loss.

@@ -688,7 +688,8 @@ Tensor PipelineStage::runForward(const Tensor& input, int64_t microBatch, int64_
     // LocalPipeline runs, so the gradients are the same bit for bit. The backward bracket below starts at
     // the loss, so the stage's backward time covers the loss's too.
     try {
-      const Tensor& labels = loss->call.labels;
+      // Labels arrive on the host; a stage on a GPU computes its loss there (item() copies back).
+      const Tensor labels = loss->call.labels.to(y.device());
       Tensor scaled = mul(crossEntropy(y, labels), loss->call.share);
       autograd::NoGradGuard noGrad;
       loss->result.loss = scaled.item();
