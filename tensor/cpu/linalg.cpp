@@ -181,8 +181,6 @@ void gemmBatched(const Shape& batch, MatrixView<T> a, const Shape& aStrides, Mat
 }
 
 void requireMatmulDTypes(const Tensor& a, const Tensor& b, const char* op) {
-  DG_CHECK(a.device().isCpu() && b.device().isCpu(), op, ": expected CPU tensors, got ", a.device().str(),
-           " and ", b.device().str());
   DG_CHECK(a.dtype() == b.dtype(), op, ": dtype mismatch: ", dtypeName(a.dtype()), " ", shapeStr(a.shape()),
            " vs ", dtypeName(b.dtype()), " ", shapeStr(b.shape()));
   DG_CHECK(a.dtype() == DType::kFloat32 || a.dtype() == DType::kFloat64, op,
@@ -318,7 +316,8 @@ Tensor batchedMatmul(const Tensor& a, bool transA, const Tensor& b, bool transB,
 }
 
 Tensor matmul(const Tensor& a, const Tensor& b) {
-  if (cuda::onCuda("matmul", {{"a", &a}, {"b", &b}})) return cuda::dnn::matmul(a, b);
+  // Device-independent: the shape work below makes views, and batchedMatmul routes CUDA operands.
+  cuda::onCuda("matmul", {{"a", &a}, {"b", &b}});
   requireMatmulDTypes(a, b, "matmul");
   const Shape resultShape = matmulShape(a.shape(), b.shape(), "matmul");
   // Promote 1-D operands to matrices and pad batch ranks with size-1 dims (views, no copies).

@@ -464,28 +464,6 @@ Tensor batchedMatmul(const Tensor& a, bool transA, const Tensor& b, bool transB,
   return kernels::sumDims(out, reduceMask, /*keepDim=*/true);
 }
 
-Tensor matmul(const Tensor& a, const Tensor& b) {
-  requireMatmulOperands(a, b, "matmul");
-  const Shape resultShape = kernels::matmulShape(a.shape(), b.shape(), "matmul");
-  Tensor a2 = a.dim() == 1 ? viewOf(a, {1, a.shape()[0]}, {0, a.strides()[0]}) : a;
-  Tensor b2 = b.dim() == 1 ? viewOf(b, {b.shape()[0], 1}, {b.strides()[0], 0}) : b;
-  const int64_t nd = std::max(a2.dim(), b2.dim());
-  auto pad = [nd](const Tensor& t) {
-    if (t.dim() == nd) return t;
-    Shape shape(static_cast<size_t>(nd - t.dim()), 1);
-    Shape strides(static_cast<size_t>(nd - t.dim()), 0);
-    shape.insert(shape.end(), t.shape().begin(), t.shape().end());
-    strides.insert(strides.end(), t.strides().begin(), t.strides().end());
-    return viewOf(t, shape, strides);
-  };
-  a2 = pad(a2);
-  b2 = pad(b2);
-  Shape batch(static_cast<size_t>(nd - 2));
-  for (int64_t d = 0; d < nd - 2; ++d) batch[d] = std::max(a2.shape()[d], b2.shape()[d]);
-  Tensor out = batchedMatmul(a2, false, b2, false, batch);
-  return viewOf(out, resultShape, contiguousStrides(resultShape));
-}
-
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   const char* op = "linear";
   requireMatmulOperands(x, weight, op);

@@ -35,7 +35,6 @@
 namespace distgrad::tensor::cuda::dnn {
 
 // ---- linalg.h
-Tensor matmul(const Tensor& a, const Tensor& b);
 Tensor batchedMatmul(const Tensor& a, bool transA, const Tensor& b, bool transB, const Shape& outBatch);
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias);
 Tensor linearBackwardInput(const Tensor& gradOut, const Tensor& weight, const Shape& inputShape);

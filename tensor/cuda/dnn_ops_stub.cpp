@@ -14,7 +14,6 @@ namespace {
 }
 }  // namespace
 
-Tensor matmul(const Tensor&, const Tensor&) { noCuda("matmul"); }
 Tensor batchedMatmul(const Tensor&, bool, const Tensor&, bool, const Shape&) { noCuda("batchedMatmul"); }
 Tensor linear(const Tensor&, const Tensor&, const Tensor&) { noCuda("linear"); }
 Tensor linearBackwardInput(const Tensor&, const Tensor&, const Shape&) { noCuda("linear backward"); }
