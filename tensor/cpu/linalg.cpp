@@ -366,9 +366,9 @@ Shape withLastDim(const Shape& s, int64_t last) {
 }  // namespace
 
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
-  if (cuda::onCuda("linear", {{"x", &x}, {"weight", &weight}, {"bias", &bias}}))
-    return cuda::dnn::linear(x, weight, bias);
-  checkLinear(x, weight, bias);
+  const bool onCuda = cuda::onCuda("linear", {{"x", &x}, {"weight", &weight}, {"bias", &bias}});
+  checkLinear(x, weight, bias);  // device-independent: shapes and dtypes
+  if (onCuda) return cuda::dnn::linear(x, weight, bias);
   const int64_t outFeatures = weight.shape()[0];
   Tensor x2 = asRows(x);
   const int64_t rows = x2.shape()[0];

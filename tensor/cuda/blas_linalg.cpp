@@ -465,18 +465,8 @@ Tensor batchedMatmul(const Tensor& a, bool transA, const Tensor& b, bool transB,
 }
 
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  // kernels::linear validated shapes and dtypes before routing here.
   const char* op = "linear";
-  requireMatmulOperands(x, weight, op);
-  DG_CHECK(weight.dim() == 2, op, ": weight must be 2-D [out, in], got shape ", shapeStr(weight.shape()));
-  DG_CHECK(x.dim() >= 1, op, ": input must have at least 1 dimension, got shape ", shapeStr(x.shape()));
-  DG_CHECK(x.shape().back() == weight.shape()[1], op, ": input shape ", shapeStr(x.shape()),
-           " does not match weight shape ", shapeStr(weight.shape()), " (input's last dim ", x.shape().back(),
-           " != weight's in_features ", weight.shape()[1], ")");
-  if (bias.defined()) {
-    requireMatmulOperands(x, bias, op);
-    DG_CHECK(bias.dim() == 1 && bias.shape()[0] == weight.shape()[0], op, ": bias shape ", shapeStr(bias.shape()),
-             " does not match weight shape ", shapeStr(weight.shape()), " (expected [", weight.shape()[0], "])");
-  }
   const int device = deviceOf(x);
   DeviceGuard guard(device);
   const int64_t outFeatures = weight.shape()[0];
