@@ -25,6 +25,7 @@
 #include "tensor/cpu/linalg.h"
 #include "tensor/cpu/reduce.h"
 #include "tensor/cpu/shape_kernels.h"
+#include "tensor/cuda/cublas_api.h"
 #include "tensor/cuda/dnn_common.h"
 #include "tensor/cuda/dnn_ops.h"
 #include "tensor/cuda/library_handles.h"
@@ -77,42 +78,42 @@ uint32_t alignmentOf(const void* p) {
 struct LtMatmulDesc {
   cublasLtMatmulDesc_t desc = nullptr;
   LtMatmulDesc(cublasComputeType_t compute, cudaDataType_t scale) {
-    DG_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc, compute, scale));
+    DG_CUBLAS_CHECK(cublasApi().cublasLtMatmulDescCreate(&desc, compute, scale));
   }
-  ~LtMatmulDesc() { cublasLtMatmulDescDestroy(desc); }
+  ~LtMatmulDesc() { cublasApi().cublasLtMatmulDescDestroy(desc); }
   LtMatmulDesc(const LtMatmulDesc&) = delete;
   LtMatmulDesc& operator=(const LtMatmulDesc&) = delete;
   template <typename V>
   void set(cublasLtMatmulDescAttributes_t attr, const V& v) {
-    DG_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, attr, &v, sizeof(v)));
+    DG_CUBLAS_CHECK(cublasApi().cublasLtMatmulDescSetAttribute(desc, attr, &v, sizeof(v)));
   }
 };
 
 struct LtLayout {
   cublasLtMatrixLayout_t layout = nullptr;
   LtLayout(cudaDataType_t type, uint64_t rows, uint64_t cols, int64_t ld, int32_t batch, int64_t batchStride) {
-    DG_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&layout, type, rows, cols, ld));
+    DG_CUBLAS_CHECK(cublasApi().cublasLtMatrixLayoutCreate(&layout, type, rows, cols, ld));
     if (batch > 1) {
-      DG_CUBLAS_CHECK(
-          cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch, sizeof(batch)));
-      DG_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
-                                                       &batchStride, sizeof(batchStride)));
+      DG_CUBLAS_CHECK(cublasApi().cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch,
+                                                                   sizeof(batch)));
+      DG_CUBLAS_CHECK(cublasApi().cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                                                   &batchStride, sizeof(batchStride)));
     }
   }
-  ~LtLayout() { cublasLtMatrixLayoutDestroy(layout); }
+  ~LtLayout() { cublasApi().cublasLtMatrixLayoutDestroy(layout); }
   LtLayout(const LtLayout&) = delete;
   LtLayout& operator=(const LtLayout&) = delete;
 };
 
 struct LtPreference {
   cublasLtMatmulPreference_t pref = nullptr;
-  LtPreference() { DG_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref)); }
-  ~LtPreference() { cublasLtMatmulPreferenceDestroy(pref); }
+  LtPreference() { DG_CUBLAS_CHECK(cublasApi().cublasLtMatmulPreferenceCreate(&pref)); }
+  ~LtPreference() { cublasApi().cublasLtMatmulPreferenceDestroy(pref); }
   LtPreference(const LtPreference&) = delete;
   LtPreference& operator=(const LtPreference&) = delete;
   template <typename V>
   void set(cublasLtMatmulPreferenceAttributes_t attr, const V& v) {
-    DG_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &v, sizeof(v)));
+    DG_CUBLAS_CHECK(cublasApi().cublasLtMatmulPreferenceSetAttribute(pref, attr, &v, sizeof(v)));
   }
 };
 
@@ -178,8 +179,8 @@ bool ltGemm(int device, const Stream& stream, DType dtype, const GemmShape& s, T
     cublasLtMatmulHeuristicResult_t result{};
     int returned = 0;
     const cublasStatus_t st =
-        cublasLtMatmulAlgoGetHeuristic(lt, desc.desc, layoutFirst.layout, layoutSecond.layout, layoutC.layout,
-                                       layoutC.layout, pref.pref, 1, &result, &returned);
+        cublasApi().cublasLtMatmulAlgoGetHeuristic(lt, desc.desc, layoutFirst.layout, layoutSecond.layout,
+                                                   layoutC.layout, layoutC.layout, pref.pref, 1, &result, &returned);
     std::optional<cublasLtMatmulAlgo_t> algo;
     // NOT_SUPPORTED (no algorithm for this configuration) is an answer, not an error: fall back to cuBLAS.
     if (st == CUBLAS_STATUS_SUCCESS && returned > 0 && result.state == CUBLAS_STATUS_SUCCESS) {
@@ -190,9 +191,9 @@ bool ltGemm(int device, const Stream& stream, DType dtype, const GemmShape& s, T
     it = tLtAlgoCache.emplace(key.str(), algo).first;
   }
   if (!it->second.has_value()) return false;
-  DG_CUBLAS_CHECK(cublasLtMatmul(lt, desc.desc, &alpha, b.ptr, layoutFirst.layout, a.ptr, layoutSecond.layout, &beta, c,
-                                 layoutC.layout, c, layoutC.layout, &*it->second, blasWorkspace(stream),
-                                 kBlasWorkspaceBytes, rawStream(stream)));
+  DG_CUBLAS_CHECK(cublasApi().cublasLtMatmul(
+      lt, desc.desc, &alpha, b.ptr, layoutFirst.layout, a.ptr, layoutSecond.layout, &beta, c, layoutC.layout, c,
+      layoutC.layout, &*it->second, blasWorkspace(stream), kBlasWorkspaceBytes, rawStream(stream)));
   return true;
 }
 
@@ -205,7 +206,7 @@ void cublasGemm(const Stream& stream, DType dtype, const GemmShape& s, T alpha, 
   }
   const cudaDataType_t type = dataTypeFor(dtype);
   cublasHandle_t handle = cublasHandle(stream);
-  DG_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+  DG_CUBLAS_CHECK(cublasApi().cublasGemmStridedBatchedEx(
       handle, p.opFirst, p.opSecond, static_cast<int>(p.m), static_cast<int>(p.n), static_cast<int>(p.k), &alpha, b.ptr,
       type, static_cast<int>(b.ld), b.batchStride, a.ptr, type, static_cast<int>(a.ld), a.batchStride, &beta, c, type,
       static_cast<int>(ldc), strideC, static_cast<int>(s.batch), computeTypeFor(dtype), CUBLAS_GEMM_DEFAULT));

@@ -7,14 +7,15 @@
 #include <map>
 #include <utility>
 
+#include "tensor/cuda/cublas_api.h"
 #include "tensor/error.h"
 
 namespace distgrad::tensor::cuda {
 
 void checkCublas(cublasStatus_t status, const char* what) {
   if (status != CUBLAS_STATUS_SUCCESS) [[unlikely]] {
-    throw ValueError(detail::concatMessage(what, " failed: ", cublasGetStatusName(status), " (",
-                                           cublasGetStatusString(status), ")"));
+    throw ValueError(detail::concatMessage(what, " failed: ", cublasApi().cublasGetStatusName(status), " (",
+                                           cublasApi().cublasGetStatusString(status), ")"));
   }
 }
 
@@ -52,8 +53,8 @@ struct ThreadHandles {
         cudaGetLastError();
         continue;
       }
-      if (blas[d] != nullptr) cublasDestroy(blas[d]);
-      if (lt[d] != nullptr) cublasLtDestroy(lt[d]);
+      if (blas[d] != nullptr) cublasApi().cublasDestroy(blas[d]);
+      if (lt[d] != nullptr) cublasApi().cublasLtDestroy(lt[d]);
       if (dnn[d] != nullptr) cudnnDestroy(dnn[d]);
     }
   }
@@ -87,14 +88,14 @@ cublasHandle_t cublasHandle(const Stream& stream) {
   ThreadHandles& h = threadHandles();
   if (h.blas[device] == nullptr) {
     DeviceGuard guard(device);
-    DG_CUBLAS_CHECK(cublasCreate(&h.blas[device]));
+    DG_CUBLAS_CHECK(cublasApi().cublasCreate(&h.blas[device]));
     // Results of reductions inside cuBLAS must not depend on scheduling (no atomics-based split-K).
-    DG_CUBLAS_CHECK(cublasSetAtomicsMode(h.blas[device], CUBLAS_ATOMICS_NOT_ALLOWED));
+    DG_CUBLAS_CHECK(cublasApi().cublasSetAtomicsMode(h.blas[device], CUBLAS_ATOMICS_NOT_ALLOWED));
   }
   cublasHandle_t handle = h.blas[device];
-  DG_CUBLAS_CHECK(cublasSetStream(handle, rawStream(stream)));
+  DG_CUBLAS_CHECK(cublasApi().cublasSetStream(handle, rawStream(stream)));
   // cublasSetStream resets the workspace to cuBLAS's own default pool; point it at ours for this stream.
-  DG_CUBLAS_CHECK(cublasSetWorkspace(handle, blasWorkspace(stream), kBlasWorkspaceBytes));
+  DG_CUBLAS_CHECK(cublasApi().cublasSetWorkspace(handle, blasWorkspace(stream), kBlasWorkspaceBytes));
   return handle;
 }
 
@@ -103,7 +104,7 @@ cublasLtHandle_t cublasLtHandle(int device) {
   ThreadHandles& h = threadHandles();
   if (h.lt[device] == nullptr) {
     DeviceGuard guard(device);
-    DG_CUBLAS_CHECK(cublasLtCreate(&h.lt[device]));
+    DG_CUBLAS_CHECK(cublasApi().cublasLtCreate(&h.lt[device]));
   }
   return h.lt[device];
 }
