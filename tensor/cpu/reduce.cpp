@@ -293,12 +293,12 @@ void maxDim(const Tensor& a, int64_t dim, bool keepDim, Tensor* values, Tensor* 
 }
 
 Tensor maxDimBackward(const Tensor& grad, const Tensor& indices, const Shape& inputShape, int64_t dim) {
-  if (cuda::deviceOf("max backward", {{"gradient", &grad}, {"indices", &indices}}).isCuda()) {
-    return cuda::maxDimBackward(grad, indices, inputShape, dim);
-  }
-  requireCpuTensor(grad, "max backward");
+  // One validation for both devices: the CUDA kernel gets the checked geometry.
+  const Device device = cuda::deviceOf("max backward", {{"gradient", &grad}, {"indices", &indices}});
   DG_CHECK(indices.dtype() == DType::kInt64, "max backward: indices must be int64, got ", dtypeName(indices.dtype()));
   const int64_t nd = static_cast<int64_t>(inputShape.size());
+  DG_CHECK(nd == 0 ? dim == 0 : dim >= 0 && dim < nd, "max backward: dim ", dim, " is out of range for input ",
+           shapeStr(inputShape));
   int64_t outer = 1, inner = 1;
   for (int64_t d = 0; d < dim; ++d) outer *= inputShape[d];
   for (int64_t d = dim + 1; d < nd; ++d) inner *= inputShape[d];
@@ -306,6 +306,8 @@ Tensor maxDimBackward(const Tensor& grad, const Tensor& indices, const Shape& in
   DG_CHECK(grad.numel() == outer * inner && indices.numel() == outer * inner, "max backward: gradient ",
            shapeStr(grad.shape()), " / indices ", shapeStr(indices.shape()), " do not match input ",
            shapeStr(inputShape), " reduced over dim ", dim);
+  if (device.isCuda()) return cuda::maxDimBackward(grad, indices, inputShape, outer, r, inner);
+  requireCpuTensor(grad, "max backward");
   Tensor out = Tensor::zeros(inputShape, grad.dtype());
   Tensor g = contiguous(grad);
   Tensor idx = contiguous(indices);

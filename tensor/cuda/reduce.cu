@@ -240,16 +240,8 @@ void maxDim(const Tensor& a, int64_t dim, bool keepDim, Tensor* values, Tensor* 
   if (indices) *indices = idx;
 }
 
-Tensor maxDimBackward(const Tensor& grad, const Tensor& indices, const Shape& inputShape, int64_t dim) {
-  DG_CHECK(indices.dtype() == DType::kInt64, "max backward: indices must be int64, got ", dtypeName(indices.dtype()));
-  const int64_t nd = static_cast<int64_t>(inputShape.size());
-  int64_t outer = 1, inner = 1;
-  for (int64_t d = 0; d < dim; ++d) outer *= inputShape[d];
-  for (int64_t d = dim + 1; d < nd; ++d) inner *= inputShape[d];
-  const int64_t size = nd == 0 ? 1 : inputShape[dim];
-  DG_CHECK(grad.numel() == outer * inner && indices.numel() == outer * inner, "max backward: gradient ",
-           shapeStr(grad.shape()), " / indices ", shapeStr(indices.shape()), " do not match input ",
-           shapeStr(inputShape), " reduced over dim ", dim);
+Tensor maxDimBackward(const Tensor& grad, const Tensor& indices, const Shape& inputShape, int64_t outer,
+                      int64_t size, int64_t inner) {
   Tensor out = Tensor::zeros(inputShape, grad.dtype(), grad.device());
   Tensor g = kernels::contiguous(grad);
   Tensor idx = kernels::contiguous(indices);

@@ -30,7 +30,9 @@ void maxMinBackward(const Tensor&, const Tensor&, const Tensor&, bool isMax, Ten
 Tensor sumDims(const Tensor&, const std::vector<bool>&, bool) { noCuda("sum"); }
 Tensor maxAll(const Tensor&) { noCuda("max"); }
 void maxDim(const Tensor&, int64_t, bool, Tensor*, Tensor*, const char* op) { noCuda(op); }
-Tensor maxDimBackward(const Tensor&, const Tensor&, const Shape&, int64_t) { noCuda("max backward"); }
+Tensor maxDimBackward(const Tensor&, const Tensor&, const Shape&, int64_t, int64_t, int64_t) {
+  noCuda("max backward");
+}
 void copyInto(const Tensor&, const Tensor&, const char* op) { noCuda(op); }
 void copyConvert(const Tensor&, const Tensor&) { noCuda("Tensor::copyFrom"); }
 void fill(const Tensor&, double) { noCuda("Tensor::fill"); }

@@ -45,7 +45,9 @@ void maxMinBackward(const Tensor& grad, const Tensor& a, const Tensor& b, bool i
 Tensor sumDims(const Tensor& a, const std::vector<bool>& mask, bool keepDim);
 Tensor maxAll(const Tensor& a);
 void maxDim(const Tensor& a, int64_t dim, bool keepDim, Tensor* values, Tensor* indices, const char* op);
-Tensor maxDimBackward(const Tensor& grad, const Tensor& indices, const Shape& inputShape, int64_t dim);
+// Geometry validated by kernels::maxDimBackward: the input is [outer, size, inner] around the reduced dim.
+Tensor maxDimBackward(const Tensor& grad, const Tensor& indices, const Shape& inputShape, int64_t outer,
+                      int64_t size, int64_t inner);
 
 // ---- layout and Tensor basics (tensor/cpu/shape_kernels.h, tensor/tensor.h) ----
 // dst = src (same dtype, src broadcast to dst's shape; any strides), both on the same CUDA device.

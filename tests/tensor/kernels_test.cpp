@@ -205,6 +205,16 @@ TEST(ReduceKernels, MaxDimMatchesReferenceOnEveryDim) {
   }
 }
 
+TEST(ReduceKernels, MaxBackwardRejectsABadGeometry) {
+  Tensor grad = Tensor::zeros({2, 4});
+  Tensor idx = Tensor::zeros({2, 4}, DType::kInt64);
+  EXPECT_THROW(maxDimBackward(grad, idx, {2, 3, 4}, 3), ValueError);   // no dim 3
+  EXPECT_THROW(maxDimBackward(grad, idx, {2, 3, 4}, -1), ValueError);  // wrapped by the caller, never here
+  EXPECT_THROW(maxDimBackward(grad, idx, {2, 5, 4}, 2), ValueError);   // gradient is not [2, 5]
+  EXPECT_THROW(maxDimBackward(grad, Tensor::zeros({2, 4}), {2, 3, 4}, 1), ValueError);  // float indices
+  EXPECT_EQ(maxDimBackward(grad, idx, {2, 3, 4}, 1).shape(), (Shape{2, 3, 4}));
+}
+
 TEST(ReduceKernels, ArgmaxRunsWithTiesNaNAndInfinity) {
   // Long rows take the two-pass vectorised path; NaN/inf anywhere (also in the tail) fall back exactly.
   const float nan = std::numeric_limits<float>::quiet_NaN();
