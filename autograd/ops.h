@@ -92,6 +92,9 @@ Tensor unsqueeze(const Tensor& a, int64_t dim);
 Tensor flatten(const Tensor& a, int64_t startDim = 0, int64_t endDim = -1);
 Tensor contiguous(const Tensor& a);  // `a` itself when already contiguous
 Tensor clone(const Tensor& a);       // differentiable copy
+// Differentiable copy to `device` (`a` itself when already there); the gradient goes back to a's device.
+// The way a graph crosses devices: a stage moving its input to its GPU, a model split over two GPUs.
+Tensor toDevice(const Tensor& a, Device device);
 Tensor cat(const std::vector<Tensor>& tensors, int64_t dim);
 Tensor stack(const std::vector<Tensor>& tensors, int64_t dim);
 std::vector<Tensor> split(const Tensor& a, int64_t splitSize, int64_t dim);  // last piece may be smaller

@@ -329,6 +329,17 @@ Tensor clone(const Tensor& a) {
   });
 }
 
+Tensor toDevice(const Tensor& a, Device device) {
+  requireInput(a, "toDevice");
+  if (a.device() == device) return a;
+  Tensor out = a.to(device);
+  if (!autograd::anyRequiresGrad({a})) return out;
+  const Device from = a.device();
+  return autograd::recordOp("ToDeviceBackward", {a}, out, [from](const std::vector<Tensor>& g, const autograd::Node&) {
+    return std::vector<Tensor>{g[0].to(from)};
+  });
+}
+
 Tensor cat(const std::vector<Tensor>& tensors, int64_t dim) {
   DG_CHECK(!tensors.empty(), "cat: expected at least one tensor");
   DG_CHECK(tensors[0].defined(), "cat: tensor 0 is undefined");

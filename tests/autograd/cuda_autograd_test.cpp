@@ -109,6 +109,27 @@ TEST(CudaAutograd, LeafGradientsAccumulateOnTheDevice) {
   EXPECT_EQ(g2.grad().toVector<double>(), (std::vector<double>{1.0, 1.0}));
 }
 
+TEST(CudaAutograd, ToDeviceCarriesTheGraphAcrossDevices) {
+  DG_SKIP_WITHOUT_CUDA();
+  // CPU leaf -> GPU work -> back to the CPU, against the same computation on the CPU alone.
+  Tensor cpu = leafOf({3, 4}, 10);
+  Tensor reference = leafOf({3, 4}, 10);
+  Tensor onGpu = toDevice(cpu, Device::cuda(0));
+  EXPECT_EQ(onGpu.device(), Device::cuda(0));
+  ASSERT_NE(onGpu.gradFn(), nullptr);
+  backward(sum(mul(toDevice(tanh(onGpu), Device::cpu()), 3.0)));
+  backward(sum(mul(tanh(reference), 3.0)));
+  ASSERT_TRUE(cpu.grad().defined());
+  EXPECT_EQ(cpu.grad().device(), Device::cpu());
+  EXPECT_TRUE(tensorsClose(cpu.grad(), reference.grad(), kTol));
+}
+
+TEST(CudaAutograd, ToDeviceWithoutAGpuIsAClearError) {
+  if (tensor::cuda::isAvailable()) GTEST_SKIP() << "this machine has a CUDA device";
+  Tensor cpu = leafOf({2}, 11);
+  expectValueErrorMentions([&] { toDevice(cpu, Device::cuda(0)); }, {"CUDA"});
+}
+
 TEST(CudaAutograd, MissingOutputGradientsAreZeroFilledOnTheDevice) {
   DG_SKIP_WITHOUT_CUDA();
   Tensor x = cudaCopyOf(leafOf({3}, 10));

@@ -66,6 +66,18 @@ TEST(Views, ReshapeCopiesOnlyWhenNeeded) {
   expectThrowsWith([&] { view(t, {6}); }, {"view", "[3, 2]", "reshape"});
 }
 
+TEST(Views, ToDeviceOnItsOwnDeviceIsTheTensorItself) {
+  // CUDA crossings are in cuda_autograd_test.cpp (skipped without a GPU).
+  Tensor a = randn({2, 3}, 1);
+  Tensor same = toDevice(a, Device::cpu());
+  EXPECT_EQ(same.rawData(), a.rawData());
+  EXPECT_EQ(same.gradFn(), a.gradFn());
+  backward(sum(same));
+  ASSERT_TRUE(a.grad().defined());
+  EXPECT_EQ(a.grad().toVector<double>(), std::vector<double>(6, 1.0));
+  EXPECT_THROW(toDevice(Tensor(), Device::cpu()), ValueError);
+}
+
 TEST(Views, ReshapeErrors) {
   Tensor a = arange6();
   expectThrowsWith([&] { reshape(a, {4, -1}); }, {"reshape", "[4, -1]", "[2, 3]"});
