@@ -28,10 +28,9 @@
 // --device places the stages: one device for every stage or a comma list with one per stage (two stages
 // on one GPU: --device cuda:0; on two: --device cuda:0,cuda:1). Each stage process checks at start-up that
 // it can use its device (exit 2 naming the stage and the device otherwise); the driver keeps the data and
-// the loss on the CPU. A CUDA stage is created through RemoteModule placement "workerN/cuda:i": the CUDA
-// placement of RemoteModules and the transfer of CUDA activations between processes come with the CUDA
-// RPC work of issue 9 (until then RemoteModule rejects the placement with a clear error), and this path
-// is untested on hardware (docs/cuda.md, "Models, optimizers and examples on CUDA").
+// the loss on the CPU. A CUDA stage is created through RemoteModule placement "workerN/cuda:i" (the owner
+// moves the module to its device). This path is untested on hardware (docs/cuda.md, "Models, optimizers
+// and examples on CUDA").
 //
 // --trace DIR: every worker (the driver and each stage) writes DIR/<worker>.trace.jsonl (docs/tracing.md);
 // tools/distgrad-trace merges and explains them.
