@@ -108,6 +108,17 @@ T& slot(std::vector<T>& values, int64_t index) {
 // sends on the first error it sees, covers failures that never reach this stage). Nothing of a failed step
 // waits for a micro-batch that will not come.
 
+// Note [Stage devices]
+// A stage on a GPU (placement "workerN/cuda:i": PipelineStage::to moves its module) computes there, but
+// what crosses its boundary stays on the host: the input is moved onto the device by a differentiable copy
+// (autograd::toDevice, so the input's gradient goes back to the host) and the output back to the host the
+// same way. Activations, gradients and predictions therefore travel between processes as CPU tensors, and
+// no worker needs a device map (a reply carrying a CUDA tensor needs one: docs/cuda.md "Device maps"; the
+// driver and a fetch of a stage's output send none). The last stage's loss is computed on the device (the
+// labels are moved there); only its value and the correct count come back. TODO(perf): with device maps
+// between the stage workers, the hand-off could stage through pinned memory instead of these pageable
+// copies; measure on a GPU first (no GPU has run this code yet).
+
 class ComputeToken {
  public:
   // Blocks until the token is this caller's.
@@ -658,9 +669,10 @@ void PipelineStage::runQueued() {
 
 Tensor PipelineStage::runForward(const Tensor& input, int64_t microBatch, int64_t step, LossJob* loss) {
   DG_ASSERT(loss == nullptr || training_.load(), "a loss job in evaluation mode");
+  const Device device = device_.load();  // Note [Stage devices]
   if (!training_.load()) {
     autograd::NoGradGuard noGrad;
-    return module_->forward(input);
+    return toDevice(module_->forward(toDevice(input, device)), Device::cpu());
   }
   meter_->forwardStarting();
   const auto start = Clock::now();
@@ -681,7 +693,7 @@ Tensor PipelineStage::runForward(const Tensor& input, int64_t microBatch, int64_
                              return std::vector<Tensor>{grads[0]};
                            });
   }
-  Tensor y = module_->forward(x);
+  Tensor y = module_->forward(toDevice(x, device));
   if (!inputNeedsGrad) endAtFirstOps(y, flight);
   if (loss != nullptr) {
     // Note [Loss on the last stage]: the ops the driver used to run on the logits, the same ones
@@ -699,6 +711,8 @@ Tensor PipelineStage::runForward(const Tensor& input, int64_t microBatch, int64_
       // Logits that do not fit the labels: the last stage's output is not a classifier's.
       throw ValueError(std::string("its loss failed: ") + e.what());
     }
+  } else {
+    y = toDevice(y, Device::cpu());  // for the next stage or the driver (Note [Stage devices])
   }
   Tensor out = autograd::recordOp("PipelineStageOutput", {y}, y.detach(),
                                   [flight](const std::vector<Tensor>& grads, const autograd::Node&) {
@@ -745,6 +759,20 @@ StageStats PipelineStage::takeStats() {
 
 std::vector<Tensor> PipelineStage::parameters() const { return module_->parameters(); }
 
+std::vector<Tensor> PipelineStage::parametersOnHost() const {
+  std::vector<Tensor> out;
+  for (const Tensor& p : module_->parameters()) out.push_back(p.device().isCpu() ? p.cloneData() : p.to(Device::cpu()));
+  return out;
+}
+
+void PipelineStage::to(Device device) {
+  std::lock_guard<std::mutex> lock(queueMutex_);  // no forward starts while the module moves
+  DG_CHECK(!running_ && queue_.empty(), what_, ": cannot move the stage to ", device.str(),
+           " while forwards run or wait; move it before the first step");
+  module_->to(device);
+  device_.store(device);
+}
+
 const rpc::Class<PipelineStage>& pipelineStageClass() {
   static const rpc::Class<PipelineStage> cls = rref::moduleClass<PipelineStage>("dg.pipeline.PipelineStage")
                                                    .method("forwardFirst", &PipelineStage::forwardFirst)
@@ -756,7 +784,8 @@ const rpc::Class<PipelineStage>& pipelineStageClass() {
                                                    .method("setIndex", &PipelineStage::setIndex)
                                                    .method("stats", &PipelineStage::stats)
                                                    .method("resetStats", &PipelineStage::resetStats)
-                                                   .method("takeStats", &PipelineStage::takeStats);
+                                                   .method("takeStats", &PipelineStage::takeStats)
+                                                   .method("parametersOnHost", &PipelineStage::parametersOnHost);
   return cls;
 }
 
@@ -839,10 +868,14 @@ std::vector<std::string> RpcPipeline::workers() const {
 
 std::vector<Tensor> RpcPipeline::fetchParameters() const {
   rpc::AutogradContextScope noContext(0);
-  std::vector<rpc::Future<Tensor>> fetches;
-  for (const auto& p : parameters_) fetches.push_back(p.toHereAsync());
+  // One call per stage, answered with host copies (a GPU stage's parameters cannot come back as they are:
+  // Note [Stage devices]).
+  std::vector<rpc::Future<std::vector<Tensor>>> fetches;
+  for (const auto& stage : stages_) fetches.push_back(stage.moduleRRef().rpcAsync(&PipelineStage::parametersOnHost));
   std::vector<Tensor> out;
-  for (auto& r : rpc::whenAll(std::move(fetches), &agent_->executor()).get()) out.push_back(std::move(r).value());
+  for (auto& r : rpc::whenAll(std::move(fetches), &agent_->executor()).get()) {
+    for (Tensor& p : std::move(r).value()) out.push_back(std::move(p));
+  }
   return out;
 }
 

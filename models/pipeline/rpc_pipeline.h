@@ -208,6 +208,11 @@ class PipelineStage : public std::enable_shared_from_this<PipelineStage> {
   StageStats takeStats();
   // The module's parameters (RemoteModule::remoteParameters hands out RRefs to them).
   std::vector<Tensor> parameters() const;
+  // Copies of the parameters on the host (what RpcPipeline::fetchParameters collects, whatever the device).
+  std::vector<Tensor> parametersOnHost() const;
+  // Moves the module to `device`: RemoteModule's placement "workerN/cuda:i" calls it once the stage exists,
+  // before any forward (a ValueError while a forward runs or waits). Note [Stage devices] in the .cpp.
+  void to(Device device);
   const StageSpec& spec() const { return spec_; }
   const std::shared_ptr<Module>& module() const { return module_; }
 
@@ -260,6 +265,7 @@ class PipelineStage : public std::enable_shared_from_this<PipelineStage> {
   std::vector<std::shared_ptr<LossJob>> waiting_;  // GUARDED_BY(lossMutex_): of lossStep_
   int64_t abandonedStep_ = -1;                      // GUARDED_BY(lossMutex_)
   std::atomic<int64_t> index_{-1};  // setIndex
+  std::atomic<Device> device_{Device::cpu()};  // to()
 };
 
 // The rpc::Class of PipelineStage ("forward" is the RemoteModule method).
@@ -305,7 +311,7 @@ class RpcPipeline : public Pipeline {
   // The worker of each stage.
   std::vector<std::string> workers() const;
   // Copies of every stage's parameters, in model order (stage 0's first, each in Module::parameters()
-  // order): for checkpoints at the driver and for tests. Blocks (one fetch per parameter, concurrently).
+  // order), on the host: for checkpoints at the driver and for tests. Blocks (one call per stage, concurrently).
   std::vector<Tensor> fetchParameters() const;
   // Whether step() fetches the stages' measurements (one small call per stage per step, concurrent with the
   // optimizer step). Off: StepResult::stats has only wallSeconds (and steps).

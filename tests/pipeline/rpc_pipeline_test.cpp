@@ -512,6 +512,59 @@ TEST_P(RpcPipelineTest, AFailedStepLeavesNoMicroBatchInFlight) {
   }
 }
 
+TEST_P(RpcPipelineTest, CpuPlacementAndHostParametersLeaveTrainingUnchanged) {
+  // Runs everywhere: an explicit "/cpu" placement moves nothing (PipelineStage::to), and the parameters come
+  // back as copies, not views of the stages' own (inproc passes references).
+  const ModelSpec model = mlpSpec();
+  RpcPipeline pipe(agent(0), {RemoteStage{"worker1/cpu", StageSpec{model, 0, 2}}, twoStages(model, 2)[1]},
+                   {.microBatches = 2, .schedule = Schedule::k1F1B, .optimizer = OptimizerSpec::sgd({.learningRate = 0.1})});
+  const std::vector<Tensor> before = pipe.fetchParameters();
+  (void)pipe.step(images(6, model, 50), classes(6, 5, 51));
+  const std::vector<Tensor> after = pipe.fetchParameters();
+  ASSERT_EQ(before.size(), after.size());
+  double moved = 0;
+  for (size_t i = 0; i < before.size(); ++i) {
+    EXPECT_EQ(after[i].device(), Device::cpu());
+    moved = std::max(moved, maxAbsDiff(before[i], after[i]));
+  }
+  EXPECT_GT(moved, 0.0) << "the step changed no parameter, or fetchParameters returned views";
+}
+
+TEST_P(RpcPipelineTest, GpuStagesTrainAndPredictLikeCpuStages) {
+  if (!tensor::cuda::isAvailable()) GTEST_SKIP() << "no CUDA device";
+  // Note [Stage devices]: both stages on cuda:0 (two processes' worth of workers on one GPU), against the
+  // same pipeline on the CPU; float32 on different kernels, so within 1e-4.
+  const ModelSpec model = mlpSpec();
+  std::vector<RemoteStage> gpuStages = twoStages(model, 2);
+  gpuStages[0].placement = "worker1/cuda:0";
+  gpuStages[1].placement = "worker2/cuda:0";
+  for (Schedule schedule : {Schedule::kGPipe, Schedule::k1F1B}) {
+    SCOPED_TRACE(scheduleName(schedule));
+    const PipelineOptions options{.microBatches = 2, .schedule = schedule,
+                                  .optimizer = OptimizerSpec::sgd({.learningRate = 0.1, .momentum = 0.9})};
+    RpcPipeline onGpu(agent(0), gpuStages, options);
+    RpcPipeline onCpu(agent(0), twoStages(model, 2), options);
+    for (int step = 0; step < 2; ++step) {
+      const Tensor x = images(6, model, 60 + step);
+      const Tensor y = classes(6, 5, 70 + step);
+      const StepResult got = onGpu.step(x, y);
+      const StepResult want = onCpu.step(x, y);
+      EXPECT_NEAR(got.loss, want.loss, 1e-4) << "step " << step;
+    }
+    const std::vector<Tensor> got = onGpu.fetchParameters();
+    const std::vector<Tensor> want = onCpu.fetchParameters();
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_EQ(got[i].device(), Device::cpu());
+      EXPECT_LE(maxAbsDiff(got[i], want[i]), 1e-4) << "parameter " << i;
+    }
+    const Tensor x = images(5, model, 80);
+    const Tensor predicted = onGpu.predict(x);
+    EXPECT_EQ(predicted.device(), Device::cpu());
+    EXPECT_LE(maxAbsDiff(predicted, onCpu.predict(x)), 1e-4);
+  }
+}
+
 TEST_P(RpcPipelineTest, BadConfigurationsAreValueErrors) {
   const ModelSpec model = mlpSpec();
   EXPECT_THROW(RpcPipeline(agent(0), {}, {}), ValueError);
