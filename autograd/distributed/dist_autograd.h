@@ -35,6 +35,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -68,6 +69,13 @@ struct BackwardOptions {
   std::chrono::milliseconds timeout{0};
   // Cancelling it aborts the pass on every worker; the backward fails with `cancelled`.
   rpc::CancellationToken cancel;
+  // Called once when the root worker's own part of the pass has run (Note [Local part done] in state.cpp):
+  // every node of the pass on this worker has run and the gradients for other workers have been handed to
+  // the agent, while the pass may still run elsewhere (the backward's future completes when every worker is
+  // done). Not called when the pass fails first. Runs on the thread that ran this worker's last node, outside
+  // the engine's locks, so it may start another backward (a pipeline's last stage starts the next
+  // micro-batch's once this one's gradients have left it); it must not block. Empty: nothing is called.
+  std::function<void()> localDone;
 };
 
 // The gradients one context accumulated on one worker: leaf tensor -> gradient (a snapshot; the tensors

@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <functional>
 #include <map>
+#include <utility>
 
 #include "autograd/grad_mode.h"
 #include "autograd/ops.h"
@@ -90,6 +92,17 @@ std::string hex(uint64_t id) {
 // Errors travel back the same way (a failed node fails its worker's pass, which fails the caller's
 // kPropagate); the root then tells every worker to abort (kControl/kAbort, forwarded once per worker).
 //
+// Note [Local part done]
+// The root's caller may ask to hear when the root's OWN part of the pass has run (BackwardOptions::
+// localDone), long before the pass completes: the completion waits for every other worker, the local part
+// only for this worker's nodes. It is the moment the root's task is done (every node of the pass here has
+// run, the gradients of every RecvBackward here handed to the agent) at the end of a drain that did not
+// fail the pass. A task that is done stays done, so it fires at most once; the callback is taken out of the
+// pass under the context's mutex and called after the drain has let go of it (running = false, lock
+// released), so it may start another pass, of this context or another, on this thread. A pipeline's last
+// stage uses it to start micro-batch m + 1's backward as soon as m's gradients have left the stage
+// (models/pipeline/rpc_pipeline.cpp, Note [Loss on the last stage]).
+//
 // Note [Exact plans]
 // The forward records, for every message with grad tensors, its closure: the ids of every message whose
 // received tensors the sent ones were computed from, transitively (the sender walks its graph back from the
@@ -146,6 +159,7 @@ struct DistAutogradState::Pass {
   bool finished = false;
   std::optional<rpc::Error> error;
   std::vector<rpc::Promise<void>> waiters;
+  std::function<void()> localDone;  // root only: Note [Local part done]
 
   bool busy() const { return task != nullptr && !finished; }
 };
@@ -517,6 +531,7 @@ rpc::Future<void> DistAutogradState::backward(uint64_t contextId, const std::vec
   pass->isRoot = true;
   pass->roots = edges;
   pass->rootGrads = std::move(rootGrads);
+  pass->localDone = options.localDone;
   rpc::Promise<void> promise(*executor_);
   rpc::Future<void> done = promise.getFuture();
   pass->waiters.push_back(std::move(promise));
@@ -927,6 +942,13 @@ void DistAutogradState::drain(const std::shared_ptr<Context>& ctx, const std::sh
     if (recv != nullptr) sendGradients(ctx, pass, *recv, std::move(inputs), lock);
   }
   pass->running = false;
+  // Note [Local part done]: before the completion, which may follow at once (nothing outstanding).
+  if (pass->localDone && !pass->finished && pass->task && pass->task->done()) {
+    std::function<void()> localDone = std::exchange(pass->localDone, nullptr);
+    lock.unlock();
+    localDone();
+    lock.lock();
+  }
   finishIfDone(*ctx, *pass);
 }
 

@@ -99,14 +99,23 @@ T& slot(std::vector<T>& values, int64_t index) {
 // after the forward, as stageOrder says, instead of after the logits' trip to the driver and the loss
 // gradient's trip back (about 1 ms each way under load, four times per step, each one idling the whole
 // pipeline in the steady state). Under GPipe the stage keeps the losses until every forward of the step has
-// run here, then starts the backwards in micro-batch order: fill, then drain. Only the scaled loss and the
-// count of correct predictions go back, in the reply to the forward call, sent once the backward has
-// finished on every stage (the root's pass completes last), so the driver's one event per micro-batch
-// means "this micro-batch is done". A micro-batch that fails here (its input's error, its forward's, its
-// loss's) makes the stage give up its step: the losses kept for it fail at once (kCancelled, so the driver
-// reports the real error), as do the step's micro-batches still to come (abandonStep, which the driver also
-// sends on the first error it sees, covers failures that never reach this stage). Nothing of a failed step
-// waits for a micro-batch that will not come.
+// run here (fill), then drains: it starts the backwards ONE AT A TIME in micro-batch order, micro-batch
+// m + 1's when m's has left this stage (its local part done, its gradients handed to the agent for the
+// previous stage: BackwardOptions::localDone, Note [Local part done] in autograd/distributed/state.cpp),
+// not when m's has finished on every stage, which would serialise the pipeline. That is the local
+// pipeline's drain (each stage's thread runs B0, B1, ... in order): the previous stage receives the
+// gradients in micro-batch order, and the last stage goes on with m + 1 while the stages before it work
+// on m. Started all at once, the M backwards contended for the stage's compute token (Note [Stage compute
+// token]) in thread-wake order, each waiting one holding an executor thread blocked, and the drain was not
+// micro-batch ordered. Only the scaled loss and the count of correct predictions go back, in the reply to
+// the forward call, sent once the backward has finished on every stage (the root's pass completes last),
+// so the driver's one event per micro-batch means "this micro-batch is done". A micro-batch that fails
+// here (its input's error, its forward's, its loss's, or under GPipe its backward) makes the stage give up
+// its step: the losses kept for it fail at once (kCancelled, so the driver reports the real error), as do
+// the step's micro-batches still to come (abandonStep, which the driver also sends on the first error it
+// sees, covers failures that never reach this stage). Nothing of a failed step waits for a micro-batch
+// that will not come: a held loss waits for the backward before it to leave this stage, and that backward
+// either leaves or fails.
 
 // Note [Stage devices]
 // A stage on a GPU (placement "workerN/cuda:i": PipelineStage::to moves its module) computes there, but
@@ -514,32 +523,37 @@ rpc::Future<LossResult> PipelineStage::forwardFirstLoss(const rpc::CallContext& 
 }
 
 void PipelineStage::abandonStep(int64_t step) {
-  std::vector<std::shared_ptr<LossJob>> failed;
+  std::deque<std::shared_ptr<LossJob>> failed;
   {
     std::lock_guard<std::mutex> lock(lossMutex_);
     abandonedStep_ = std::max(abandonedStep_, step);
     if (lossStep_ == step) failed.swap(waiting_);
   }
-  for (const auto& job : failed) {
+  failHeld(failed, "the step was abandoned");
+}
+
+void PipelineStage::failHeld(const std::deque<std::shared_ptr<LossJob>>& jobs, const std::string& why) {
+  for (const auto& job : jobs) {
     job->root = Tensor();  // its graph here goes: the in-flight slot is free again
     job->promise.setError(rpc::Error::cancelled(what_ + ": micro-batch " + std::to_string(job->call.microBatch) +
-                                                " of step " + std::to_string(step) +
-                                                " not run backward: the step was abandoned")
+                                                " of step " + std::to_string(job->call.step) +
+                                                " not run backward: " + why)
                               .onWorker(worker_));
   }
 }
 
 void PipelineStage::lossForwarded(const std::shared_ptr<LossJob>& job, rpc::Result<Tensor> root) {
   const int64_t step = job->call.step;
-  std::vector<std::shared_ptr<LossJob>> start;
-  std::vector<std::shared_ptr<LossJob>> failed;
-  std::vector<std::shared_ptr<LossJob>> stale;
+  std::shared_ptr<LossJob> start;
+  std::deque<std::shared_ptr<LossJob>> failed;
+  std::deque<std::shared_ptr<LossJob>> stale;
   std::optional<rpc::Error> error;
   {
     std::lock_guard<std::mutex> lock(lossMutex_);
     if (step > lossStep_) {  // the step's first micro-batch here
       lossStep_ = step;
       forwarded_ = 0;
+      draining_ = false;
       stale.swap(waiting_);  // none: the driver starts a step once every call of the last one has settled
     }
     if (!root.ok()) {
@@ -554,39 +568,38 @@ void PipelineStage::lossForwarded(const std::shared_ptr<LossJob>& job, rpc::Resu
     } else {
       job->root = std::move(root).value();
       if (!job->call.fillDrain) {
-        start.push_back(job);
+        start = job;
       } else {
         waiting_.push_back(job);
         if (++forwarded_ == job->call.microBatches) {
-          start.swap(waiting_);
-          std::sort(start.begin(), start.end(),
+          // The drain: one backward at a time, in micro-batch order (backwardLeft starts the next).
+          std::sort(waiting_.begin(), waiting_.end(),
                     [](const auto& a, const auto& b) { return a->call.microBatch < b->call.microBatch; });
+          draining_ = true;
+          start = std::move(waiting_.front());
+          waiting_.pop_front();
         }
       }
     }
   }
   if (error) job->promise.setError(*error);
-  for (const auto& other : failed) {
-    other->root = Tensor();
-    other->promise.setError(rpc::Error::cancelled(what_ + ": micro-batch " + std::to_string(other->call.microBatch) +
-                                                  " of step " + std::to_string(other->call.step) +
-                                                  " not run backward: micro-batch " +
-                                                  std::to_string(job->call.microBatch) + " of the step failed")
-                                .onWorker(worker_));
-  }
-  for (const auto& old : stale) {
-    old->root = Tensor();
-    old->promise.setError(rpc::Error::cancelled(what_ + ": micro-batch " + std::to_string(old->call.microBatch) +
-                                                " of step " + std::to_string(old->call.step) +
-                                                " not run backward: step " + std::to_string(step) + " began")
-                              .onWorker(worker_));
-  }
-  for (const auto& ready : start) startBackward(ready);
+  if (!failed.empty()) failHeld(failed, "micro-batch " + std::to_string(job->call.microBatch) + " of the step failed");
+  if (!stale.empty()) failHeld(stale, "step " + std::to_string(step) + " began");
+  if (start) startBackward(start);
 }
 
 void PipelineStage::startBackward(const std::shared_ptr<LossJob>& job) {
   autograd::distributed::BackwardOptions options;
   options.mode = static_cast<autograd::distributed::BackwardMode>(job->call.backwardMode);
+  std::weak_ptr<PipelineStage> weak = weak_from_this();
+  const bool drain = job->call.fillDrain;
+  if (drain) {
+    // Note [Loss on the last stage]: the next held micro-batch starts when this one's gradients have left
+    // this stage. Called on the thread that ran this stage's part of the pass, outside the engine's locks.
+    options.localDone = [weak, job] {
+      if (auto self = weak.lock()) self->backwardLeft(*job);
+    };
+  }
   rpc::Future<void> done;
   try {
     done = autograd::distributed::backwardAsync(*job->agent, job->context, {job->root}, options);
@@ -594,16 +607,47 @@ void PipelineStage::startBackward(const std::shared_ptr<LossJob>& job) {
     // The context is gone here (the driver released it: its step failed elsewhere).
     job->root = Tensor();
     job->promise.setError(rpc::detail::handlerError(std::current_exception(), worker_));
+    if (drain) backwardFailed(*job);
     return;
   }
-  (void)std::move(done).then(rpc::kInlineSafe, [job](rpc::Result<void>&& finished) {
+  rpc::Executor* executor = &job->agent->executor();
+  (void)std::move(done).then(rpc::kInlineSafe, [weak, job, drain, executor](rpc::Result<void>&& finished) {
     job->root = Tensor();
     if (finished.ok()) {
       job->promise.setValue(job->result);
-    } else {
-      job->promise.setError(finished.error());
+      return;
+    }
+    job->promise.setError(finished.error());
+    // This may run inside the engine's completion: the held losses (other contexts' graphs) go on the
+    // executor, away from its locks. A refused post (the agent closing) leaves them to the stage's end.
+    if (drain) {
+      (void)executor->post([weak, job] {
+        if (auto self = weak.lock()) self->backwardFailed(*job);
+      });
     }
   });
+}
+
+void PipelineStage::backwardLeft(const LossJob& job) {
+  std::shared_ptr<LossJob> next;
+  {
+    std::lock_guard<std::mutex> lock(lossMutex_);
+    // Nothing held: the drain is over, or the step was given up (its held losses failed already).
+    if (job.call.step != lossStep_ || !draining_ || waiting_.empty()) return;
+    next = std::move(waiting_.front());
+    waiting_.pop_front();
+  }
+  startBackward(next);
+}
+
+void PipelineStage::backwardFailed(const LossJob& job) {
+  std::deque<std::shared_ptr<LossJob>> held;
+  {
+    std::lock_guard<std::mutex> lock(lossMutex_);
+    abandonedStep_ = std::max(abandonedStep_, job.call.step);
+    if (job.call.step == lossStep_) held.swap(waiting_);
+  }
+  failHeld(held, "the backward of micro-batch " + std::to_string(job.call.microBatch) + " of the step failed");
 }
 
 rpc::Future<Tensor> PipelineStage::enqueue(rpc::Executor& executor, Tensor input, int64_t microBatch, int64_t step) {

@@ -22,10 +22,11 @@
 //
 // One step: one distributed autograd context PER MICRO-BATCH (created by the driver; each micro-batch's
 // backward runs in its own context, independently of the others), the loss of micro-batch m scaled by its
-// share of the batch, the backwards ordered by the schedule (GPipe: the last stage starts them once it has
-// run every forward of the step; 1F1B: right after each forward, and stage s holds at most S - s
-// micro-batches in flight, a bound the stage enforces itself so its next forward starts right after a
-// backward, without a round trip to the driver: Note [Stage in-flight limit] in the .cpp), then ONE
+// share of the batch, the backwards ordered by the schedule (GPipe: once the last stage has run every
+// forward of the step, it starts them one at a time in micro-batch order, each when the previous one's
+// gradients have left it, as the local pipeline drains; 1F1B: right after each forward, and stage s holds
+// at most S - s micro-batches in flight, a bound the stage enforces itself so its next forward starts right
+// after a backward, without a round trip to the driver: Note [Stage in-flight limit] in the .cpp), then ONE
 // DistributedOptimizer step over all the micro-batch contexts (each owner sums its parameters' gradients
 // over them: the step of the whole batch), then the contexts end. A stage never holds more than one copy
 // of its parameters' gradients: each micro-batch's context folds its gradients there into the first one's
@@ -185,14 +186,15 @@ class PipelineStage : public std::enable_shared_from_this<PipelineStage> {
   // The last stage's training forward (Note [Loss on the last stage]): forward() on `previous`, then the
   // cross-entropy against call.labels, scaled by call.share, and the micro-batch's distributed backward
   // started HERE from that loss, in the call's context (right away, or under GPipe once every forward of the
-  // step has run here). Completes when that backward has finished on every stage, with the loss and the
-  // count of correct predictions; fails with the forward's, the loss's or the backward's error.
+  // step has run here and the previous micro-batch's backward has left this stage). Completes when that
+  // backward has finished on every stage, with the loss and the count of correct predictions; fails with
+  // the forward's, the loss's or the backward's error.
   rpc::Future<LossResult> forwardLoss(const rpc::CallContext& ctx, rref::RRef<Tensor> previous, LossCall call);
   // The same for a pipeline of one stage: the input comes from the driver.
   rpc::Future<LossResult> forwardFirstLoss(const rpc::CallContext& ctx, Tensor input, LossCall call);
   // The driver gave up step `step` (one of its micro-batches failed): the micro-batches of that step whose
-  // backward waits here (GPipe) fail now, and those still to come fail on arrival, so no call of the
-  // failed step waits for a micro-batch that will never come.
+  // backward has not started here (GPipe's held ones) fail now, and those still to come fail on arrival,
+  // so no call of the failed step waits for a micro-batch that will never come.
   void abandonStep(int64_t step);
   // The stage's index in its pipeline (a0 of its trace events); set by the driver before the first step.
   void setIndex(int64_t index);
@@ -236,9 +238,19 @@ class PipelineStage : public std::enable_shared_from_this<PipelineStage> {
   Tensor runForward(const Tensor& input, int64_t microBatch, int64_t step, LossJob* loss);
   std::shared_ptr<LossJob> makeLossJob(const rpc::CallContext& ctx, LossCall call);
   // A loss job's forward ended (`root` the scaled loss, or the error): start its backward, keep it for the
-  // step's last forward (GPipe), or fail it (Note [Loss on the last stage]).
+  // step's drain (GPipe), or fail it (Note [Loss on the last stage]).
   void lossForwarded(const std::shared_ptr<LossJob>& job, rpc::Result<Tensor> root);
+  // Starts `job`'s distributed backward from its loss. Under GPipe the step's next held micro-batch starts
+  // when this one's part here is done (backwardLeft), and the step's held ones fail if it fails
+  // (backwardFailed).
   void startBackward(const std::shared_ptr<LossJob>& job);
+  // GPipe: `job`'s backward has left this stage (its gradients are on their way upstream): the step's next
+  // held micro-batch, in micro-batch order, starts its backward now.
+  void backwardLeft(const LossJob& job);
+  // GPipe: `job`'s backward failed or could not start: the step is given up here, its held losses fail.
+  void backwardFailed(const LossJob& job);
+  // Fails loss jobs whose backward never started (kCancelled): "... not run backward: <why>".
+  void failHeld(const std::deque<std::shared_ptr<LossJob>>& jobs, const std::string& why);
   // Ends `flight` when the backward has run the first ops of the graph of `y` (Note [Stage backward bracket]).
   static void endAtFirstOps(const Tensor& y, const std::shared_ptr<Flight>& flight);
   void recordSource(int64_t microBatch, const std::string& from);
@@ -257,13 +269,15 @@ class PipelineStage : public std::enable_shared_from_this<PipelineStage> {
   std::atomic<bool> training_{true};
 
   // Note [Loss on the last stage]: the step whose micro-batches arrive here now, how many of them have been
-  // forwarded, the ones whose backward waits for the step's last forward (GPipe), and the latest step the
-  // driver abandoned (or one of whose micro-batches failed here).
+  // forwarded, the ones whose backward has not started yet (GPipe: held for the drain), whether the drain
+  // has begun, and the latest step the driver abandoned (or one of whose micro-batches failed here).
   std::mutex lossMutex_;
-  int64_t lossStep_ = -1;                           // GUARDED_BY(lossMutex_)
-  int64_t forwarded_ = 0;                           // GUARDED_BY(lossMutex_): of lossStep_
-  std::vector<std::shared_ptr<LossJob>> waiting_;  // GUARDED_BY(lossMutex_): of lossStep_
-  int64_t abandonedStep_ = -1;                      // GUARDED_BY(lossMutex_)
+  int64_t lossStep_ = -1;                          // GUARDED_BY(lossMutex_)
+  int64_t forwarded_ = 0;                          // GUARDED_BY(lossMutex_): of lossStep_
+  std::deque<std::shared_ptr<LossJob>> waiting_;  // GUARDED_BY(lossMutex_): of lossStep_; once draining,
+                                                   // in micro-batch order, the next to start first
+  bool draining_ = false;                          // GUARDED_BY(lossMutex_): every forward of lossStep_ ran
+  int64_t abandonedStep_ = -1;                     // GUARDED_BY(lossMutex_)
   std::atomic<int64_t> index_{-1};  // setIndex
   std::atomic<Device> device_{Device::cpu()};  // to()
 };

@@ -3,11 +3,12 @@
 // backward function that throws (or returns a wrong-shaped gradient) on any worker (the callee, a worker two
 // hops away, the root itself) fails the root's backward with that worker's name and the original message;
 // cancellation and the deadline abort a pass that is stuck in a remote backward function; bad roots are
-// ValueErrors and leave the context usable; after each failure the workers still serve new contexts and hold
-// nothing. Then, across processes (tcp on 127.0.0.1): a worker killed (SIGKILL) or stopped (SIGSTOP, only
-// the heartbeat notices) in the middle of a backward fails the root's pass as `disconnected` naming it,
-// within the heartbeat bound, whether the root called it or only another worker did, and the surviving
-// workers release their parts.
+// ValueErrors and leave the context usable; BackwardOptions::localDone fires once when the root's own part
+// has run, before the pass completes, and never for a pass whose root part failed; after each failure the
+// workers still serve new contexts and hold nothing. Then, across processes (tcp on 127.0.0.1): a worker
+// killed (SIGKILL) or stopped (SIGSTOP, only the heartbeat notices) in the middle of a backward fails the
+// root's pass as `disconnected` naming it, within the heartbeat bound, whether the root called it or only
+// another worker did, and the surviving workers release their parts.
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <signal.h>
@@ -15,6 +16,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <thread>
 
 #include "dist_autograd_test_util.h"
@@ -247,6 +249,100 @@ TEST_P(FailureTest, DeadlineAbortsAPassStuckInARemoteBackward) {
     world_.onGatedBackward = nullptr;
   }
   expectStillWorking(twoWorkerMlp(3303));
+  EXPECT_TRUE(allReleased()) << liveCounts();
+}
+
+// Note [Local part done]: BackwardOptions::localDone fires once the root's own nodes have all run (its
+// gradients are complete and the gradient for worker1 is on its way) while worker1's backward is still
+// stuck in a gate, so before the pass completes; exactly once. (The input is data: an x requiring grad
+// would make x's gradient, which comes back from worker1, part of worker0's share of the pass.) A pass whose root part fails never calls
+// it; a pass cancelled after the root's part ran has called it, once, and fails.
+TEST_P(FailureTest, LocalDoneFiresWhenTheRootsPartHasRunBeforeThePassCompletes) {
+  ASSERT_NO_FATAL_FAILURE(start(2));
+  const Tensor x = input({8, 5}, 3351, /*requiresGrad=*/false);
+  const Tensor y = labels(8, 3, 3352);
+  const Layer& head = layer("worker0", "head7");
+  struct Calls {
+    std::atomic<int> count{0};
+    rpc::testing::Event event;
+  };
+  auto withLocalDone = [](BackwardMode mode, const std::shared_ptr<Calls>& calls) {
+    BackwardOptions options;
+    options.mode = mode;
+    options.timeout = 20s;
+    options.localDone = [calls] {
+      calls->count.fetch_add(1);
+      calls->event.set();
+    };
+    return options;
+  };
+  for (BackwardMode mode : bothModes()) {
+    SCOPED_TRACE(backwardModeName(mode));
+    {
+      SCOPED_TRACE("worker1's backward held in a gate");
+      Gate gate = installGate();
+      auto calls = std::make_shared<Calls>();
+      DistContext ctx(agent(0));
+      Tensor h = agent(0).rpcSync(name(1), kLayerWith, std::string("l1"), static_cast<int64_t>(Behavior::kGate), x);
+      Tensor loss = headLoss(h, head, y);
+      rpc::Future<void> pass = ctx.backwardAsync({loss}, withLocalDone(mode, calls));
+      ASSERT_TRUE(calls->event.waitFor()) << "localDone never fired";
+      ASSERT_TRUE(gate.entered->waitFor()) << "worker1's backward never started";
+      EXPECT_FALSE(pass.isReady()) << "the pass completed while worker1's backward was held";
+      // Every node of worker0 ran: its gradients are there before the pass completes.
+      EXPECT_TRUE(ctx.gradients().contains(head.weight));
+      EXPECT_TRUE(ctx.gradients().contains(head.bias));
+      gate.release->set();
+      ASSERT_TRUE(pass.wait(10s)) << "the pass did not complete after the gate opened";
+      rpc::Result<void> r = pass.result();
+      EXPECT_TRUE(r.ok()) << r.error().describe();
+      EXPECT_EQ(calls->count.load(), 1);
+    }
+    {
+      std::lock_guard<std::mutex> lock(world_.mutex);
+      world_.onGatedBackward = nullptr;
+    }
+    {
+      SCOPED_TRACE("the root's own part fails");
+      auto calls = std::make_shared<Calls>();
+      DistContext ctx(agent(0));
+      Tensor h = agent(0).rpcSync(name(1), kLayer, std::string("l1"), x);
+      Tensor loss = withBehavior(world_, headLoss(h, head, y), Behavior::kExplode);
+      rpc::Future<void> pass = ctx.backwardAsync({loss}, withLocalDone(mode, calls));
+      ASSERT_TRUE(pass.wait(10s));
+      rpc::Result<void> r = pass.result();
+      ASSERT_FALSE(r.ok());
+      EXPECT_EQ(r.error().worker, "worker0") << r.error().describe();
+      EXPECT_EQ(calls->count.load(), 0) << "localDone fired for a pass whose root part failed";
+    }
+    {
+      SCOPED_TRACE("the pass fails after the root's part ran");
+      Gate gate = installGate();
+      auto calls = std::make_shared<Calls>();
+      DistContext ctx(agent(0));
+      Tensor h = agent(0).rpcSync(name(1), kLayerWith, std::string("l1"), static_cast<int64_t>(Behavior::kGate), x);
+      Tensor loss = headLoss(h, head, y);
+      rpc::CancellationSource source;
+      BackwardOptions options = withLocalDone(mode, calls);
+      options.cancel = source.token();
+      rpc::Future<void> pass = ctx.backwardAsync({loss}, options);
+      ASSERT_TRUE(calls->event.waitFor()) << "localDone never fired";
+      ASSERT_TRUE(gate.entered->waitFor()) << "worker1's backward never started";
+      source.cancel();
+      ASSERT_TRUE(pass.wait(10s)) << "cancelling did not end the pass";
+      rpc::Result<void> r = pass.result();
+      ASSERT_FALSE(r.ok());
+      EXPECT_EQ(r.error().kind, rpc::ErrorKind::kCancelled) << r.error().describe();
+      gate.release->set();
+      EXPECT_EQ(calls->count.load(), 1);
+    }
+    {
+      std::lock_guard<std::mutex> lock(world_.mutex);
+      world_.onGatedBackward = nullptr;
+    }
+  }
+  EXPECT_TRUE(allReleased()) << liveCounts();
+  expectStillWorking(twoWorkerMlp(3353));
   EXPECT_TRUE(allReleased()) << liveCounts();
 }
 

@@ -9,7 +9,8 @@
 // error (a wrong input shape) comes back from step() naming the stage's worker under both schedules, a 1F1B
 // step failing mid-way returns at once, and the pipeline works again afterwards; predict() equals the local
 // model; every context, RRef and optimizer is released. Then, across processes: a killed stage worker fails
-// step() with an error naming it, within the heartbeat bound.
+// step() with an error naming it, within the heartbeat bound. Traced: every stage and micro-batch's events
+// in its worker's file, and under GPipe the last stage's drain one micro-batch at a time, in order.
 #include "models/pipeline/rpc_pipeline.h"
 
 #include <gtest/gtest.h>
@@ -22,10 +23,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "autograd/distributed/dist_autograd.h"
@@ -705,6 +708,62 @@ TEST_P(RpcPipelineTraceTest, StepsRecordEveryStageAndMicroBatchInTheirWorkersFil
     const auto file = trace::testing::readTrace(dir_.path() + "/" + worker + ".trace.jsonl");
     tracecheck::expectStageEvents(file, stage, stage + 1, kMicro, kSteps, "rpc");
     EXPECT_TRUE(named(file, "pipeline.step").empty());
+  }
+}
+
+// Note [Loss on the last stage]: under GPipe the last stage drains one micro-batch at a time, in
+// micro-batch order, starting each backward when the previous one has left the stage. Observed in the last
+// stage's trace: every node the distributed engine ran there for a micro-batch's backward (autograd spans,
+// a0 its context) began after the last node of the previous micro-batch's had ended (started all at once,
+// the passes' first nodes overlap: each blocks there for the compute token), and the stage's
+// pipeline.backward spans follow micro-batch order.
+TEST_P(RpcPipelineTraceTest, GPipeDrainsTheLastStageOneMicroBatchAtATimeInOrder) {
+  ASSERT_TRUE(trace::enabled());
+  const ModelSpec model = mlpSpec();
+  constexpr int64_t kMicro = 4;
+  constexpr int64_t kSteps = 3;
+  {
+    RpcPipeline pipe(agent(0), twoStages(model, 2),
+                     {.microBatches = kMicro, .schedule = Schedule::kGPipe, .optimizer = OptimizerSpec::sgd({})});
+    for (int64_t k = 0; k < kSteps; ++k) (void)pipe.step(images(8, model, 60 + k), classes(8, 5, 70 + k));
+  }
+  ASSERT_GT(trace::flush(), 0u);
+  const auto file = trace::testing::readTrace(dir_.path() + "/worker2.trace.jsonl");
+  // The engine's node spans on the last stage, by context: [first begin, last end].
+  std::map<int64_t, std::pair<int64_t, int64_t>> byContext;
+  for (const auto& e : file.events) {
+    if (e.string("cat") != "autograd" || e.string("type") != "span") continue;
+    const int64_t context = e.integer("a0").value_or(-1);
+    const int64_t begin = e.integer("b").value_or(-1);
+    const int64_t end = e.integer("e").value_or(-1);
+    auto [it, fresh] = byContext.try_emplace(context, begin, end);
+    if (!fresh) {
+      it->second.first = std::min(it->second.first, begin);
+      it->second.second = std::max(it->second.second, end);
+    }
+  }
+  ASSERT_EQ(static_cast<int64_t>(byContext.size()), kMicro * kSteps);
+  // The driver creates the contexts in micro-batch order, step after step: their ids ascend likewise.
+  int64_t index = 0;
+  int64_t previousEnd = 0;
+  for (const auto& [context, span] : byContext) {
+    if (index > 0) {
+      EXPECT_GE(span.first, previousEnd) << "the backward of micro-batch " << index % kMicro << " of step "
+                                         << index / kMicro
+                                         << " began on the last stage before the previous one had left it";
+    }
+    previousEnd = span.second;
+    ++index;
+  }
+  const auto backwards = tracecheck::pipelineEvents(file, "pipeline.backward", "rpc");
+  ASSERT_EQ(static_cast<int64_t>(backwards.size()), kMicro * kSteps);
+  for (int64_t k = 0; k < kSteps; ++k) {
+    for (int64_t m = 1; m < kMicro; ++m) {
+      const auto* before = backwards.at(tracecheck::Key{1, m - 1, k});
+      const auto* after = backwards.at(tracecheck::Key{1, m, k});
+      EXPECT_GE(after->integer("b").value_or(-1), before->integer("e").value_or(0))
+          << "step " << k << ": micro-batch " << m << "'s backward began before " << m - 1 << "'s ended";
+    }
   }
 }
 
