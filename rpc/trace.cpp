@@ -353,7 +353,7 @@ ThreadBuffer* attachThread() {
 }
 
 // Note [Populated chunks]: a fresh chunk's pages are mapped in by one madvise(MADV_POPULATE_WRITE) when it
-// is allocated, instead of by a page fault at the first record written into each of its 37 pages: the
+// is allocated, instead of by a page fault at the first record written into each of its 36 pages: the
 // kernel does the same work (zeroed pages) without a trap per page, which is most of what fresh memory
 // costs a recording thread (a traced run keeps its records in memory, so nearly every chunk is fresh).
 // Best effort: a kernel without it (before Linux 5.14) faults the pages in as they are written.
