@@ -76,8 +76,8 @@ constexpr uint64_t kFlowLowMask = (uint64_t{1} << 48) - 1;
 inline bool packRpc(const RpcRecord& r, WorkerSlot worker, PackedRpc& out) {
   const auto d1 = static_cast<uint64_t>(r.t[1]) - static_cast<uint64_t>(r.t[0]);
   const auto d2 = static_cast<uint64_t>(r.t[2]) - static_cast<uint64_t>(r.t[0]);
-  const bool fits = r.t[1] >= r.t[0] && r.t[2] >= r.t[0] && d1 <= UINT32_MAX && d2 <= UINT32_MAX &&
-                    r.bytes >= 0 && static_cast<uint64_t>(r.bytes) <= UINT32_MAX && worker <= UINT16_MAX &&
+  const bool fits = r.t[1] >= r.t[0] && r.t[2] >= r.t[0] && d1 <= UINT32_MAX && d2 <= UINT32_MAX && r.bytes >= 0 &&
+                    static_cast<uint64_t>(r.bytes) <= UINT32_MAX && worker <= UINT16_MAX &&
                     (r.flow == 0 || ((r.flow & kFlowLowMask) == (r.call & kFlowLowMask) && (r.flow >> 48) != 0));
   if (!fits) return false;
   out.t0 = r.t[0];
@@ -554,7 +554,8 @@ uint64_t flushLocked(Recorder& r) {
         const Event* events = &chunk->at<Event>(offset);
         int eventCount = 1;
         if (kind != kSlotEvent) {
-          const RpcRecord rpc = kind == kSlotRpc ? chunk->at<RpcRecord>(offset) : unpackRpc(chunk->at<PackedRpc>(offset));
+          const RpcRecord rpc =
+              kind == kSlotRpc ? chunk->at<RpcRecord>(offset) : unpackRpc(chunk->at<PackedRpc>(offset));
           eventCount = expandRpc(rpc, expanded);
           events = expanded;
         }

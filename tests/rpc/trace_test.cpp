@@ -540,8 +540,6 @@ TEST(Trace, RpcRecordsBeyondThePackedLimitsAreWrittenExactly) {
       {RpcSite::kServerExecute, {base, base + 1, base + 2}, 0, 6, 0xabcdef},
       // Call ids beyond 48 bits (the flow keeps their low 48).
       {RpcSite::kServerExecute, {base, base + 1, base + 2}, 0, (uint64_t{1} << 50) + 7, callFlowId(1, 7)},
-      {RpcSite::kServerExecute, {base, base + 1, base + 2}, 0, (uint64_t{1} << 50) + 8,
-       callFlowId(1, (uint64_t{1} << 50) + 8)},
       // Times out of order (t1 before t0), negative times.
       {RpcSite::kServerReply, {base, base - 5, base + 3}, 9, 9, 0},
       {RpcSite::kServerReply, {-20, -10, -5}, 10, 10, 0},
