@@ -2,6 +2,8 @@
 //   trace span_off         ns per DG_TRACE_SCOPE with tracing off (one relaxed load, nothing else)
 //   trace span_on          ns per DG_TRACE_SCOPE with tracing on (two clock reads and an append to the
 //                          thread's buffer; the buffer is written between reps, untimed)
+//   trace rpc_record_on    CPU ns per RPC site record (trace::recordRpc) into fresh memory, as a traced run
+//                          stores them (page faults included)
 //   trace flush_per_event  ns per event to write buffered events to the trace file (JSON lines)
 //   trace rpcsync_rtt_noop_MODE          rpcSync of a no-op i64(i64) between two processes on 127.0.0.1
 //                                        (tcp, two executor threads each): median round trip (us)
@@ -28,6 +30,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <deque>
 #include <filesystem>
 #include <fstream>
@@ -73,6 +76,12 @@ struct Config {
   int spans = 200000;  // spans per rep of the span cost
 };
 
+double threadCpuSeconds() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
 std::string loadAverage() {
   std::ifstream in("/proc/loadavg");
   std::string one;
@@ -97,6 +106,38 @@ void measureSpans(const Config& config, const std::string& dir) {
   }
   const trace::WorkerSlot slot = trace::registerWorker("span-bench", 0, dir);
   trace::setCurrentWorker(slot);
+  // An RPC site's record (trace::recordRpc: a call's send, 3 events), as a traced run stores it: into memory
+  // not touched before (its records stay in memory up to the flush threshold). CPU time of this thread
+  // (page faults included) per record, measured before the spans so that the memory is fresh as in a traced
+  // run (rep 0 is a warm-up). The records go to a worker without a file, so the flush after the reps drops
+  // them instead of writing them.
+  std::vector<double> rpcRecord;
+  {
+    const trace::WorkerSlot sink = trace::registerWorker("rpc-record-bench", 0);
+    trace::RpcRecord record;
+    record.site = trace::RpcSite::kClientSend;
+    record.flags = trace::kRpcToTransport;
+    record.function = trace::intern("ping");
+    record.peer = 1;
+    record.bytes = 236;
+    record.worker = sink;
+    int64_t t = trace::nowNs();
+    for (int rep = 0; rep < 11; ++rep) {
+      const double cpu0 = threadCpuSeconds();
+      for (int i = 0; i < config.spans; ++i) {
+        record.call = static_cast<uint64_t>(rep * config.spans + i);
+        record.flow = trace::callFlowId(0, record.call);
+        record.t[0] = t;
+        record.t[1] = t + 900;
+        record.t[2] = t + 1700;
+        t += 5000;
+        trace::recordRpc(record);
+      }
+      if (rep > 0) rpcRecord.push_back(1e9 * (threadCpuSeconds() - cpu0) / config.spans);
+    }
+    trace::flush();
+    trace::unregisterWorker(sink);
+  }
   for (int rep = 0; rep < 11; ++rep) {
     const double ns = nsPerIteration([] { DG_TRACE_SCOPE("bench span"); }, config.spans);
     const auto t0 = std::chrono::steady_clock::now();
@@ -108,6 +149,8 @@ void measureSpans(const Config& config, const std::string& dir) {
   }
   trace::setCurrentWorker(trace::kNoWorker);
   trace::unregisterWorker(slot);
+  emit("trace", "rpc_record_on", "ns", statsOf(rpcRecord),
+       {{"records_per_rep", std::to_string(config.spans)}, {"memory", quoted("fresh")}});
   const Stats offStats = statsOf(off);
   emit("trace", "span_off", "ns", offStats, {{"spans_per_rep", std::to_string(config.spans * 10)}});
   emit("trace", "span_on", "ns", statsOf(on),

@@ -1,6 +1,7 @@
 #include "rpc/trace.h"
 
 #include <pthread.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -29,42 +30,115 @@ namespace {
 
 // Note [Trace buffers]
 // Each thread that records owns a ThreadBuffer: a singly linked list of chunks. Only the owner appends,
-// always to its tail chunk: it writes event `count`, then stores count + 1 with release. When the tail is
-// full it links a new chunk with a release store of `next` and never touches the old one again. The writer
-// (a flush, under flushMutex) walks from `head`: it loads `next` (acquire) BEFORE `count` (acquire), so a
-// chunk whose next it saw set has its final count; it writes events [readIndex, count) and frees a chunk
-// only when it is full, completely written and has a successor (the owner has left it). A thread that
-// exits marks its buffer; the next flush (or the exiting thread itself, when nothing is left) frees it.
+// always to its tail chunk: it writes record `count` (at the byte offset where the previous one ended),
+// then stores count + 1 with release. When the tail is full it links a new chunk with a release store of
+// `next` and never touches the old one again. The writer (a flush, under flushMutex) walks from `head`: it
+// loads `next` (acquire) BEFORE `count` (acquire), so a chunk whose next it saw set has its final count; it
+// writes records [readIndex, count) (each found after the previous one by its kind's size: readOffset) and
+// frees a chunk only when it is full, completely written and has a successor (the owner has left it). A
+// thread that exits marks its buffer; the next flush (or the exiting thread itself, when nothing is left)
+// frees it.
 //
 // Locks, in order: writerMutex (starting / stopping the writer thread), flushMutex (a whole flush, and
 // registering or unregistering a worker), mutex (the buffer list, thread names, the enabled state; only
 // ever held briefly, so a recording thread that registers its buffer or names itself never waits for a
 // flush writing a file), then the leaves clockMutex and poolMutex.
 // What a slot holds (Chunk::kinds).
-enum SlotKind : uint8_t { kSlotEvent = 0, kSlotRpc = 1 };
+enum SlotKind : uint8_t { kSlotEvent = 0, kSlotRpc = 1, kSlotPackedRpc = 2 };
+
+// Note [Packed RPC records]
+// What an RPC costs its threads is mostly the bytes its records take: a traced run keeps them in memory, so
+// every record is written into memory the process has not touched before (a page fault per 4 KiB, and a
+// cache miss per line). recordRpc therefore stores an RpcRecord in 48 bytes instead of an event's 72 when
+// its values fit: t1 and t2 as offsets from t0 (< 2^32 ns, 4.29 s), the frame's bytes below 4 GiB, a
+// worker slot below 2^16, and a flow that is callFlowId(rank, call) of the record's own call (or none),
+// kept as its top 16 bits. A record that does not fit (a wait of seconds, a huge frame, a foreign flow) is
+// stored whole (kSlotRpc); both expand to the same events, so a file does not show the difference.
+struct PackedRpc {
+  int64_t t0 = 0;
+  uint32_t t1Offset = 0;  // t[1] - t[0]
+  uint32_t t2Offset = 0;  // t[2] - t[0]
+  uint64_t call = 0;
+  const char* function = nullptr;
+  uint32_t bytes = 0;
+  int32_t peer = -1;
+  uint16_t worker = 0;
+  uint16_t flowHigh = 0;  // flow >> 48 (0: no flow); its low 48 bits are the call's
+  uint8_t site = 0;
+  uint8_t flags = 0;
+  uint8_t status = 0;
+};
+static_assert(sizeof(PackedRpc) == 48, "a packed RPC record takes 48 bytes");
+
+constexpr uint64_t kFlowLowMask = (uint64_t{1} << 48) - 1;
+
+// Packs `r` (for `worker`) into `out`; false when a value does not fit (Note [Packed RPC records]).
+inline bool packRpc(const RpcRecord& r, WorkerSlot worker, PackedRpc& out) {
+  const auto d1 = static_cast<uint64_t>(r.t[1]) - static_cast<uint64_t>(r.t[0]);
+  const auto d2 = static_cast<uint64_t>(r.t[2]) - static_cast<uint64_t>(r.t[0]);
+  const bool fits = r.t[1] >= r.t[0] && r.t[2] >= r.t[0] && d1 <= UINT32_MAX && d2 <= UINT32_MAX && r.bytes >= 0 &&
+                    static_cast<uint64_t>(r.bytes) <= UINT32_MAX && worker <= UINT16_MAX &&
+                    (r.flow == 0 || ((r.flow & kFlowLowMask) == (r.call & kFlowLowMask) && (r.flow >> 48) != 0));
+  if (!fits) return false;
+  out.t0 = r.t[0];
+  out.t1Offset = static_cast<uint32_t>(d1);
+  out.t2Offset = static_cast<uint32_t>(d2);
+  out.call = r.call;
+  out.function = r.function;
+  out.bytes = static_cast<uint32_t>(r.bytes);
+  out.peer = r.peer;
+  out.worker = static_cast<uint16_t>(worker);
+  out.flowHigh = static_cast<uint16_t>(r.flow >> 48);
+  out.site = static_cast<uint8_t>(r.site);
+  out.flags = r.flags;
+  out.status = r.status;
+  return true;
+}
+
+inline RpcRecord unpackRpc(const PackedRpc& p) {
+  RpcRecord r;
+  r.t[0] = p.t0;
+  r.t[1] = p.t0 + static_cast<int64_t>(p.t1Offset);
+  r.t[2] = p.t0 + static_cast<int64_t>(p.t2Offset);
+  r.bytes = static_cast<int64_t>(p.bytes);
+  r.call = p.call;
+  r.flow = p.flowHigh == 0 ? 0 : (static_cast<uint64_t>(p.flowHigh) << 48) | (p.call & kFlowLowMask);
+  r.function = p.function;
+  r.peer = p.peer;
+  r.worker = p.worker;
+  r.site = static_cast<RpcSite>(p.site);
+  r.flags = p.flags;
+  r.status = p.status;
+  return r;
+}
+
+// A chunk's storage: kChunkEvents events' worth of bytes, holding records of two sizes (an Event or a
+// whole RpcRecord: sizeof(Event); a PackedRpc: 48 bytes), one after the other.
+constexpr size_t kChunkBytes = kChunkEvents * sizeof(Event);
+constexpr size_t kChunkRecords = kChunkBytes / sizeof(PackedRpc);  // the most a chunk can hold
+constexpr uint32_t slotBytes(uint8_t kind) {
+  return kind == kSlotPackedRpc ? static_cast<uint32_t>(sizeof(PackedRpc)) : static_cast<uint32_t>(sizeof(Event));
+}
+static_assert(sizeof(Event) % alignof(Event) == 0 && sizeof(PackedRpc) % alignof(Event) == 0,
+              "every record starts aligned");
 
 struct Chunk {
   std::atomic<uint32_t> count{0};
   std::atomic<Chunk*> next{nullptr};
-  // Raw storage: a record is constructed in its slot when recorded, so a chunk (allocated with plain
-  // `new Chunk`, default-initialised) costs no pass over its 2048 slots. kinds[i] says what slot i holds
-  // (an Event or an RpcRecord); both are published by the release store of `count`.
-  uint8_t kinds[kChunkEvents];
-  alignas(Event) unsigned char storage[kChunkEvents * sizeof(Event)];
+  // Raw storage: a record is constructed in place when recorded, so a chunk (allocated with plain
+  // `new Chunk`, default-initialised) costs no pass over its bytes. kinds[i] says what record i is (and so
+  // its size: the reader finds record i + 1 after it); both are published by the release store of `count`.
+  uint8_t kinds[kChunkRecords];
+  alignas(64) unsigned char storage[kChunkBytes];
 
-  void put(uint32_t i, const Event& event) {
-    kinds[i] = kSlotEvent;
-    new (storage + i * sizeof(Event)) Event(event);
+  template <typename Record>
+  void put(uint32_t i, uint32_t offset, SlotKind kind, const Record& record) {
+    kinds[i] = kind;
+    new (storage + offset) Record(record);
   }
-  void put(uint32_t i, const RpcRecord& record) {
-    kinds[i] = kSlotRpc;
-    new (storage + i * sizeof(Event)) RpcRecord(record);
-  }
-  const Event& at(uint32_t i) const {
-    return *std::launder(reinterpret_cast<const Event*>(storage + i * sizeof(Event)));
-  }
-  const RpcRecord& rpcAt(uint32_t i) const {
-    return *std::launder(reinterpret_cast<const RpcRecord*>(storage + i * sizeof(Event)));
+  template <typename Record>
+  const Record& at(uint32_t offset) const {
+    return *std::launder(reinterpret_cast<const Record*>(storage + offset));
   }
 };
 
@@ -73,6 +147,7 @@ void releaseChunk(Chunk* chunk);
 struct ThreadBuffer {
   // Owner thread only.
   Chunk* tail = nullptr;
+  uint32_t tailBytes = 0;  // bytes of the tail's storage in use
   // Published by the owner, read by the writer.
   std::atomic<Chunk*> first{nullptr};
   std::atomic<uint64_t> appended{0};  // events (an RpcRecord counts as its events); written only by the owner
@@ -82,6 +157,7 @@ struct ThreadBuffer {
   // GUARDED_BY(flushMutex): the writer's position.
   Chunk* head = nullptr;
   uint32_t readIndex = 0;
+  uint32_t readOffset = 0;  // where record readIndex starts in head's storage
   // GUARDED_BY(mutex)
   std::string name;
   uint64_t nameVersion = 0;
@@ -276,6 +352,22 @@ ThreadBuffer* attachThread() {
   return raw;
 }
 
+// Note [Populated chunks]: a fresh chunk's pages are mapped in by one madvise(MADV_POPULATE_WRITE) when it
+// is allocated, instead of by a page fault at the first record written into each of its 36 pages: the
+// kernel does the same work (zeroed pages) without a trap per page, which is most of what fresh memory
+// costs a recording thread (a traced run keeps its records in memory, so nearly every chunk is fresh).
+// Best effort: a kernel without it (before Linux 5.14) faults the pages in as they are written.
+void populate(Chunk* chunk) {
+#ifdef MADV_POPULATE_WRITE
+  const auto pageSize = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto begin = (reinterpret_cast<uintptr_t>(chunk) + pageSize - 1) & ~(pageSize - 1);
+  const auto end = (reinterpret_cast<uintptr_t>(chunk) + sizeof(Chunk)) & ~(pageSize - 1);
+  if (end > begin) (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE);
+#else
+  (void)chunk;
+#endif
+}
+
 Chunk* newChunk(ThreadBuffer& buffer) {
   Recorder& r = recorder();
   Chunk* chunk = nullptr;
@@ -287,7 +379,8 @@ Chunk* newChunk(ThreadBuffer& buffer) {
     }
   }
   if (chunk == nullptr) {
-    chunk = new Chunk;  // default-initialised: the event slots stay untouched
+    chunk = new Chunk;  // default-initialised: the storage stays untouched
+    populate(chunk);
   } else {
     // Not yet published: plain stores (relaxed) suffice; the release store that links it publishes them.
     chunk->count.store(0, std::memory_order_relaxed);
@@ -300,6 +393,7 @@ Chunk* newChunk(ThreadBuffer& buffer) {
     buffer.tail->next.store(chunk, std::memory_order_release);
   }
   buffer.tail = chunk;
+  buffer.tailBytes = 0;
   return chunk;
 }
 
@@ -452,15 +546,20 @@ uint64_t flushLocked(Recorder& r) {
       Chunk* next = chunk->next.load(std::memory_order_acquire);
       const uint32_t count = chunk->count.load(std::memory_order_acquire);
       for (uint32_t i = buffer.readIndex; i < count; ++i) {
-        // The slot's events: itself, or what its RpcRecord stands for.
+        // The record's events: itself, or what its RpcRecord stands for.
+        const uint8_t kind = chunk->kinds[i];
+        const uint32_t offset = buffer.readOffset;
+        buffer.readOffset += slotBytes(kind);
         Event expanded[kRpcMaxEvents];
-        const Event* events = &chunk->at(i);
+        const Event* events = &chunk->at<Event>(offset);
         int eventCount = 1;
-        if (chunk->kinds[i] == kSlotRpc) {
-          eventCount = expandRpc(chunk->rpcAt(i), expanded);
+        if (kind != kSlotEvent) {
+          const RpcRecord rpc =
+              kind == kSlotRpc ? chunk->at<RpcRecord>(offset) : unpackRpc(chunk->at<PackedRpc>(offset));
+          eventCount = expandRpc(rpc, expanded);
           events = expanded;
         }
-        const WorkerSlot worker = chunk->kinds[i] == kSlotRpc ? chunk->rpcAt(i).worker : events->worker;
+        const WorkerSlot worker = events->worker;
         if (first || worker != cachedSlot) {
           first = false;
           cachedSlot = worker;
@@ -492,6 +591,7 @@ uint64_t flushLocked(Recorder& r) {
       // Full, written, and the owner moved on: nobody touches this chunk again.
       buffer.head = next;
       buffer.readIndex = 0;
+      buffer.readOffset = 0;
       releaseChunk(chunk);
       r.chunks.fetch_sub(1, std::memory_order_relaxed);
     }
@@ -612,36 +712,55 @@ const char* intern(std::string_view text) {
 }
 
 namespace {
-// Appends `value` (an Event or an RpcRecord standing for `events` events) to this thread's buffer
-// (Note [Trace buffers]).
+// The worker a record of this thread belongs to when it names none (see the header comment).
+inline WorkerSlot threadWorker() {
+  return tWorker != kNoWorker ? tWorker : recorder().defaultWorker.load(std::memory_order_relaxed);
+}
+
+// Appends `value` (an Event, an RpcRecord or a PackedRpc, standing for `events` events) to this thread's
+// buffer (Note [Trace buffers]).
 template <typename Record>
-inline void append(Record& value, uint64_t events) {
-  if (value.worker == kNoWorker) {
-    value.worker = tWorker != kNoWorker ? tWorker : recorder().defaultWorker.load(std::memory_order_relaxed);
-  }
+inline void append(const Record& value, SlotKind kind, uint64_t events) {
+  static_assert(sizeof(Record) <= sizeof(Event), "a record fits its slot");
   ThreadBuffer* buffer = tBuffer;
   if (buffer == nullptr) buffer = attachThread();
   Chunk* chunk = buffer->tail;
-  uint32_t n = chunk != nullptr ? chunk->count.load(std::memory_order_relaxed) : 0;
-  if (chunk == nullptr || n == kChunkEvents) {
+  uint32_t n = 0;
+  // Every record takes at least sizeof(PackedRpc) bytes, so a chunk never holds more than kChunkRecords.
+  const uint32_t size = slotBytes(kind);
+  if (chunk == nullptr || buffer->tailBytes + size > kChunkBytes) {
     chunk = newChunk(*buffer);
-    n = 0;
+  } else {
+    n = chunk->count.load(std::memory_order_relaxed);
   }
-  chunk->put(n, value);
+  const uint32_t offset = buffer->tailBytes;
+  chunk->put(n, offset, kind, value);
+  buffer->tailBytes = offset + size;
   chunk->count.store(n + 1, std::memory_order_release);
-  // The next slot, for writing: recording sites are microseconds apart, so the line is in cache by then
+  // Two lines ahead, for writing: recording sites are microseconds apart, so the line is in cache by then
   // instead of costing a miss on the recording thread.
-  if (n + 2 < kChunkEvents) __builtin_prefetch(chunk->storage + (n + 2) * sizeof(Event), 1, 3);
+  if (offset + 128 < kChunkBytes) __builtin_prefetch(chunk->storage + offset + 128, 1, 3);
   buffer->appended.store(buffer->appended.load(std::memory_order_relaxed) + events, std::memory_order_relaxed);
   buffer->records.store(buffer->records.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
 }
 }  // namespace
 
-void record(Event event) { append(event, 1); }
+void record(Event event) {
+  if (event.worker == kNoWorker) event.worker = threadWorker();
+  append(event, kSlotEvent, 1);
+}
 
 void recordRpc(const RpcRecord& record) {
-  RpcRecord copy = record;
-  append(copy, static_cast<uint64_t>(rpcEventCount(copy)));
+  const WorkerSlot worker = record.worker != kNoWorker ? record.worker : threadWorker();
+  const auto events = static_cast<uint64_t>(rpcEventCount(record));
+  PackedRpc packed;
+  if (packRpc(record, worker, packed)) {
+    append(packed, kSlotPackedRpc, events);
+  } else {
+    RpcRecord copy = record;
+    copy.worker = worker;
+    append(copy, kSlotRpc, events);
+  }
 }
 
 int rpcEventCount(const RpcRecord& record) {

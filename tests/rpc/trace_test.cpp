@@ -514,6 +514,147 @@ TEST(Trace, RpcRecordsAreWrittenAsTheDocumentedEventsInTimeOrderWithTheirFlows) 
   EXPECT_EQ(at(-2, 1).integer("a0"), 70);
 }
 
+// Note [Packed RPC records] (rpc/trace.cpp): a record is stored in 48 bytes when its values fit, whole
+// otherwise. Records on either side of every limit come out with exactly the values recorded.
+TEST(Trace, RpcRecordsBeyondThePackedLimitsAreWrittenExactly) {
+  TempDir dir;
+  const WorkerSlot slot = registerWorker("rpc-limits", 3, dir.path());
+  const char* fn = intern("limits_fn");
+  constexpr int64_t kSecond = 1'000'000'000;
+  constexpr int64_t kMaxOffset = 4'294'967'295;  // the largest t1 - t0 (and t2 - t0) that packs, in ns
+  struct Case {
+    RpcSite site;
+    int64_t t[3];
+    int64_t bytes;
+    uint64_t call;
+    uint64_t flow;
+  };
+  const int64_t base = 7 * kSecond;
+  const std::vector<Case> cases = {
+      {RpcSite::kClientSend, {base, base + 10, base + kMaxOffset}, 100, 1, callFlowId(3, 1)},  // packs
+      {RpcSite::kClientSend, {base, base + 10, base + kMaxOffset + 1}, 100, 2, callFlowId(3, 2)},
+      {RpcSite::kClientReply, {base, base + 5 * kSecond, base + 5 * kSecond + 7}, 100, 3, callFlowId(3, 3)},
+      {RpcSite::kClientSend, {base, base + 1, base + 2}, int64_t{5} << 30, 4, callFlowId(3, 4)},
+      {RpcSite::kClientSend, {base, base + 1, base + 2}, 4'294'967'295, 5, callFlowId(3, 5)},  // packs
+      // A flow that is not callFlowId(rank, call) of the record's call.
+      {RpcSite::kServerExecute, {base, base + 1, base + 2}, 0, 6, 0xabcdef},
+      // Call ids beyond 48 bits (the flow keeps their low 48).
+      {RpcSite::kServerExecute, {base, base + 1, base + 2}, 0, (uint64_t{1} << 50) + 7, callFlowId(1, 7)},
+      // Times out of order (t1 before t0), negative times.
+      {RpcSite::kServerReply, {base, base - 5, base + 3}, 9, 9, 0},
+      {RpcSite::kServerReply, {-20, -10, -5}, 10, 10, 0},
+  };
+  int expectedEvents = 0;
+  {
+    WorkerScope bound(slot);
+    for (const Case& c : cases) {
+      RpcRecord record;
+      record.site = c.site;
+      record.t[0] = c.t[0];
+      record.t[1] = c.t[1];
+      record.t[2] = c.t[2];
+      record.bytes = c.bytes;
+      record.call = c.call;
+      record.flow = c.flow;
+      record.function = fn;
+      record.peer = 1;
+      expectedEvents += rpcEventCount(record);
+      recordRpc(record);
+    }
+  }
+  const std::string path = workerFile(slot);
+  unregisterWorker(slot);
+  const TraceFile file = readTrace(path);
+  ASSERT_EQ(file.events.size(), static_cast<size_t>(expectedEvents));
+  // Each record's events in file order: its first and last event span t0..t2, and its bytes, call and flow
+  // are the recorded ones.
+  size_t next = 0;
+  for (const Case& c : cases) {
+    RpcRecord record;
+    record.site = c.site;
+    const int n = rpcEventCount(record);
+    ASSERT_LE(next + static_cast<size_t>(n), file.events.size());
+    const FlatObject& first = file.events[next];
+    const FlatObject& last = file.events[next + static_cast<size_t>(n) - 1];
+    next += static_cast<size_t>(n);
+    SCOPED_TRACE("call " + std::to_string(c.call));
+    EXPECT_EQ(first.integer("b"), c.t[0]);
+    EXPECT_EQ(first.integer("e"), c.t[1]);
+    EXPECT_EQ(last.integer("b"), c.t[1]);
+    EXPECT_EQ(last.integer("e"), c.t[2]);
+    // Serialize spans carry bytes, peer, call; rpc.client.wait and rpc.server.queue peer, call.
+    const bool withBytes = c.site == RpcSite::kClientSend || c.site == RpcSite::kServerReply;
+    if (withBytes) {
+      EXPECT_EQ(first.integer("a0"), c.bytes);
+    }
+    EXPECT_EQ(first.integer(withBytes ? "a2" : "a1"), static_cast<int64_t>(c.call));
+    if (c.site != RpcSite::kServerReply) {
+      EXPECT_EQ(last.integer("flow"), static_cast<int64_t>(c.flow));
+    } else {
+      EXPECT_FALSE(last.integer("flow").has_value());
+    }
+  }
+}
+
+// Records of both sizes (events and whole RPC records: 72 bytes; packed RPC records: 48) mixed on one thread
+// over several chunks, flushed while recorded: each comes out once, in order, with its values.
+TEST(Trace, MixedRecordSizesAcrossChunksComeOutInOrder) {
+  TempDir dir;
+  const WorkerSlot slot = registerWorker("mixed", 0, dir.path());
+  const char* fn = intern("mixed_fn");
+  constexpr int kRecords = static_cast<int>(kChunkEvents) * 4 + 11;
+  int expectedEvents = 0;
+  {
+    WorkerScope bound(slot);
+    for (int i = 0; i < kRecords; ++i) {
+      const auto t = static_cast<int64_t>(i) * 1000;
+      switch (i % 3) {
+        case 0:
+          recordSpan("mixed.span", Category::kUser, t, t + 1, {i});
+          expectedEvents += 1;
+          break;
+        default: {
+          RpcRecord record;
+          record.site = RpcSite::kServerExecute;
+          record.t[0] = t;
+          record.t[1] = t + 1;
+          // i % 3 == 2: an execution of 5 s, which does not pack.
+          record.t[2] = i % 3 == 1 ? t + 2 : t + 5'000'000'000;
+          record.call = static_cast<uint64_t>(i);
+          record.flow = callFlowId(1, record.call);
+          record.function = fn;
+          record.peer = 1;
+          recordRpc(record);
+          expectedEvents += 2;
+        }
+      }
+      if (i % 1500 == 0) flush();
+    }
+  }
+  const std::string path = workerFile(slot);
+  unregisterWorker(slot);
+  const TraceFile file = readTrace(path);
+  ASSERT_EQ(file.events.size(), static_cast<size_t>(expectedEvents));
+  size_t next = 0;
+  for (int i = 0; i < kRecords; ++i) {
+    const FlatObject& first = file.events[next];
+    const auto t = static_cast<int64_t>(i) * 1000;
+    ASSERT_EQ(first.integer("b"), t) << "record " << i;
+    if (i % 3 == 0) {
+      EXPECT_EQ(first.string("name"), "mixed.span");
+      EXPECT_EQ(first.integer("a0"), i);
+      next += 1;
+    } else {
+      const FlatObject& execute = file.events[next + 1];
+      EXPECT_EQ(first.string("name"), "rpc.server.queue");
+      EXPECT_EQ(first.integer("a1"), i);
+      EXPECT_EQ(execute.integer("e"), i % 3 == 1 ? t + 2 : t + 5'000'000'000);
+      EXPECT_EQ(execute.integer("flow"), static_cast<int64_t>(callFlowId(1, static_cast<uint64_t>(i))));
+      next += 2;
+    }
+  }
+}
+
 TEST(Trace, ADirectoryThatCannotBeCreatedIsRefusedNamingIt) {
   TempDir dir;
   const std::string notADirectory = dir.path() + "/plain-file";
