@@ -47,8 +47,10 @@ class AgentPair {
     check(::write(toChild_, &kQuit, 1) == 1, "write quit");
     agent_->shutdown();  // meets the child's shutdown at the store barrier
     agent_.reset();
-    store_.reset();
+    // Neither agent hosts the store, so neither waits at the last barrier for the other's final write: the
+    // store closes only once the child has exited (closing it first failed the child's shutdown).
     reap(child_);
+    store_.reset();
     ::close(toChild_);
     ::close(fromChild_);
   }

@@ -19,16 +19,18 @@
 // every wake-up of the other side is a context switch. Ratios: ratio_vs_raw = ours / raw (time: above 1 is
 // our overhead; bandwidth: below 1 is).
 // JSON lines (bench/bench_util.h). Usage:
-//   bench_rpc [rounds=5000] [calls=20000] [echo_mb=512] [idle_s=2] [sections=all]
+//   bench_rpc [rounds=5000] [calls=20000] [echo_mb=512] [idle_s=2] [sections=all] [windows=1,8,64]
 // rounds: ping-pong and rpcSync round trips; calls: rpcAsync calls per window size (5 reps); echo_mb: MB
 // sent per echo size (1 KB and 64 KB stop at 2000 round trips, large sizes do at least 5); idle_s: seconds
 // of each idle stretch. sections: "all", or "pinned" (only the one-core ping-pong, rpcSync and rpcAsync
 // figures: a quick check of the per-call CPU cost, where every call's CPU time is on the one core).
+// windows: the rpcAsync in-flight window sizes, comma-separated (e.g. "64" to profile one of them).
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <thread>
+#include <vector>
 
 #include "bench/agent_pair.h"
 #include "bench/socket_bench_util.h"
@@ -48,6 +50,7 @@ struct Config {
   double echoMegabytes = 512;
   double idleSeconds = 2;
   bool pinnedOnly = false;
+  std::vector<int> windows{1, 8, 64};
 };
 
 constexpr size_t kEchoSizes[] = {1u << 10, 64u << 10, 1u << 20, 16u << 20, 64u << 20};
@@ -117,9 +120,9 @@ void measureRpcSync(rpc::Agent& agent, int rounds, const Measurement& raw, bool 
                    {"p99_ratio_vs_raw", number(m.p99 / raw.p99)}});
 }
 
-void measureRpcAsync(AgentPair& pair, int calls, bool pinned) {
+void measureRpcAsync(AgentPair& pair, int calls, const std::vector<int>& windows, bool pinned) {
   rpc::Agent& agent = pair.agent();
-  for (int window : {1, 8, 64}) {
+  for (int window : windows) {
     std::vector<double> rates;
     const double cpu0 = processCpuSeconds() + pair.childCpuSeconds();
     int total = 0;
@@ -200,6 +203,18 @@ int main(int argc, char** argv) {
     check(sections == "all" || sections == "pinned", "sections must be 'all' or 'pinned'");
     config.pinnedOnly = sections == "pinned";
   }
+  if (argc > 6) {
+    // A comma-separated list of in-flight window sizes, e.g. "64" (profiling one of them).
+    config.windows.clear();
+    for (const char* p = argv[6]; *p != '\0';) {
+      char* end = nullptr;
+      const long window = std::strtol(p, &end, 10);
+      check(end != p && window >= 1 && window <= 4096, "windows must be a comma-separated list of 1..4096");
+      check(*end == ',' || *end == '\0', "windows must be a comma-separated list of 1..4096");
+      config.windows.push_back(static_cast<int>(window));
+      p = *end == ',' ? end + 1 : end;
+    }
+  }
   const cpu_set_t freeAffinity = currentAffinity();
   std::signal(SIGPIPE, SIG_IGN);  // a dead child shows as a failed write (check() names it), not a silent exit
 
@@ -219,7 +234,7 @@ int main(int argc, char** argv) {
     AgentPair pair(pinned, pairOptions, pairRegistry);
     measureIdle(pair, config.idleSeconds, "after_start", pinned);
     measureRpcSync(pair.agent(), config.rounds, rawRtt, pinned);
-    measureRpcAsync(pair, config.calls, pinned);
+    measureRpcAsync(pair, config.calls, config.windows, pinned);
     for (size_t i = 0; i < std::size(kEchoSizes); ++i) {
       measureTensorEcho(pair, config, kEchoSizes[i], rawEcho[i], pinned);
     }
@@ -236,7 +251,7 @@ int main(int argc, char** argv) {
     {
       AgentPair pair(pinned, pairOptions, pairRegistry);
       measureRpcSync(pair.agent(), config.rounds, rawRtt, pinned);
-      measureRpcAsync(pair, config.calls, pinned);
+      measureRpcAsync(pair, config.calls, config.windows, pinned);
     }
     restoreAffinity(freeAffinity);
   }

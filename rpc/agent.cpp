@@ -1443,6 +1443,15 @@ void Agent::onCallDeadline(const std::string& peer, uint64_t id, int64_t timeout
   source->cancel(std::move(reason));
 }
 
+// Note [Batched hand-offs]: the frames of one read reach onFrame one after the other on the loop thread.
+// Posting each call to the executor as it is decoded woke a worker for the first one, and on a busy (or
+// the one) core the woken worker preempted the loop at once, ran that one call, posted its reply, found
+// the queue empty and slept again: two context switches, a futex wake and wait and a loop wake-up per
+// call instead of per read. So on the loop thread calls are queued with Executor::postDeferred and the
+// worker is woken once, by a task deferred to the loop (Context::defer), which runs after the read's
+// frames are handled and before the loop next blocks (the tcp loop runs its tasks in its prepare phase).
+// Refusals still answer at once; calls that do not arrive on the loop thread (self calls from other
+// threads) are posted as before.
 void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Arrival arrival) {
   const std::string peerName = link ? link->peer : name_;  // no link: a call of this agent to itself
   const uint64_t id = message.fields().messageId;
@@ -1638,8 +1647,22 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
       reply(std::move(r));
     });
   };
-  if (!executor_->post(std::move(task))) {
+  // Note [Batched hand-offs]: on the loop thread the worker is woken once per batch of frames.
+  const bool onLoop = context_ && context_->inLoop();
+  if (!(onLoop ? executor_->postDeferred(std::move(task)) : executor_->post(std::move(task)))) {
     reply(Result<EncodeValueFn>(Error::failed("worker " + name_ + " is shutting down")));
+    return;
+  }
+  if (onLoop && !executorWakeOwed_) {
+    try {
+      context_->defer([this] {
+        executorWakeOwed_ = false;
+        executor_->wakeDeferred();
+      });
+      executorWakeOwed_ = true;
+    } catch (...) {
+      executor_->wakeDeferred();  // the loop refused the task (a closed context): wake now instead
+    }
   }
 }
 

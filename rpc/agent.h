@@ -445,6 +445,8 @@ class Agent {
     return out;
   }
   std::atomic<bool> tornDown_{false};  // set once a shutdown() completed its teardown
+  // Transport loop only: a deferred Executor::wakeDeferred is queued (Note [Batched hand-offs]).
+  bool executorWakeOwed_ = false;
 };
 
 }  // namespace distgrad::rpc

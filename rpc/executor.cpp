@@ -52,6 +52,28 @@ bool Executor::post(Task task) {
   return false;
 }
 
+bool Executor::postDeferred(Task task) {
+  DG_CHECK(static_cast<bool>(task), "Executor::postDeferred: the task must not be empty");
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (accepting_ || tCurrentExecutor == this) {
+      queue_.push_back(std::move(task));
+      return true;
+    }
+  }
+  return false;  // `task` is destroyed here, outside the lock
+}
+
+void Executor::wakeDeferred() {
+  bool wake = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    // The rule of post(), once for the whole batch.
+    wake = !queue_.empty() && wakeOneLocked();
+  }
+  if (wake) workAvailable_.notify_one();
+}
+
 void Executor::shutdown() {
   DG_CHECK(tCurrentExecutor != this,
            "Executor::shutdown must not be called from one of the executor's own threads (it would join itself)");

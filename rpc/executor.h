@@ -52,6 +52,12 @@ class Executor {
   // Queues `task`. Returns false (and destroys `task` after releasing the lock) once shutdown has begun,
   // unless called from one of this executor's workers while it drains.
   bool post(Task task);
+  // post() without waking a worker now (Note [Batched hand-offs] in rpc/agent.cpp): the caller owes a
+  // wakeDeferred() soon after, once it has queued the rest of its batch. Same refusal rules as post().
+  bool postDeferred(Task task);
+  // Wakes one sleeping worker if tasks are queued and none is awake or being woken: ends a run of
+  // postDeferred() calls.
+  void wakeDeferred();
 
   // Stops accepting work, runs what is queued, joins the workers. Idempotent; concurrent callers all
   // return after the join.

@@ -320,13 +320,12 @@ DecodedMessage DecodedMessage::fieldView(uint32_t index) const {
   return view;
 }
 
-Result<std::shared_ptr<capnp::MessageReader>> DecodedMessage::openReader() const {
-  return detail::guard("malformed message", [&] {
-    auto reader = std::make_shared<EnvelopeReader>();
-    openEnvelope(*reader, state_->envelopeBytes, state_->limits);
-    // Aliasing pointer: the reader keeps its aligned copy (if any) alive.
-    return std::shared_ptr<capnp::MessageReader>(reader, &*reader->reader);
-  });
+Result<void> DecodedMessage::withReader(const std::function<void(capnp::MessageReader&)>& use) const {
+  EnvelopeReader reader;  // in place: no allocation (an unaligned envelope gets its aligned copy inside)
+  Result<void> opened =
+      detail::guard("malformed message", [&] { openEnvelope(reader, state_->envelopeBytes, state_->limits); });
+  if (opened.ok()) use(*reader.reader);
+  return opened;
 }
 
 const std::vector<transport::PayloadBuffer>& DecodedMessage::payloads() const { return state_->payloads; }

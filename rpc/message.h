@@ -145,15 +145,19 @@ class DecodedMessage {
   template <typename T>
   Result<T> decodeValue() const {
     // A fresh reader per decode, so each decode has the full traversal budget (repeated decodes of one
-    // message must not exhaust it), and nothing it throws escapes.
-    auto reader = openReader();
-    if (!reader) return reader.error();
-    return detail::guard("malformed value", [&]() -> T {
-      DecodeContext ctx(payloads(), kMaxValueDepth, scope_);
-      T out = Codec<T>::decode(selectValue(reader.value()->getRoot<wire::Envelope>().getValue()), ctx);
-      ctx.finish();
-      return out;
+    // message must not exhaust it), and nothing it throws escapes. The reader lives on withReader's stack
+    // (no allocation per decode).
+    std::optional<Result<T>> out;
+    Result<void> opened = withReader([&](capnp::MessageReader& reader) {
+      out.emplace(detail::guard("malformed value", [&]() -> T {
+        DecodeContext ctx(payloads(), kMaxValueDepth, scope_);
+        T value = Codec<T>::decode(selectValue(reader.getRoot<wire::Envelope>().getValue()), ctx);
+        ctx.finish();
+        return value;
+      }));
     });
+    if (!opened.ok()) return opened.error();
+    return std::move(*out);
   }
   // Decodes a call's arguments.
   template <typename... Args>
@@ -183,7 +187,9 @@ class DecodedMessage {
   friend Result<DecodedMessage> decodeMessage(transport::IncomingFrame frame, const DecodeLimits& limits);
   struct State;
   explicit DecodedMessage(std::shared_ptr<State> state);
-  Result<std::shared_ptr<capnp::MessageReader>> openReader() const;
+  // Opens a fresh reader over the envelope and runs `use` with it (an Error, and `use` not run, when the
+  // envelope does not open). `use` must not throw.
+  Result<void> withReader(const std::function<void(capnp::MessageReader&)>& use) const;
   // The value this message stands for inside the envelope's value (itself, or the fieldView path). Throws
   // CodecError when a field of the path is missing.
   wire::Value::Reader selectValue(wire::Value::Reader root) const;

@@ -22,6 +22,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -101,7 +102,17 @@ class LoopConnection : public Connection, public std::enable_shared_from_this<De
   IncomingFrame current_;
 
  private:
+  struct PostedSend {
+    OutgoingFrame frame;
+    SendCallback done;
+  };
   void startFromLoop(PayloadAllocator allocate, FrameCallback onFrame, CloseCallback onClosed);
+  // Hands the frames other threads sent (posted_) to sendFromLoop, in order.
+  void sendPostedFromLoop();
+
+  std::mutex postedMutex_;
+  std::vector<PostedSend> posted_;       // GUARDED_BY(postedMutex_): sent from other threads, not yet handed over
+  std::vector<PostedSend> postedSpare_;  // loop: sendPostedFromLoop's batch storage, kept between batches
 };
 
 template <class Derived, class Loop>
@@ -110,18 +121,43 @@ void LoopConnection<Derived, Loop>::send(OutgoingFrame frame, SendCallback done)
     sendFromLoop(std::move(frame), std::move(done));
     return;
   }
-  // One allocation per frame: the task's only capture is one shared_ptr, which std::function stores in
-  // place.
-  struct Posted {
-    std::shared_ptr<LoopConnection> self;  // the base: sendFromLoop may be private in Derived
-    OutgoingFrame frame;
-    SendCallback done;
-  };
-  auto posted = std::make_shared<Posted>(Posted{this->shared_from_this(), std::move(frame), std::move(done)});
-  if (!loop_->post([posted] { posted->self->sendFromLoop(std::move(posted->frame), std::move(posted->done)); })) {
-    // The context is closed and its loop thread is gone: complete here, once.
-    if (posted->done) posted->done(Error::disconnected(describe() + ": the context is closed"));
+  // Frames sent from other threads wait in posted_; the first one of a batch posts the task that hands
+  // them all to sendFromLoop, so a burst of sends (every reply of an executor batch, every call of a
+  // window) costs one loop task and no allocation per frame once the vectors are warm. The task's only
+  // capture is one shared_ptr, which std::function stores in place.
+  {
+    std::lock_guard<std::mutex> lock(postedMutex_);
+    const bool first = posted_.empty();
+    posted_.push_back(PostedSend{std::move(frame), std::move(done)});
+    if (!first) return;  // the task of this batch is on its way
   }
+  std::shared_ptr<LoopConnection> self = this->shared_from_this();  // the base: sendFromLoop may be private
+  if (!loop_->post([self] { self->sendPostedFromLoop(); })) {
+    // The context is closed and its loop thread is gone: fail what waits here (this batch, and frames
+    // other threads added behind it, counting on this task), once.
+    std::vector<PostedSend> failed;
+    {
+      std::lock_guard<std::mutex> lock(postedMutex_);
+      failed.swap(posted_);
+    }
+    for (auto& posted : failed) {
+      if (posted.done) posted.done(Error::disconnected(describe() + ": the context is closed"));
+    }
+  }
+}
+
+template <class Derived, class Loop>
+void LoopConnection<Derived, Loop>::sendPostedFromLoop() {
+  // Swapped with a vector kept for the purpose: neither side allocates per batch once warm.
+  std::vector<PostedSend> batch;
+  batch.swap(postedSpare_);
+  {
+    std::lock_guard<std::mutex> lock(postedMutex_);
+    batch.swap(posted_);
+  }
+  for (auto& posted : batch) sendFromLoop(std::move(posted.frame), std::move(posted.done));
+  batch.clear();
+  if (postedSpare_.capacity() < batch.capacity()) postedSpare_.swap(batch);
 }
 
 template <class Derived, class Loop>

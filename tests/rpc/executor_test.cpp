@@ -98,6 +98,37 @@ TEST(Executor, QueueDepthCountsWaitingTasks) {
   EXPECT_EQ(ex.tasksRun(), 6u);
 }
 
+TEST(Executor, DeferredPostsRunOnceWokenAndAnAwakeWorkerTakesThemWithoutAWakeUp) {
+  Executor ex(2);
+  // Both workers asleep: deferred posts queue up, and wakeDeferred() wakes a worker for the batch.
+  ASSERT_TRUE(eventually([&] { return ex.queueDepth() == 0; }));
+  std::atomic<int> ran{0};
+  for (int i = 0; i < 10; ++i) ASSERT_TRUE(ex.postDeferred([&] { ran.fetch_add(1); }));
+  ex.wakeDeferred();
+  ASSERT_TRUE(eventually([&] { return ran.load() == 10; }));
+  // One worker blocked in a task: its queue-mates must not wait for it.
+  Event started, release;
+  ASSERT_TRUE(ex.post([&] {
+    started.set();
+    release.waitFor();
+    ran.fetch_add(100);
+  }));
+  ASSERT_TRUE(started.waitFor());
+  for (int i = 0; i < 10; ++i) ASSERT_TRUE(ex.postDeferred([&] { ran.fetch_add(1); }));
+  ex.wakeDeferred();  // wakes the other worker: a blocked task never holds back the queue
+  ASSERT_TRUE(eventually([&] { return ran.load() == 20; }));
+  release.set();
+  ASSERT_TRUE(eventually([&] { return ran.load() == 120; }));
+  // wakeDeferred() with nothing queued is a no-op; after shutdown deferred posts are refused (and destroyed).
+  ex.wakeDeferred();
+  ex.shutdown();
+  auto token = std::make_shared<int>(0);
+  EXPECT_FALSE(ex.postDeferred([token] {}));
+  EXPECT_EQ(token.use_count(), 1);
+  ex.wakeDeferred();
+  EXPECT_EQ(ex.tasksRun(), 21u);
+}
+
 TEST(Executor, ShutdownDrainsQueuedWorkAndRefusesNewWork) {
   Executor ex(1);
   Event started, release;

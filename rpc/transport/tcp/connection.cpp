@@ -69,25 +69,21 @@ void TcpConnection::flushFromLoop() {
 }
 
 void TcpConnection::writeFromLoop(std::vector<QueuedFrame> frames) {
-  auto request = std::make_unique<WriteRequest>();
-  request->connection = shared_from_this();
-  request->frames = std::move(frames);
-  // Pieces in wire order: inline (offset into inlineBytes) or external (pointer into caller memory).
-  struct Piece {
-    const uint8_t* external;
-    size_t offset;
-    size_t size;
-  };
-  std::vector<Piece> pieces;
+  // The frames' bytes as pieces in wire order: inline (offset into writeBytes_) or external (pointer into
+  // caller memory). Built in vectors the connection keeps, so a write that leaves at once (the usual case
+  // for small frames) allocates nothing.
+  std::vector<uint8_t>& bytes = writeBytes_;
+  std::vector<WritePiece>& pieces = writePieces_;
+  bytes.clear();
+  pieces.clear();
   size_t inlineSize = 0;
-  for (const auto& queued : request->frames) {
+  for (const auto& queued : frames) {
     const auto& f = queued.frame;
     size_t header = sizeof(FramePrefix) + 8 * f.payloads.size();
     inlineSize += header;
     if (f.envelope.size() <= kInlineEnvelopeBytes) inlineSize += f.envelope.size();
   }
-  auto& bytes = request->inlineBytes;
-  bytes.reserve(inlineSize);
+  bytes.reserve(inlineSize);  // offsets stay valid; pointers are taken once all bytes are in
   auto addInline = [&](const void* data, size_t size) {
     if (size == 0) return;
     size_t offset = bytes.size();
@@ -101,7 +97,7 @@ void TcpConnection::writeFromLoop(std::vector<QueuedFrame> frames) {
   auto addExternal = [&](const void* data, size_t size) {
     if (size > 0) pieces.push_back({static_cast<const uint8_t*>(data), 0, size});
   };
-  for (const auto& queued : request->frames) {
+  for (const auto& queued : frames) {
     const auto& f = queued.frame;
     FramePrefix prefix;
     prefix.flags = f.flags;
@@ -127,22 +123,68 @@ void TcpConnection::writeFromLoop(std::vector<QueuedFrame> frames) {
       addExternal(kZeros, paddingTo64(p.size));
     }
   }
-  request->buffers.reserve(pieces.size());
+  std::vector<uv_buf_t>& buffers = writeBuffers_;
+  buffers.clear();
+  buffers.reserve(pieces.size());
+  size_t totalBytes = 0;
   for (const auto& piece : pieces) {
     const uint8_t* base = piece.external ? piece.external : bytes.data() + piece.offset;
-    request->buffers.push_back(uv_buf_init(const_cast<char*>(reinterpret_cast<const char*>(base)),
-                                           static_cast<unsigned int>(0)));
-    request->buffers.back().len = piece.size;
+    buffers.push_back(uv_buf_init(const_cast<char*>(reinterpret_cast<const char*>(base)), 0));
+    buffers.back().len = piece.size;
+    totalBytes += piece.size;
+  }
+  auto fail = [&](int rc) {
+    Error error = Error::disconnected("tcp write to " + peerAddress_ + " failed: " + uvError(rc));
+    for (auto& queued : frames) {
+      if (queued.done) loop_->post([done = std::move(queued.done), error] { done(error); });
+    }
+    closeFromLoop(error);
+  };
+  // Note [Direct writes]: when nothing is queued in libuv, the bytes go out with one writev right here
+  // (uv_try_write) and the frames complete at once. uv_write would do the same writev, but then complete
+  // the request through the loop's pending queue and re-arm the socket's epoll registration (an
+  // epoll_ctl per write), and it needs a request object. What the socket does not take now (a full send
+  // buffer) goes through uv_write, which keeps order behind it and reports through onWrite.
+  size_t written = 0;
+  if (uv_stream_get_write_queue_size(reinterpret_cast<uv_stream_t*>(&handle_)) == 0) {
+    int n = uv_try_write(reinterpret_cast<uv_stream_t*>(&handle_), buffers.data(),
+                         static_cast<unsigned int>(buffers.size()));
+    if (n >= 0) {
+      written = static_cast<size_t>(n);
+    } else if (n != UV_EAGAIN) {
+      fail(n);
+      return;
+    }
+  }
+  if (written == totalBytes) {
+    for (auto& queued : frames) {
+      // Every frame left, so each completes with success even if an earlier callback closed the connection.
+      if (queued.done) completeSendFromLoop(queued.done, Result<void>());
+    }
+    return;
+  }
+  // The rest: a request owning the frames and a copy of the inline bytes, its buffers past `written`.
+  auto request = std::make_unique<WriteRequest>();
+  request->connection = shared_from_this();
+  request->frames = std::move(frames);
+  request->inlineBytes = bytes;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const WritePiece& piece = pieces[i];
+    if (written >= piece.size) {
+      written -= piece.size;
+      continue;
+    }
+    const uint8_t* base = piece.external ? piece.external : request->inlineBytes.data() + piece.offset;
+    request->buffers.push_back(uv_buf_init(const_cast<char*>(reinterpret_cast<const char*>(base + written)), 0));
+    request->buffers.back().len = piece.size - written;
+    written = 0;
   }
   request->req.data = request.get();
   int rc = uv_write(&request->req, reinterpret_cast<uv_stream_t*>(&handle_), request->buffers.data(),
                     static_cast<unsigned int>(request->buffers.size()), &TcpConnection::onWrite);
   if (rc < 0) {
-    Error error = Error::disconnected("tcp write to " + peerAddress_ + " failed: " + uvError(rc));
-    for (auto& queued : request->frames) {
-      if (queued.done) loop_->post([done = std::move(queued.done), error] { done(error); });
-    }
-    closeFromLoop(error);
+    frames = std::move(request->frames);
+    fail(rc);
     return;
   }
   (void)request.release();  // owned by onWrite now

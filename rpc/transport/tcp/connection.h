@@ -1,8 +1,10 @@
 // A TCP connection: framed, ordered, asynchronous send and receive over one uv_tcp_t.
 //
 // Sending: frames are queued on the loop; before the loop next blocks, everything queued is written with
-// one uv_write of a uv_buf_t array (prefix + size table + envelope + padding inline, payloads referenced in
-// place: no copy of payload bytes). The SendBuffers' owners are held until the write completes.
+// one writev of a uv_buf_t array (prefix + size table + envelope + padding inline, payloads referenced in
+// place: no copy of payload bytes): uv_try_write when libuv has nothing queued, uv_write for what the
+// socket did not take (Note [Direct writes] in connection.cpp). The SendBuffers' owners are held until the
+// write completes.
 // Receiving: a state machine (prefix -> size table -> envelope -> PayloadAllocator -> payloads -> padding).
 // Small pieces are read through a scratch buffer; a region of kDirectReadBytes or more is read straight into
 // its destination (the allocator's buffer). Every size is checked (validatePrefix, the size table against
@@ -48,6 +50,12 @@ class TcpConnection final : public LoopConnection<TcpConnection, TcpLoop> {
     SendCallback done;
   };
   struct WriteRequest;
+  // A piece of a write in wire order: inline (offset into writeBytes_) or external (caller memory).
+  struct WritePiece {
+    const uint8_t* external;
+    size_t offset;
+    size_t size;
+  };
 
   void sendFromLoop(OutgoingFrame frame, SendCallback done) override;
   void beginReadingFromLoop() override;  // uv_read_start
@@ -71,6 +79,10 @@ class TcpConnection final : public LoopConnection<TcpConnection, TcpLoop> {
   bool initialized_ = false;
   bool dirty_ = false;
   std::vector<QueuedFrame> queue_;
+  // writeFromLoop's storage, kept between writes (Note [Direct writes] in connection.cpp).
+  std::vector<uint8_t> writeBytes_;
+  std::vector<WritePiece> writePieces_;
+  std::vector<uv_buf_t> writeBuffers_;
   // Read state machine.
   std::vector<uint8_t> scratch_;
   Stage stage_ = Stage::kPrefix;

@@ -37,8 +37,10 @@ TcpLoop::TcpLoop(const ContextOptions& options) : options_(options) {
   uv_prepare_start(&prepare_, [](uv_prepare_t* h) {
     auto* self = static_cast<TcpLoop*>(h->data);
     // Tasks posted from the loop itself (or while it was busy) run now instead of after a wake-up.
+    self->inPrepare_ = true;
     self->runTasks();
     self->flushDirtyFromLoop();
+    self->inPrepare_ = false;
   });
   uv_check_init(&loop_, &check_);
   uv_check_start(&check_, [](uv_check_t* h) { static_cast<TcpLoop*>(h->data)->flushDirtyFromLoop(); });
@@ -76,8 +78,10 @@ bool TcpLoop::post(std::function<void()> fn) {
     std::lock_guard lock(mutex_);
     if (stopping_ && !inLoop()) return false;
     // A non-empty queue means a wake-up is already on its way (or the loop runs the queue before it next
-    // blocks).
-    wakeLoop = tasks_.empty() && wakeOpen_;
+    // blocks). So does a task the loop posts to itself outside its prepare phase: the prepare callback
+    // runs it before the loop next blocks in poll (Note [Batched hand-offs] in rpc/agent.cpp defers a
+    // task per read this way; a wake-up would cost an eventfd write, a poll and a read).
+    wakeLoop = tasks_.empty() && wakeOpen_ && !(inLoop() && !inPrepare_);
     tasks_.push_back(std::move(fn));
   }
   // Written after unlocking: on a busy core the write wakes the loop thread, which may preempt us at once

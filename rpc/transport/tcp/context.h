@@ -91,6 +91,7 @@ class TcpLoop {
   std::thread thread_;
   std::thread::id threadId_;
   // Loop-thread state.
+  bool inPrepare_ = false;  // the prepare callback runs (tasks posted now need a wake-up to run before poll)
   bool closing_ = false;
   std::unordered_set<TcpConnection*> connections_;
   std::unordered_set<TcpListenerImpl*> listeners_;
