@@ -515,7 +515,7 @@ TEST_P(RpcPipelineTest, AFailedStepLeavesNoMicroBatchInFlight) {
   }
 }
 
-TEST_P(RpcPipelineTest, CpuPlacementAndHostParametersLeaveTrainingUnchanged) {
+TEST_P(RpcPipelineTest, CpuPlacementTrainsAndFetchedParametersAreCopies) {
   // Runs everywhere: an explicit "/cpu" placement moves nothing (PipelineStage::to), and the parameters come
   // back as copies, not views of the stages' own (inproc passes references).
   const ModelSpec model = mlpSpec();

@@ -4,14 +4,12 @@
 
 #include <gtest/gtest.h>
 
-#include <string>
-
 #include "tensor/cpu/conv.h"
 #include "tensor/cpu/linalg.h"
 #include "tensor/cuda/cublas_api.h"
-#include "tensor/error.h"
 #include "tensor/random.h"
 #include "tensor/tensor.h"
+#include "test_util.h"
 
 namespace distgrad::tensor {
 namespace {
@@ -46,25 +44,15 @@ TEST(CublasLoading, FirstUseLoadsEveryEntryPoint) {
 }
 
 TEST(CublasLoading, MissingLibraryIsAClearError) {
-  try {
-    (void)cuda::loadCublasApi("libdistgrad_no_such_cublasLt.so.13", "libdistgrad_no_such_cublas.so.13");
-    FAIL() << "loading a missing library succeeded";
-  } catch (const ValueError& e) {
-    const std::string message = e.what();
-    EXPECT_NE(message.find("libdistgrad_no_such_cublasLt.so.13"), std::string::npos) << message;
-    EXPECT_NE(message.find("LD_LIBRARY_PATH"), std::string::npos) << message;
-  }
+  testing::expectThrowsWith(
+      [] { (void)cuda::loadCublasApi("libdistgrad_no_such_cublasLt.so.13", "libdistgrad_no_such_cublas.so.13"); },
+      {"libdistgrad_no_such_cublasLt.so.13", "LD_LIBRARY_PATH"});
 }
 
 TEST(CublasLoading, LibraryWithoutTheSymbolsIsAClearError) {
   // libm loads fine but holds no cuBLAS: the error names the library and the missing symbol.
-  try {
-    (void)cuda::loadCublasApi("libm.so.6", "libm.so.6");
-    FAIL() << "resolving cuBLAS from libm succeeded";
-  } catch (const ValueError& e) {
-    const std::string message = e.what();
-    EXPECT_NE(message.find("libm.so.6 has no symbol cublasCreate_v2"), std::string::npos) << message;
-  }
+  testing::expectThrowsWith([] { (void)cuda::loadCublasApi("libm.so.6", "libm.so.6"); },
+                            {"libm.so.6 has no symbol cublasCreate_v2"});
 }
 
 }  // namespace
