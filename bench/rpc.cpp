@@ -5,6 +5,8 @@
 //   raw_socket echo_SIZE               blocking sockets, SIZE bytes there and the same back (GB/s, both ways)
 //   rpc        rpcsync_rtt_noop        rpcSync of a no-op i64(i64) function, median/p99 round trip, with the
 //                                      ratios to the raw ping-pong of the same placement
+//   rpc        rpcsync_rtt_noop_inline the same, the function bound with Dispatch::kInline (its handler runs
+//                                      on the callee's loop thread: Note [Inline handlers] in rpc/agent.cpp)
 //   rpc        rpcasync_throughput_wW  rpcAsync calls/s with W = 1, 8, 64 calls in flight
 //   rpc        tensor_echo_SIZE        rpcSync of tensor(tensor) returning its float32 argument, SIZE = 1KB,
 //                                      64KB, 1MB, 16MB, 64MB: GB/s counting both directions (2 x bytes per
@@ -42,6 +44,7 @@ namespace {
 using tensor::Tensor;
 
 inline const rpc::Function<int64_t(int64_t)> kPing{"ping"};
+inline const rpc::Function<int64_t(int64_t)> kPingInline{"ping_inline"};
 inline const rpc::Function<Tensor(Tensor)> kEcho{"echo"};
 
 struct Config {
@@ -74,6 +77,7 @@ rpc::Registry pairRegistry(int rank) {
   rpc::Registry registry;
   if (rank == 1) {
     registry.bind(kPing, [](int64_t x) { return x; });
+    registry.bind(kPingInline, [](int64_t x) { return x; }, rpc::Dispatch::kInline);
     registry.bind(kEcho, [](Tensor t) { return t; });
   }
   return registry;
@@ -102,18 +106,19 @@ void measureIdle(AgentPair& pair, double seconds, const char* phase, bool pinned
                   {{"agent", quoted("worker1")}, {"phase", quoted(phase)}, {"idle_s", number(wall)}});
 }
 
-void measureRpcSync(rpc::Agent& agent, int rounds, const Measurement& raw, bool pinned) {
+void measureRpcSync(rpc::Agent& agent, const rpc::Function<int64_t(int64_t)>& fn, const char* metric, int rounds,
+                    const Measurement& raw, bool pinned) {
   std::vector<double> us;
   us.reserve(static_cast<size_t>(rounds));
   for (int i = 0; i < rounds; ++i) {
     auto t0 = std::chrono::steady_clock::now();
-    int64_t r = agent.rpcSync("worker1", kPing, int64_t{i});
+    int64_t r = agent.rpcSync("worker1", fn, int64_t{i});
     us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
     check(r == i, "ping result");
   }
   us.erase(us.begin(), us.begin() + std::min<size_t>(us.size() / 10, 500));  // warm-up
   Measurement m = measurementOf(std::move(us));
-  emitMeasurement("rpc", "rpcsync_rtt_noop", "us", m, pinned,
+  emitMeasurement("rpc", metric, "us", m, pinned,
                   {{"raw_median", number(raw.stats.median)},
                    {"raw_p99", number(raw.p99)},
                    {"ratio_vs_raw", number(m.stats.median / raw.stats.median)},
@@ -233,7 +238,8 @@ int main(int argc, char** argv) {
     }
     AgentPair pair(pinned, pairOptions, pairRegistry);
     measureIdle(pair, config.idleSeconds, "after_start", pinned);
-    measureRpcSync(pair.agent(), config.rounds, rawRtt, pinned);
+    measureRpcSync(pair.agent(), kPing, "rpcsync_rtt_noop", config.rounds, rawRtt, pinned);
+      measureRpcSync(pair.agent(), kPingInline, "rpcsync_rtt_noop_inline", config.rounds, rawRtt, pinned);
     measureRpcAsync(pair, config.calls, config.windows, pinned);
     for (size_t i = 0; i < std::size(kEchoSizes); ++i) {
       measureTensorEcho(pair, config, kEchoSizes[i], rawEcho[i], pinned);
@@ -250,7 +256,8 @@ int main(int argc, char** argv) {
     emitMeasurement("raw_socket", "pingpong_rtt_64B", "us", rawRtt, pinned);
     {
       AgentPair pair(pinned, pairOptions, pairRegistry);
-      measureRpcSync(pair.agent(), config.rounds, rawRtt, pinned);
+      measureRpcSync(pair.agent(), kPing, "rpcsync_rtt_noop", config.rounds, rawRtt, pinned);
+      measureRpcSync(pair.agent(), kPingInline, "rpcsync_rtt_noop_inline", config.rounds, rawRtt, pinned);
       measureRpcAsync(pair, config.calls, config.windows, pinned);
     }
     restoreAffinity(freeAffinity);

@@ -1443,6 +1443,21 @@ void Agent::onCallDeadline(const std::string& peer, uint64_t id, int64_t timeout
   source->cancel(std::move(reason));
 }
 
+// Note [Inline handlers]: the thread rules (docs/thread_model.md) keep user code off the transport's loop
+// thread: a call decoded there is queued for an executor worker, and that worker's reply is handed back to
+// the loop to be written. On the callee, a no-op call thus costs two thread hand-offs (loop -> worker ->
+// loop), each a wake-up and a context switch of several microseconds: a third of a no-op rpcSync's round
+// trip here (bench_rpc, rpcsync_rtt_noop vs rpcsync_rtt_noop_inline). A function bound with
+// Dispatch::kInline opts out for short handlers that never block (control messages, table lookups, a
+// value already at hand): the handler runs right here on the loop thread and its reply is queued on the
+// connection from the loop, so it leaves with the loop's next write and the callee wakes no thread.
+// The cost is that it holds up every connection of the loop while it runs, so the default stays the
+// executor. A blocking wait for a future that is not ready would stall the loop that may have to deliver
+// it: inside an inline handler it throws instead (detail::ForbidBlockingScope), which the caller gets as
+// the call's error. What inline does not change: the checks (unknown function, signature, autograd
+// context), deadlines, cancellation tokens, tracing, and the reply path. Self calls are not decoded on a
+// loop thread: they run on the executor as usual.
+//
 // Note [Batched hand-offs]: the frames of one read reach onFrame one after the other on the loop thread.
 // Posting each call to the executor as it is decoded woke a worker for the first one, and on a busy (or
 // the one) core the woken worker preempted the loop at once, ran that one call, posted its reply, found
@@ -1537,6 +1552,13 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
       frame = encodeMessage(fields);
     }
     const int64_t serializeEndNs = traceName != nullptr ? trace::nowNs() : 0;
+    // The reply to the only call this agent is serving is written by the worker itself (Note [Sender
+    // writes] in rpc/transport/tcp/connection.cpp): a latency-bound caller waits on it. With more calls
+    // running, replies go to the loop, which writes those of a batch together.
+    if (frame.ok() && executor_->isCurrentThread()) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      frame.value().fromSender = incoming_.size() == 1;
+    }
     const int64_t bytes = frame.ok() ? static_cast<int64_t>(frameBytes(frame.value())) : 0;
     const bool queued = frame.ok() && sendFrame(peerName, std::move(frame).value(), id, /*traceSend=*/traceName == nullptr);
     if (traceName != nullptr) {
@@ -1575,7 +1597,9 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
     reply(Result<EncodeValueFn>(std::move(*refusal)));
     return;
   }
-  auto task = [this, peerName, token, reply, message = std::move(message), traceName, callerRank, queuedNs]() mutable {
+  std::shared_ptr<const BoundFunction> entry = registry_.find(message.fields().functionName);
+  auto task = [this, peerName, token, reply, entry, message = std::move(message), traceName, callerRank,
+               queuedNs]() mutable {
     const int64_t startNs = traceName != nullptr ? trace::nowNs() : 0;
     const auto& fields = message.fields();
     // The queue wait of a call refused before its handler ran (its execute and queue are one record
@@ -1587,7 +1611,6 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
       }
       reply(Result<EncodeValueFn>(std::move(error)));
     };
-    auto entry = registry_.find(fields.functionName);
     if (!entry) {
       Error error = Error::unimplemented("no function '" + fields.functionName + "' on " + name_);
       error.worker = name_;
@@ -1649,6 +1672,12 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
   };
   // Note [Batched hand-offs]: on the loop thread the worker is woken once per batch of frames.
   const bool onLoop = context_ && context_->inLoop();
+  if (onLoop && entry && entry->dispatch == Dispatch::kInline) {
+    // Note [Inline handlers].
+    detail::ForbidBlockingScope noBlocking;
+    task();
+    return;
+  }
   if (!(onLoop ? executor_->postDeferred(std::move(task)) : executor_->post(std::move(task)))) {
     reply(Result<EncodeValueFn>(Error::failed("worker " + name_ + " is shutting down")));
     return;

@@ -154,66 +154,23 @@ class Agent {
   template <typename R, typename... Params, typename... A>
   Future<R> rpcAsyncWith(const CallOptions& callOptions, const std::string& worker, const Function<R(Params...)>& fn,
                          A&&... args) {
-    static_assert(sizeof...(Params) == sizeof...(A), "rpcAsync: wrong number of arguments");
-    // Tracing (rpc/trace.h): the only cost when off is this load.
-    const bool tracing = trace::enabled();
-    trace::WorkerScope traceWorker(traceSlot_, tracing);
-    CallTiming timing;
-    Promise<R> promise(*executor_);
-    Future<R> future = promise.getFuture();
-    EnvelopeFields fields;
-    fields.kind = MessageKind::kCall;
-    fields.messageId = nextMessageId_.fetch_add(1, std::memory_order_relaxed);
-    fields.functionName = fn.name();
-    fields.signatureHash = fn.hash();
-    // Converting to the declared parameter types first makes the wire type the declared one.
-    prepareCall(callOptions, fields);
-    const CodecScope scope = sendScope(worker, activeAutogradContext(), &callOptions);
-    if (tracing) timing.serializeBeginNs = trace::nowNs();
-    auto frame = encodeCallIn(&scope, fields, asParam<Params>(std::forward<A>(args))...);
-    if (tracing) timing.serializeEndNs = trace::nowNs();
-    // The signature text is built only for the error that names it (building it costs allocations).
-    Completion complete = [promise = std::move(promise)](Result<DecodedMessage>&& reply) mutable {
-      const auto signature = [] { return signatureText<R(Params...)>(); };
-      if (!reply.ok()) {
-        Error error = reply.error();
-        if (error.kind == ErrorKind::kUnimplemented) error.message += " (caller's signature: " + signature() + ")";
-        promise.setError(std::move(error));
-        return;
-      }
-      const DecodedMessage& message = reply.value();
-      if (message.kind() == MessageKind::kError) {
-        Error error = *message.fields().error;
-        if (error.kind == ErrorKind::kUnimplemented) error.message += " (caller's signature: " + signature() + ")";
-        promise.setError(std::move(error));
-        return;
-      }
-      if constexpr (std::is_void_v<R>) {
-        promise.setValue();
-      } else {
-        promise.setResult(message.decodeValue<R>());
-      }
-    };
-    if (!frame.ok()) {
-      complete(Result<DecodedMessage>(frame.error()));
-    } else {
-      startCall(callOptions, worker, fields, std::move(frame).value(), std::move(complete), timing);
-    }
-    return future;
+    return call(callOptions, /*callerWaits=*/false, worker, fn, std::forward<A>(args)...);
   }
 
   template <typename R, typename... Params, typename... A>
   Future<R> rpcAsync(const std::string& worker, const Function<R(Params...)>& fn, A&&... args) {
     return rpcAsyncWith(CallOptions{}, worker, fn, std::forward<A>(args)...);
   }
+  // The caller blocks for the answer, so its frame is written from this thread when the connection has
+  // nothing queued (transport::OutgoingFrame::fromSender).
   template <typename R, typename... Params, typename... A>
   R rpcSync(const std::string& worker, const Function<R(Params...)>& fn, A&&... args) {
-    return rpcAsyncWith(CallOptions{}, worker, fn, std::forward<A>(args)...).get();
+    return call(CallOptions{}, /*callerWaits=*/true, worker, fn, std::forward<A>(args)...).get();
   }
   template <typename R, typename... Params, typename... A>
   R rpcSyncWith(const CallOptions& callOptions, const std::string& worker, const Function<R(Params...)>& fn,
                 A&&... args) {
-    return rpcAsyncWith(callOptions, worker, fn, std::forward<A>(args)...).get();
+    return call(callOptions, /*callerWaits=*/true, worker, fn, std::forward<A>(args)...).get();
   }
 
   // Graceful (default): meet every worker at a store barrier, serving and calling as usual meanwhile
@@ -267,6 +224,58 @@ class Agent {
   trace::WorkerSlot traceWorker() const { return traceSlot_; }
 
  private:
+  // rpcAsyncWith, and rpcSync(With) with callerWaits (the frame's fromSender hint).
+  template <typename R, typename... Params, typename... A>
+  Future<R> call(const CallOptions& callOptions, bool callerWaits, const std::string& worker,
+                 const Function<R(Params...)>& fn, A&&... args) {
+    static_assert(sizeof...(Params) == sizeof...(A), "rpcAsync: wrong number of arguments");
+    // Tracing (rpc/trace.h): the only cost when off is this load.
+    const bool tracing = trace::enabled();
+    trace::WorkerScope traceWorker(traceSlot_, tracing);
+    CallTiming timing;
+    Promise<R> promise(*executor_);
+    Future<R> future = promise.getFuture();
+    EnvelopeFields fields;
+    fields.kind = MessageKind::kCall;
+    fields.messageId = nextMessageId_.fetch_add(1, std::memory_order_relaxed);
+    fields.functionName = fn.name();
+    fields.signatureHash = fn.hash();
+    // Converting to the declared parameter types first makes the wire type the declared one.
+    prepareCall(callOptions, fields);
+    const CodecScope scope = sendScope(worker, activeAutogradContext(), &callOptions);
+    if (tracing) timing.serializeBeginNs = trace::nowNs();
+    auto frame = encodeCallIn(&scope, fields, asParam<Params>(std::forward<A>(args))...);
+    if (tracing) timing.serializeEndNs = trace::nowNs();
+    // The signature text is built only for the error that names it (building it costs allocations).
+    Completion complete = [promise = std::move(promise)](Result<DecodedMessage>&& reply) mutable {
+      const auto signature = [] { return signatureText<R(Params...)>(); };
+      if (!reply.ok()) {
+        Error error = reply.error();
+        if (error.kind == ErrorKind::kUnimplemented) error.message += " (caller's signature: " + signature() + ")";
+        promise.setError(std::move(error));
+        return;
+      }
+      const DecodedMessage& message = reply.value();
+      if (message.kind() == MessageKind::kError) {
+        Error error = *message.fields().error;
+        if (error.kind == ErrorKind::kUnimplemented) error.message += " (caller's signature: " + signature() + ")";
+        promise.setError(std::move(error));
+        return;
+      }
+      if constexpr (std::is_void_v<R>) {
+        promise.setValue();
+      } else {
+        promise.setResult(message.decodeValue<R>());
+      }
+    };
+    if (!frame.ok()) {
+      complete(Result<DecodedMessage>(frame.error()));
+    } else {
+      frame.value().fromSender = callerWaits;
+      startCall(callOptions, worker, fields, std::move(frame).value(), std::move(complete), timing);
+    }
+    return future;
+  }
   using Completion = detail::MoveOnlyFunction<void(Result<DecodedMessage>&&)>;
   struct Peer;
   struct Link;

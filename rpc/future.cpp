@@ -21,6 +21,8 @@ std::string demangle(const char* mangled) {
 }
 
 thread_local int tInlineDepth = 0;
+// Set while blocking waits are forbidden on this thread (ForbidBlockingScope).
+thread_local bool tForbidBlocking = false;
 // The shallowest stack address at which a coroutine started on this thread (stacks grow down).
 thread_local const char* tStackAnchor = nullptr;
 
@@ -58,6 +60,16 @@ bool enterInline() {
 }
 
 void leaveInline() { --tInlineDepth; }
+
+ForbidBlockingScope::ForbidBlockingScope() : previous_(tForbidBlocking) { tForbidBlocking = true; }
+ForbidBlockingScope::~ForbidBlockingScope() { tForbidBlocking = previous_; }
+
+void checkMayBlock() {
+  if (!tForbidBlocking) return;
+  throw RpcError(Error::failed("a blocking wait for a future inside an inline handler: the handler runs on the "
+                               "transport's loop thread, which may be the one to complete the future; return the "
+                               "Future (or co_await it), or bind the function for the executor"));
+}
 
 bool eagerStartAllowed() {
   const char* here = static_cast<const char*>(__builtin_frame_address(0));

@@ -95,6 +95,21 @@ inline constexpr int kMaxInlineDepth = 16;
 // kMaxInlineDepth callbacks are nested; otherwise the caller must call leaveInline() afterwards.
 bool enterInline();
 void leaveInline();
+// Note [Inline handlers] (rpc/agent.cpp): while a ForbidBlockingScope lives on this thread (an inline
+// handler on a transport's loop thread), a blocking wait for a future that is not ready throws RpcError
+// (kFailed) instead of stalling the loop that may be the one to complete it.
+class ForbidBlockingScope {
+ public:
+  ForbidBlockingScope();
+  ~ForbidBlockingScope();
+  ForbidBlockingScope(const ForbidBlockingScope&) = delete;
+  ForbidBlockingScope& operator=(const ForbidBlockingScope&) = delete;
+
+ private:
+  bool previous_;
+};
+// Throws the RpcError above when blocking is forbidden on this thread.
+void checkMayBlock();
 // Note [Eager coroutine start].
 inline constexpr size_t kEagerStackBudget = 256 * 1024;
 bool eagerStartAllowed();
@@ -154,11 +169,13 @@ class FutureState : public std::enable_shared_from_this<FutureState<T>> {
   bool isReady() const { return ready_.load(std::memory_order_acquire); }
 
   void wait() {
+    if (!isReady()) checkMayBlock();
     std::unique_lock<std::mutex> lock(mutex_);
     completed_.wait(lock, [&] { return ready_.load(std::memory_order_relaxed); });
   }
   template <typename Rep, typename Period>
   bool waitFor(std::chrono::duration<Rep, Period> timeout) {
+    if (!isReady()) checkMayBlock();
     std::unique_lock<std::mutex> lock(mutex_);
     return completed_.wait_for(lock, timeout, [&] { return ready_.load(std::memory_order_relaxed); });
   }

@@ -6,7 +6,8 @@
 //     ...co_await / then, no executor thread held while waiting...
 //   });
 // A handler takes the function's Args (by value or const&), optionally preceded by `const CallContext&`,
-// and returns R or Future<R> (void / Future<void> for R = void). Its result travels back with Codec<R>; an
+// and returns R or Future<R> (void / Future<void> for R = void). It runs on an executor worker, or with
+// Dispatch::kInline on the thread that decoded the call (short, never-blocking handlers only). Its result travels back with Codec<R>; an
 // exception it throws becomes an Error of kind `remote` with the exception's type, message and this
 // worker's name (an RpcError it lets escape, e.g. from a nested call, keeps its own kind).
 // Classes (rpc/class.h): reg.bindClass(kLinear).ctor<int64_t, int64_t>() serves every method kLinear
@@ -41,12 +42,21 @@ namespace distgrad::rpc {
 class Agent;
 class AutogradHook;
 
+// Where a bound function's handler runs (Note [Inline handlers] in rpc/agent.cpp).
+enum class Dispatch {
+  kExecutor,  // on an executor worker (the default)
+  kInline,    // where the call is decoded: a transport's loop thread, so the reply leaves with no thread
+              // hand-off on the callee. Only for short handlers that never block: a blocking wait for a
+              // future throws there, and anything else that blocks stalls every connection of the loop.
+};
+
 // One bound function, type-erased: invoke() decodes the arguments, runs the handler (on the calling
-// executor thread) and returns a future of the result's encoder.
+// thread) and returns a future of the result's encoder.
 struct BoundFunction {
   std::string name;
   std::string signature;  // signatureText<R(Args...)>()
   uint64_t hash = 0;
+  Dispatch dispatch = Dispatch::kExecutor;
   std::function<Future<EncodeValueFn>(const DecodedMessage&, const CallContext&, Executor&)> invoke;
 };
 
@@ -56,7 +66,7 @@ class ClassBinder;
 class Registry {
  public:
   template <typename R, typename... Args, typename F>
-  void bind(const Function<R(Args...)>& fn, F handler) {
+  void bind(const Function<R(Args...)>& fn, F handler, Dispatch dispatch = Dispatch::kExecutor) {
     constexpr bool kTakesContext = std::is_invocable_v<F&, const CallContext&, Args&&...>;
     static_assert(kTakesContext || std::is_invocable_v<F&, Args&&...>,
                   "Registry::bind: the handler must take the function's Args, optionally preceded by "
@@ -65,6 +75,7 @@ class Registry {
     entry->name = fn.name();
     entry->signature = fn.signature();
     entry->hash = fn.hash();
+    entry->dispatch = dispatch;
     entry->invoke = [handler = std::move(handler), what = "function '" + fn.name() + "'"](
                         const DecodedMessage& message, const CallContext& ctx,
                         Executor& executor) -> Future<EncodeValueFn> {

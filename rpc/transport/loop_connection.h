@@ -44,7 +44,7 @@ std::string sizeTableProblem(const FramePrefix& prefix, std::span<const uint64_t
 template <class Derived, class Loop>
 class LoopConnection : public Connection, public std::enable_shared_from_this<Derived> {
  public:
-  void send(OutgoingFrame frame, SendCallback done) final;
+  void send(OutgoingFrame frame, SendCallback done) override;
   void start(PayloadAllocator allocate, FrameCallback onFrame, CloseCallback onClosed) final;
   void close() final;
   std::string peerAddress() const final { return peerAddress_; }

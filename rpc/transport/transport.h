@@ -67,6 +67,10 @@ struct OutgoingFrame {
   uint16_t flags = 0;
   std::vector<uint8_t> envelope;
   std::vector<SendBuffer> payloads;
+  // A hint, not on the wire: the sender is about to wait for this frame's answer, so a transport may write
+  // it from the sending thread when nothing is queued ahead of it (tcp: Note [Sender writes]) instead of
+  // handing it to its loop thread. Order and completion are as for any frame.
+  bool fromSender = false;
 };
 
 struct IncomingFrame {

@@ -72,6 +72,26 @@ TEST_P(AgentTest, ValuesRoundTrip) {
   EXPECT_EQ(agent(1).metrics("worker0").callsReceived, 7u);
 }
 
+// Note [Inline handlers]: a function bound with Dispatch::kInline runs where its call is decoded (the
+// transport's loop thread; a self call, which is not decoded there, runs on the executor), may return a
+// Future, and a blocking wait inside it is a clear error for the caller instead of a stalled loop.
+TEST_P(AgentTest, InlineHandlersRunOnTheLoopAndMustNotBlockIt) {
+  start();
+  Agent& a = agent(0);
+  EXPECT_FALSE(a.rpcSync("worker1", kInlineOnExecutor, 1));
+  EXPECT_TRUE(a.rpcSync("worker0", kInlineOnExecutor, 1));
+  EXPECT_EQ(a.rpcSync("worker1", kInlineNested, 4), 50);
+  Result<int64_t> blocked = a.rpcAsync("worker1", kInlineBlocking, 5).result();
+  ASSERT_FALSE(blocked.ok());
+  EXPECT_EQ(blocked.error().kind, ErrorKind::kFailed);
+  EXPECT_NE(blocked.error().message.find("blocking wait for a future inside an inline handler"), std::string::npos)
+      << blocked.error().message;
+  EXPECT_EQ(blocked.error().worker, "worker1");
+  EXPECT_EQ(a.rpcSync("worker0", kInlineBlocking, 5), 6);  // on the executor, it may block
+  EXPECT_EQ(a.rpcSync("worker1", kAddInt, 40, 2), 42);       // the loop still serves
+  EXPECT_EQ(agent(1).rpcSync("worker0", kInlineNested, 1), 20);
+}
+
 TEST_P(AgentTest, NestedCallsWithTwoThreadsDoNotDeadlock) {
   ClusterSpec spec;
   spec.executorThreads = 2;

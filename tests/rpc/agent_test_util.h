@@ -81,6 +81,10 @@ inline const Function<bool(int64_t)> kWaitCancel{"wait_cancel"};
 inline const Function<int64_t(int64_t)> kHang{"hang"};
 inline const Function<std::string(std::string)> kWrongSignature{"add_int"};  // same name, other types
 inline const Function<int64_t()> kMissing{"missing"};
+// Bound with Dispatch::kInline (Note [Inline handlers] in rpc/agent.cpp).
+inline const Function<bool(int64_t)> kInlineOnExecutor{"inline_on_executor"};
+inline const Function<int64_t(int64_t)> kInlineNested{"inline_nested"};
+inline const Function<int64_t(int64_t)> kInlineBlocking{"inline_blocking"};
 
 // What handlers share with the test body.
 struct World {
@@ -115,6 +119,19 @@ inline Registry makeRegistry(World& world) {
   reg.bind(kNested, [&world](const CallContext& ctx, int64_t n) -> Future<int64_t> {
     return world.agent(ctx.callee).rpcAsync(ctx.caller, kAddInt, n, int64_t{1}).then([](int64_t v) { return v * 10; });
   });
+  reg.bind(kInlineOnExecutor, [](int64_t) { return Executor::current() != nullptr; }, Dispatch::kInline);
+  reg.bind(
+      kInlineNested,
+      [&world](const CallContext& ctx, int64_t n) -> Future<int64_t> {
+        return world.agent(ctx.callee).rpcAsync(ctx.caller, kAddInt, n, int64_t{1}).then([](int64_t v) { return v * 10; });
+      },
+      Dispatch::kInline);
+  reg.bind(
+      kInlineBlocking,
+      [&world](const CallContext& ctx, int64_t n) {
+        return world.agent(ctx.callee).rpcSync(ctx.caller, kAddInt, n, int64_t{1});
+      },
+      Dispatch::kInline);
   reg.bind(kWaitCancel, [&world](const CallContext& ctx, int64_t) -> Future<bool> {
     auto promise = std::make_shared<Promise<bool>>(*Executor::current());
     Future<bool> future = promise->getFuture();

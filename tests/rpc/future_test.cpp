@@ -23,6 +23,33 @@ Result<int> waitResult(Future<int>& f) {
   return f.result();
 }
 
+// Note [Inline handlers]: under a ForbidBlockingScope a wait for a future that is not ready throws instead
+// of blocking; a ready one is still taken, and the scope restores what was there before.
+TEST(Future, BlockingWaitsThrowWhereBlockingIsForbidden) {
+  Executor ex(2);
+  Promise<int> ready(ex), pending(ex);
+  ready.setValue(7);
+  Future<int> readyFuture = ready.getFuture();
+  Future<int> pendingFuture = pending.getFuture();
+  {
+    detail::ForbidBlockingScope outer;
+    {
+      detail::ForbidBlockingScope inner;
+    }
+    EXPECT_EQ(readyFuture.get(), 7);
+    try {
+      pendingFuture.wait();
+      ADD_FAILURE() << "wait() blocked where blocking is forbidden";
+    } catch (const RpcError& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kFailed);
+      EXPECT_NE(std::string(e.what()).find("inside an inline handler"), std::string::npos) << e.what();
+    }
+    EXPECT_THROW((void)pendingFuture.wait(1ms), RpcError);
+  }
+  pending.setValue(8);
+  EXPECT_EQ(pendingFuture.get(), 8);  // allowed again once the scope ended
+}
+
 TEST(Future, ValueAndErrorReachGetAndResult) {
   Executor ex(2);
   Promise<int> p(ex);

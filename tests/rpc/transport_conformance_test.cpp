@@ -238,6 +238,84 @@ TEST_P(TransportTest, ManyFramesInFlightBothWaysFromSeveralThreadsLargeInterleav
   }
 }
 
+// Frames marked fromSender (written by the sending thread when nothing is queued: tcp's Note [Sender
+// writes]) mixed with unmarked ones from several threads both ways, with payloads large enough for partial
+// writes: each thread's frames arrive in order and intact, each completes once.
+TEST_P(TransportTest, FramesWrittenBySendersKeepEachThreadsOrderAmongQueuedFrames) {
+  Session session;
+  open(session);
+  auto& [server, client, pair, atServer, atClient] = session;
+  constexpr size_t kThreads = 3, kPerThread = 400;
+  Bytes large = patternBytes((2 << 20) + 3, 21);
+  Bytes small = patternBytes(33, 22);
+  SendTracker sends(2 * kThreads * kPerThread);
+  std::vector<std::thread> threads;
+  for (int side = 0; side < 2; ++side) {
+    for (size_t t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, side, t] {
+        auto& connection = side == 0 ? pair.client : pair.server;
+        for (size_t i = 0; i < kPerThread; ++i) {
+          OutgoingFrame frame;
+          frame.envelope = envelopeWithIndex(t * 1000000 + i);
+          frame.payloads.push_back(i % 7 == 0 ? large.buffer() : small.buffer());
+          frame.fromSender = (i + t) % 3 != 0;
+          size_t id = (side * kThreads + t) * kPerThread + i;
+          connection->send(std::move(frame), sends.callback(id));
+          if (i % 50 == 0) std::this_thread::sleep_for(std::chrono::microseconds(200));  // let queues drain
+        }
+      });
+    }
+  }
+  for (auto& t : threads) t.join();
+  ASSERT_TRUE(atServer.waitFrames(kThreads * kPerThread));
+  ASSERT_TRUE(atClient.waitFrames(kThreads * kPerThread));
+  ASSERT_TRUE(sends.waitDone(2 * kThreads * kPerThread));
+  EXPECT_EQ(sends.failed, 0u);
+  for (int c : sends.calls) ASSERT_EQ(c, 1);
+  for (Collector* side : {&atServer, &atClient}) {
+    std::lock_guard lock(side->mutex);
+    std::vector<size_t> next(kThreads, 0);
+    for (const auto& f : side->frames) {
+      uint64_t index = indexOf(f);
+      size_t t = index / 1000000, i = index % 1000000;
+      ASSERT_LT(t, kThreads);
+      ASSERT_EQ(i, next[t]) << "frames from one thread must arrive in the order they were sent";
+      ++next[t];
+      expectSameBytes(f.payloads.at(0), i % 7 == 0 ? large : small, "payload");
+    }
+  }
+}
+
+// A sender's frame the socket takes only part of (the peer does not read): its rest and the frames behind
+// it wait for the loop; closing fails every one of them once, and nothing is written after the close.
+TEST_P(TransportTest, FramesWrittenBySendersThatDoNotFitFailOnceWhenTheConnectionCloses) {
+  auto server = makeContext();
+  auto client = makeContext();
+  auto pair = connectPair(*server, *client);
+  Collector atClient;
+  atClient.start(pair.client);  // the server end is never started: nothing is read there
+  constexpr size_t kFrames = 32;
+  Bytes big = patternBytes(8 << 20, 6);  // 256 MB in total: more than the socket buffers hold
+  SendTracker sends(kFrames);
+  std::thread sender([&] {
+    for (size_t i = 0; i < kFrames; ++i) {
+      OutgoingFrame frame;
+      frame.envelope = envelopeWithIndex(i);
+      frame.payloads.push_back(big.buffer());
+      frame.fromSender = true;
+      pair.client->send(std::move(frame), sends.callback(i));
+    }
+  });
+  sender.join();
+  pair.client->close();
+  ASSERT_TRUE(sends.waitDone(kFrames));
+  ASSERT_TRUE(atClient.waitClosed());
+  for (int c : sends.calls) EXPECT_EQ(c, 1);
+  if (isNetwork()) {
+    EXPECT_GT(sends.failed, 0u) << "a closed connection cannot have written 256 MB to an idle peer";
+  }
+}
+
 TEST_P(TransportTest, PeerCloseReportsDisconnectedOnceAndLaterSendsFail) {
   Session session;
   open(session);

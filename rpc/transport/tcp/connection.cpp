@@ -1,8 +1,12 @@
 #include "rpc/transport/tcp/connection.h"
 
+#include <sys/socket.h>
+
 #include <bit>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 
 namespace distgrad::rpc::transport::tcp {
 
@@ -40,7 +44,13 @@ void TcpConnection::initFromLoop() {
   beginStage(Stage::kPrefix, &prefix_, sizeof(FramePrefix));
 }
 
-void TcpConnection::connectedFromLoop() { uv_tcp_nodelay(&handle_, 1); }
+void TcpConnection::connectedFromLoop() {
+  uv_tcp_nodelay(&handle_, 1);
+  uv_os_fd_t fd = -1;
+  if (closing_ || uv_fileno(reinterpret_cast<uv_handle_t*>(&handle_), &fd) != 0) return;
+  std::lock_guard<std::mutex> lock(writeMutex_);
+  fd_ = fd;  // Note [Sender writes]
+}
 
 void TcpConnection::sendFromLoop(OutgoingFrame frame, SendCallback done) {
   if (refuseSendFromLoop(frame, done, closing_)) return;
@@ -53,10 +63,10 @@ void TcpConnection::sendFromLoop(OutgoingFrame frame, SendCallback done) {
 
 void TcpConnection::flushFromLoop() {
   dirty_ = false;
-  if (closing_ || queue_.empty()) return;
+  if (closing_ || (queue_.empty() && !partialPending_.load())) return;
   std::vector<QueuedFrame> frames;
   frames.swap(queue_);
-  if (loop_->options().coalesceWrites) {
+  if (loop_->options().coalesceWrites || frames.empty()) {  // empty: only a sender's partial frame
     writeFromLoop(std::move(frames));
   } else {
     for (auto& frame : frames) {
@@ -68,22 +78,12 @@ void TcpConnection::flushFromLoop() {
   }
 }
 
-void TcpConnection::writeFromLoop(std::vector<QueuedFrame> frames) {
-  // The frames' bytes as pieces in wire order: inline (offset into writeBytes_) or external (pointer into
-  // caller memory). Built in vectors the connection keeps, so a write that leaves at once (the usual case
-  // for small frames) allocates nothing.
-  std::vector<uint8_t>& bytes = writeBytes_;
-  std::vector<WritePiece>& pieces = writePieces_;
-  bytes.clear();
-  pieces.clear();
-  size_t inlineSize = 0;
-  for (const auto& queued : frames) {
-    const auto& f = queued.frame;
-    size_t header = sizeof(FramePrefix) + 8 * f.payloads.size();
-    inlineSize += header;
-    if (f.envelope.size() <= kInlineEnvelopeBytes) inlineSize += f.envelope.size();
-  }
-  bytes.reserve(inlineSize);  // offsets stay valid; pointers are taken once all bytes are in
+namespace {
+
+// Appends the wire bytes of `f` in order: inline pieces (offset into `bytes`; offsets, not pointers, so
+// `bytes` may grow) and external ones (pointers into the frame's own memory: payloads are never copied).
+template <class Piece>
+void layOutFrame(const OutgoingFrame& f, std::vector<uint8_t>& bytes, std::vector<Piece>& pieces) {
   auto addInline = [&](const void* data, size_t size) {
     if (size == 0) return;
     size_t offset = bytes.size();
@@ -97,32 +97,153 @@ void TcpConnection::writeFromLoop(std::vector<QueuedFrame> frames) {
   auto addExternal = [&](const void* data, size_t size) {
     if (size > 0) pieces.push_back({static_cast<const uint8_t*>(data), 0, size});
   };
+  FramePrefix prefix;
+  prefix.flags = f.flags;
+  prefix.envelopeBytes = static_cast<uint32_t>(f.envelope.size());
+  prefix.payloadCount = static_cast<uint32_t>(f.payloads.size());
+  uint64_t total = 0;
+  for (const auto& p : f.payloads) total += p.size;
+  prefix.payloadBytes = total;
+  addInline(&prefix, sizeof(prefix));
+  for (const auto& p : f.payloads) {
+    uint64_t size = p.size;
+    addInline(&size, sizeof(size));
+  }
+  size_t head = sizeof(FramePrefix) + 8 * f.payloads.size() + f.envelope.size();
+  if (f.envelope.size() <= kInlineEnvelopeBytes) {
+    addInline(f.envelope.data(), f.envelope.size());
+  } else {
+    addExternal(f.envelope.data(), f.envelope.size());
+  }
+  addExternal(kZeros, paddingTo64(head));
+  for (const auto& p : f.payloads) {
+    addExternal(p.data, p.size);  // straight from the sender's storage: no copy
+    addExternal(kZeros, paddingTo64(p.size));
+  }
+}
+
+// Drops the first `bytes` bytes of `pieces` (what a sender already wrote of the first frame).
+template <class Piece>
+void dropFront(std::vector<Piece>& pieces, size_t bytes) {
+  size_t whole = 0;
+  while (whole < pieces.size() && bytes >= pieces[whole].size) bytes -= pieces[whole++].size;
+  pieces.erase(pieces.begin(), pieces.begin() + static_cast<std::ptrdiff_t>(whole));
+  if (bytes == 0) return;
+  Piece& first = pieces.front();
+  if (first.external != nullptr) {
+    first.external += bytes;
+  } else {
+    first.offset += bytes;
+  }
+  first.size -= bytes;
+}
+
+bool fitsWire(const OutgoingFrame& f) {
+  return f.envelope.size() <= std::numeric_limits<uint32_t>::max() &&
+         f.payloads.size() <= std::numeric_limits<uint32_t>::max();
+}
+
+}  // namespace
+
+// Note [Sender writes]: a frame goes to the loop thread to be written (ARCHITECTURE §3: only the loop
+// writes sockets). For a caller about to block on the answer (rpcSync) that hand-off is a wake-up and a
+// context switch of several microseconds on its own, a sixth of a no-op round trip here. So a frame marked
+// fromSender is written by the sending thread itself, with one non-blocking sendmsg, when nothing of this
+// connection waits to be written: unwritten_ (frames send() took, not yet all in the socket: posted,
+// queued on the loop, in a libuv write request or partial_) is zero. Then no earlier frame of the same
+// thread can be overtaken, and every socket write, the loop's included, happens under writeMutex_, so the
+// bytes of two writers never interleave (while libuv has a request queued, unwritten_ is not zero and no
+// sender writes). If the socket takes part of the frame, the rest waits in partial_, which the loop writes
+// before anything else; if it takes nothing (full, or an error), the frame goes the usual way and the
+// loop's write meets the same condition and reports it. fd_ is cleared under writeMutex_ before the handle
+// closes, so a sender never writes a closed descriptor. Frames that are not marked keep the batching of the
+// loop (one write for every frame a burst of calls queued): a flood of rpcAsync calls is cheaper that way.
+void TcpConnection::send(OutgoingFrame frame, SendCallback done) {
+  if (frame.fromSender && !loop_->inLoop() && writeFromSender(frame, done)) return;
+  unwritten_.fetch_add(1);
+  LoopConnection::send(std::move(frame), std::move(done));
+}
+
+bool TcpConnection::writeFromSender(OutgoingFrame& frame, SendCallback& done) {
+  std::unique_lock<std::mutex> lock(writeMutex_);
+  if (fd_ < 0 || unwritten_.load() != 0 || !fitsWire(frame)) return false;
+  senderBytes_.clear();
+  senderPieces_.clear();
+  layOutFrame(frame, senderBytes_, senderPieces_);
+  if (senderPieces_.size() > 64) return false;  // many payloads: the loop's writev handles IOV_MAX
+  senderIov_.clear();
+  size_t total = 0;
+  for (const auto& piece : senderPieces_) {
+    const uint8_t* base = piece.external ? piece.external : senderBytes_.data() + piece.offset;
+    senderIov_.push_back({const_cast<uint8_t*>(base), piece.size});
+    total += piece.size;
+  }
+  msghdr message{};
+  message.msg_iov = senderIov_.data();
+  message.msg_iovlen = senderIov_.size();
+  ssize_t n;
+  do {
+    n = ::sendmsg(fd_, &message, MSG_NOSIGNAL | MSG_DONTWAIT);
+  } while (n < 0 && errno == EINTR);
+  if (n <= 0) return false;  // nothing written: the loop writes it (and reports an error it meets)
+  if (static_cast<size_t>(n) == total) {
+    lock.unlock();
+    if (done) done(Result<void>());
+    return true;
+  }
+  partial_.emplace(QueuedFrame{std::move(frame), std::move(done)});
+  partialWritten_ = static_cast<size_t>(n);
+  partialPending_.store(true);
+  unwritten_.fetch_add(1);
+  lock.unlock();
+  auto self = shared_from_this();
+  if (!loop_->post([self] { self->requestFlushFromLoop(); })) {
+    // The context closed meanwhile and no loop will write the rest: fail it here.
+    std::optional<QueuedFrame> failed;
+    {
+      std::lock_guard<std::mutex> relock(writeMutex_);
+      failed.swap(partial_);
+    }
+    if (failed && failed->done) failed->done(Error::disconnected(describe() + ": the context is closed"));
+  }
+  return true;
+}
+
+void TcpConnection::requestFlushFromLoop() {
+  if (!dirty_) {
+    dirty_ = true;
+    loop_->markDirtyFromLoop(shared_from_this());
+  }
+}
+
+void TcpConnection::writeFromLoop(std::vector<QueuedFrame> frames) {
+  // The frames' bytes as pieces in wire order: inline (offset into writeBytes_) or external (pointer into
+  // caller memory). Built in vectors the connection keeps, so a write that leaves at once (the usual case
+  // for small frames) allocates nothing.
+  std::vector<uint8_t>& bytes = writeBytes_;
+  std::vector<WritePiece>& pieces = writePieces_;
+  bytes.clear();
+  pieces.clear();
+  std::unique_lock<std::mutex> lock(writeMutex_);  // Note [Sender writes]
+  size_t alreadyWritten = 0;
+  if (partial_) {
+    // A sender's frame the socket took part of goes first.
+    frames.insert(frames.begin(), std::move(*partial_));
+    alreadyWritten = partialWritten_;
+    partial_.reset();
+    partialPending_.store(false);
+  }
+  if (frames.empty()) return;
+  size_t inlineSize = 0;
   for (const auto& queued : frames) {
     const auto& f = queued.frame;
-    FramePrefix prefix;
-    prefix.flags = f.flags;
-    prefix.envelopeBytes = static_cast<uint32_t>(f.envelope.size());
-    prefix.payloadCount = static_cast<uint32_t>(f.payloads.size());
-    uint64_t total = 0;
-    for (const auto& p : f.payloads) total += p.size;
-    prefix.payloadBytes = total;
-    addInline(&prefix, sizeof(prefix));
-    for (const auto& p : f.payloads) {
-      uint64_t size = p.size;
-      addInline(&size, sizeof(size));
-    }
-    size_t head = sizeof(FramePrefix) + 8 * f.payloads.size() + f.envelope.size();
-    if (f.envelope.size() <= kInlineEnvelopeBytes) {
-      addInline(f.envelope.data(), f.envelope.size());
-    } else {
-      addExternal(f.envelope.data(), f.envelope.size());
-    }
-    addExternal(kZeros, paddingTo64(head));
-    for (const auto& p : f.payloads) {
-      addExternal(p.data, p.size);  // straight from the sender's storage: no copy
-      addExternal(kZeros, paddingTo64(p.size));
-    }
+    size_t header = sizeof(FramePrefix) + 8 * f.payloads.size();
+    inlineSize += header;
+    if (f.envelope.size() <= kInlineEnvelopeBytes) inlineSize += f.envelope.size();
   }
+  bytes.reserve(inlineSize);
+  for (const auto& queued : frames) layOutFrame(queued.frame, bytes, pieces);
+  dropFront(pieces, alreadyWritten);
   std::vector<uv_buf_t>& buffers = writeBuffers_;
   buffers.clear();
   buffers.reserve(pieces.size());
@@ -134,6 +255,7 @@ void TcpConnection::writeFromLoop(std::vector<QueuedFrame> frames) {
     totalBytes += piece.size;
   }
   auto fail = [&](int rc) {
+    lock.unlock();  // closeFromLoop takes it
     Error error = Error::disconnected("tcp write to " + peerAddress_ + " failed: " + uvError(rc));
     for (auto& queued : frames) {
       if (queued.done) loop_->post([done = std::move(queued.done), error] { done(error); });
@@ -157,6 +279,8 @@ void TcpConnection::writeFromLoop(std::vector<QueuedFrame> frames) {
     }
   }
   if (written == totalBytes) {
+    unwritten_.fetch_sub(frames.size());
+    lock.unlock();
     for (auto& queued : frames) {
       // Every frame left, so each completes with success even if an earlier callback closed the connection.
       if (queued.done) completeSendFromLoop(queued.done, Result<void>());
@@ -187,12 +311,13 @@ void TcpConnection::writeFromLoop(std::vector<QueuedFrame> frames) {
     fail(rc);
     return;
   }
-  (void)request.release();  // owned by onWrite now
+  (void)request.release();  // owned by onWrite now, which counts its frames out of unwritten_
 }
 
 void TcpConnection::onWrite(uv_write_t* req, int status) {
   std::unique_ptr<WriteRequest> request(static_cast<WriteRequest*>(req->data));
   auto& self = *request->connection;
+  self.unwritten_.fetch_sub(request->frames.size());  // libuv has written them (or given up)
   if (status == 0) {
     for (auto& queued : request->frames) {
       if (queued.done) self.completeSendFromLoop(queued.done, Result<void>());
@@ -342,6 +467,10 @@ void TcpConnection::closeFromLoop(const Error& error) {
   if (closing_ || !initialized_) return;
   closing_ = true;
   closeError_ = error;
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);  // Note [Sender writes]: no sender writes from here on
+    fd_ = -1;
+  }
   if (started_) uv_read_stop(reinterpret_cast<uv_stream_t*>(&handle_));
   // In-flight writes complete with UV_ECANCELED before the close callback runs.
   uv_close(reinterpret_cast<uv_handle_t*>(&handle_), &TcpConnection::onClose);
@@ -362,6 +491,11 @@ void TcpConnection::closedFromLoop() {
   Error error = *closeError_;
   auto queued = std::move(queue_);
   queue_.clear();
+  {
+    std::lock_guard<std::mutex> lock(writeMutex_);
+    if (partial_) queued.insert(queued.begin(), std::move(*partial_));
+    partial_.reset();
+  }
   for (auto& frame : queued) {
     if (frame.done) {
       completeSendFromLoop(frame.done,

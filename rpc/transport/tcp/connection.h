@@ -4,7 +4,8 @@
 // one writev of a uv_buf_t array (prefix + size table + envelope + padding inline, payloads referenced in
 // place: no copy of payload bytes): uv_try_write when libuv has nothing queued, uv_write for what the
 // socket did not take (Note [Direct writes] in connection.cpp). The SendBuffers' owners are held until the
-// write completes.
+// write completes. A frame marked fromSender is written by the sending thread itself when nothing of this
+// connection is waiting to be written (Note [Sender writes]).
 // Receiving: a state machine (prefix -> size table -> envelope -> PayloadAllocator -> payloads -> padding).
 // Small pieces are read through a scratch buffer; a region of kDirectReadBytes or more is read straight into
 // its destination (the allocator's buffer). Every size is checked (validatePrefix, the size table against
@@ -16,8 +17,12 @@
 // Thread-safety: public methods may be called from any thread; everything else runs on the loop thread.
 #pragma once
 
+#include <sys/uio.h>
+
+#include <atomic>
 #include <deque>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -34,6 +39,9 @@ class TcpConnection final : public LoopConnection<TcpConnection, TcpLoop> {
 
   TcpConnection(std::shared_ptr<TcpLoop> loop, std::string peerAddress);
   ~TcpConnection() override;
+
+  // Any thread: writes a fromSender frame here when nothing is queued ahead of it (Note [Sender writes]).
+  void send(OutgoingFrame frame, SendCallback done) override;
 
   // Loop thread only.
   void initFromLoop();  // uv_tcp_init, registration with the loop, self reference
@@ -58,6 +66,9 @@ class TcpConnection final : public LoopConnection<TcpConnection, TcpLoop> {
   };
 
   void sendFromLoop(OutgoingFrame frame, SendCallback done) override;
+  // Note [Sender writes]: true when the frame was taken (written whole, or its rest left in partial_).
+  bool writeFromSender(OutgoingFrame& frame, SendCallback& done);
+  void requestFlushFromLoop();
   void beginReadingFromLoop() override;  // uv_read_start
   void writeFromLoop(std::vector<QueuedFrame> frames);
   void beginStage(Stage stage, void* target, size_t bytes);
@@ -83,6 +94,16 @@ class TcpConnection final : public LoopConnection<TcpConnection, TcpLoop> {
   std::vector<uint8_t> writeBytes_;
   std::vector<WritePiece> writePieces_;
   std::vector<uv_buf_t> writeBuffers_;
+  // Note [Sender writes]. Every write to the socket (the loop's and a sender's) happens under writeMutex_.
+  std::mutex writeMutex_;
+  int fd_ = -1;                         // GUARDED_BY(writeMutex_): the socket while senders may write it
+  std::optional<QueuedFrame> partial_;  // GUARDED_BY(writeMutex_): a sender's frame the socket took part of
+  size_t partialWritten_ = 0;           // GUARDED_BY(writeMutex_): how much of it
+  std::atomic<bool> partialPending_{false};
+  std::atomic<size_t> unwritten_{0};  // frames send() took that are not yet all in the socket
+  std::vector<uint8_t> senderBytes_;    // GUARDED_BY(writeMutex_): writeFromSender's storage
+  std::vector<WritePiece> senderPieces_;
+  std::vector<iovec> senderIov_;
   // Read state machine.
   std::vector<uint8_t> scratch_;
   Stage stage_ = Stage::kPrefix;
