@@ -166,7 +166,7 @@ void RRefContext::install(rpc::Registry& registry) {
     for (const detail::WireRRef& f : forks) self->serveForkRequest(f.id, f.fork, ctx.caller);
     for (const detail::WireRRef& d : deletes) self->serveDelete(d.id, d.fork);
     for (uint64_t fork : accepts) self->serveChildAccept(fork);
-  });
+  }, rpc::Dispatch::kInline);  // table updates under one lock: no hand-off (Note [Inline handlers], rpc/agent.cpp)
   rpc::BoundFunction call;
   call.name = detail::kCallFunction;
   call.signature = "dg.rref.call(header,args)";
@@ -179,6 +179,9 @@ void RRefContext::install(rpc::Registry& registry) {
   fetch.name = detail::kFetchFunction;
   fetch.signature = "dg.rref.fetch(rref)";
   fetch.hash = detail::kFetchHash;
+  // Answers from the table, or later through a callback when the value resolves: never blocks, so it runs
+  // on the loop and a fetch of a ready value costs the callee no thread hand-off (Note [Inline handlers]).
+  fetch.dispatch = rpc::Dispatch::kInline;
   fetch.invoke = [](const rpc::DecodedMessage& message, const rpc::CallContext& ctx,
                     rpc::Executor& executor) -> rpc::Future<rpc::EncodeValueFn> {
     auto args = message.decodeArgs<RRefId>();
