@@ -703,11 +703,21 @@ void PipelineStage::runQueued() {
     }();
     meter_->token->release();
     job.input = Tensor();
+    // The runner stops before the result is published: the caller may switch modes (train(), to()) as
+    // soon as its last forward answered, and must not find this runner still marked running. A job queued
+    // meanwhile starts its own runner.
+    bool more;
+    {
+      std::lock_guard<std::mutex> lock(queueMutex_);
+      more = !queue_.empty();
+      if (!more) running_ = false;
+    }
     if (job.loss) {
       lossForwarded(job.loss, std::move(result));
     } else {
       job.promise->setResult(std::move(result));
     }
+    if (!more) return;
   }
 }
 
