@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <future>
 #include <map>
 #include <memory>
 #include <string>
@@ -512,6 +513,37 @@ TEST_P(RpcPipelineTest, AFailedStepLeavesNoMicroBatchInFlight) {
         EXPECT_EQ(r.stats.maxInFlight[1], 1) << "step " << step;
       }
     }
+  }
+}
+
+// A stage may switch modes the moment its last forward answered: a continuation that runs as that answer
+// is published (inline, on the stage's runner thread) finds no forward running. The second forward waits
+// for the in-flight slot the first one holds, so its runner is an executor thread that resumes it after
+// the test has attached the continuation.
+TEST_P(RpcPipelineTest, ModesSwitchAsSoonAsTheLastForwardAnswered) {
+  auto stage = std::make_shared<PipelineStage>("worker1", StageSpec{mlpSpec(), 0, 2});
+  stage->setMaxInFlight(1);
+  rpc::CallContext ctx;
+  ctx.agent = &agent(1);
+  ctx.caller = "worker0";
+  ctx.callee = "worker1";
+  for (int i = 0; i < 5; ++i) {
+    Tensor first = stage->forwardFirst(ctx, images(2, mlpSpec(), 2 * i), 0, i, 0).get();
+    rpc::Future<Tensor> second = stage->forwardFirst(ctx, images(2, mlpSpec(), 2 * i + 1), 1, i, 0);
+    ASSERT_FALSE(second.isReady()) << "the second forward should wait for the first one's slot";
+    std::promise<std::string> switched;
+    (void)std::move(second).then(rpc::kInlineSafe, [&](rpc::Result<Tensor>&& r) {
+      std::string problem = r.ok() ? "" : r.error().message;
+      try {
+        if (problem.empty()) stage->train(false);
+        if (problem.empty()) stage->train(true);
+      } catch (const std::exception& e) {
+        problem = e.what();
+      }
+      switched.set_value(problem);
+    });
+    first = Tensor();  // its graph goes without a backward: the slot frees and the second forward runs
+    EXPECT_EQ(switched.get_future().get(), "");
   }
 }
 
