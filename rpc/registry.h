@@ -7,9 +7,10 @@
 //   });
 // A handler takes the function's Args (by value or const&), optionally preceded by `const CallContext&`,
 // and returns R or Future<R> (void / Future<void> for R = void). It runs on an executor worker, or with
-// Dispatch::kInline on the thread that decoded the call (short, never-blocking handlers only). Its result travels back with Codec<R>; an
-// exception it throws becomes an Error of kind `remote` with the exception's type, message and this
-// worker's name (an RpcError it lets escape, e.g. from a nested call, keeps its own kind).
+// Dispatch::kInline on the thread that decoded the call (short, never-blocking handlers only). Its result
+// travels back with Codec<R>; an exception it throws becomes an Error of kind `remote` with the
+// exception's type, message and this worker's name (an RpcError it lets escape, e.g. from a nested call,
+// keeps its own kind).
 // Classes (rpc/class.h): reg.bindClass(kLinear).ctor<int64_t, int64_t>() serves every method kLinear
 // declares and the constructors the binder adds; findClass() gives the type-erased ClassEntry.
 // The Agent copies the Registry at start(); binding afterwards does not affect running agents.

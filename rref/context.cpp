@@ -158,15 +158,19 @@ std::shared_ptr<RRefContext> RRefContext::of(rpc::Agent& agent) {
 void RRefContext::install(rpc::Registry& registry) {
   // Note [Unclaimed references]: forks carried by messages nobody decodes come back here.
   registry.setReferenceSink([](rpc::Agent& agent) -> std::shared_ptr<rpc::ReferenceSink> { return of(agent); });
-  registry.bind(kSettle, [](const rpc::CallContext& ctx, std::vector<detail::WireRRef> forks,
-                            std::vector<detail::WireRRef> deletes, std::vector<uint64_t> accepts) {
-    auto self = RRefContext::of(*ctx.agent);
-    // Registrations first: a fork is never deleted in the batch that registers it (its deletion waits for
-    // this answer, Note [User deletion]), but keep the order obvious.
-    for (const detail::WireRRef& f : forks) self->serveForkRequest(f.id, f.fork, ctx.caller);
-    for (const detail::WireRRef& d : deletes) self->serveDelete(d.id, d.fork);
-    for (uint64_t fork : accepts) self->serveChildAccept(fork);
-  }, rpc::Dispatch::kInline);  // table updates under one lock: no hand-off (Note [Inline handlers], rpc/agent.cpp)
+  // Table updates under one lock: inline on the loop, no hand-off (Note [Inline handlers] in rpc/agent.cpp).
+  registry.bind(
+      kSettle,
+      [](const rpc::CallContext& ctx, std::vector<detail::WireRRef> forks, std::vector<detail::WireRRef> deletes,
+         std::vector<uint64_t> accepts) {
+        auto self = RRefContext::of(*ctx.agent);
+        // Registrations first: a fork is never deleted in the batch that registers it (its deletion waits
+        // for this answer, Note [User deletion]), but keep the order obvious.
+        for (const detail::WireRRef& f : forks) self->serveForkRequest(f.id, f.fork, ctx.caller);
+        for (const detail::WireRRef& d : deletes) self->serveDelete(d.id, d.fork);
+        for (uint64_t fork : accepts) self->serveChildAccept(fork);
+      },
+      rpc::Dispatch::kInline);
   rpc::BoundFunction call;
   call.name = detail::kCallFunction;
   call.signature = "dg.rref.call(header,args)";

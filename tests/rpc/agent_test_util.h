@@ -123,7 +123,9 @@ inline Registry makeRegistry(World& world) {
   reg.bind(
       kInlineNested,
       [&world](const CallContext& ctx, int64_t n) -> Future<int64_t> {
-        return world.agent(ctx.callee).rpcAsync(ctx.caller, kAddInt, n, int64_t{1}).then([](int64_t v) { return v * 10; });
+        return world.agent(ctx.callee).rpcAsync(ctx.caller, kAddInt, n, int64_t{1}).then([](int64_t v) {
+          return v * 10;
+        });
       },
       Dispatch::kInline);
   reg.bind(
