@@ -1504,6 +1504,7 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
       // A peer reusing the id of a call still running would orphan that call's cancellation and reply:
       // a protocol violation, answered by closing the link.
       duplicateId = !incoming_.emplace(std::make_pair(peerName, id), std::move(incoming)).second;
+      incomingCount_.store(incoming_.size(), std::memory_order_relaxed);
       const int64_t timeoutMicros = message.fields().timeoutMicros;
       if (!duplicateId && timeoutMicros > 0 && link) {
         // The callee's own deadline, from the call's arrival: if the caller's cancel message never comes
@@ -1555,9 +1556,9 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
     // The reply to the only call this agent is serving is written by the worker itself (Note [Sender
     // writes] in rpc/transport/tcp/connection.cpp): a latency-bound caller waits on it. With more calls
     // running, replies go to the loop, which writes those of a batch together.
-    if (frame.ok() && executor_->isCurrentThread()) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      frame.value().fromSender = incoming_.size() == 1;
+    if (frame.ok()) {
+      frame.value().fromSender =
+          executor_->isCurrentThread() && incomingCount_.load(std::memory_order_relaxed) == 1;
     }
     const int64_t bytes = frame.ok() ? static_cast<int64_t>(frameBytes(frame.value())) : 0;
     const bool queued = frame.ok() && sendFrame(peerName, std::move(frame).value(), id, /*traceSend=*/traceName == nullptr);
@@ -1581,6 +1582,7 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
       if (it != incoming_.end()) {
         done = std::move(it->second);
         incoming_.erase(it);
+        incomingCount_.store(incoming_.size(), std::memory_order_relaxed);
       }
       if (incoming_.empty()) changed_.notify_all();
     }

@@ -430,6 +430,9 @@ class Agent {
   std::vector<std::shared_ptr<Link>> links_;                    // GUARDED_BY(mutex_): every live link
   std::unordered_map<uint64_t, std::unique_ptr<Pending>> pending_;        // GUARDED_BY(mutex_)
   std::map<std::pair<std::string, uint64_t>, std::unique_ptr<Incoming>> incoming_;  // GUARDED_BY(mutex_)
+  // incoming_.size(), written where incoming_ changes (under mutex_), read without it by a reply deciding
+  // whether it answers the only call running (Note [Sender writes]).
+  std::atomic<size_t> incomingCount_{0};
   std::optional<Error> startError_;                             // GUARDED_BY(mutex_)
   bool accepting_ = false;   // GUARDED_BY(mutex_): incoming calls are served
   bool callsOpen_ = false;   // GUARDED_BY(mutex_): new outgoing calls from non-executor threads allowed
