@@ -37,6 +37,12 @@ namespace distgrad::rpc::transport {
 // in the Error.
 Result<std::vector<PayloadBuffer>> defaultAllocate(const char* transport, std::span<const uint64_t> sizes);
 
+// True when the frame's envelope size and payload count fit the wire's 32-bit prefix fields.
+inline bool fitsWirePrefix(const OutgoingFrame& frame) {
+  return frame.envelope.size() <= std::numeric_limits<uint32_t>::max() &&
+         frame.payloads.size() <= std::numeric_limits<uint32_t>::max();
+}
+
 // Checks a received size table against its prefix and the limits: "" when it is consistent, else what is
 // wrong with it.
 std::string sizeTableProblem(const FramePrefix& prefix, std::span<const uint64_t> sizes, const FrameLimits& limits);
@@ -171,8 +177,7 @@ bool LoopConnection<Derived, Loop>::refuseSendFromLoop(const OutgoingFrame& fram
                           : Error::disconnected(describe() + " is closed"));
     return true;
   }
-  if (frame.envelope.size() > std::numeric_limits<uint32_t>::max() ||
-      frame.payloads.size() > std::numeric_limits<uint32_t>::max()) {
+  if (!fitsWirePrefix(frame)) {
     failLater(Error::failed(std::string(transport_) + " send: a frame's envelope and payload count must fit 32 bits"));
     return true;
   }

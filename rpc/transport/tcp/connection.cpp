@@ -6,7 +6,6 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <limits>
 
 namespace distgrad::rpc::transport::tcp {
 
@@ -138,11 +137,6 @@ void dropFront(std::vector<Piece>& pieces, size_t bytes) {
   first.size -= bytes;
 }
 
-bool fitsWire(const OutgoingFrame& f) {
-  return f.envelope.size() <= std::numeric_limits<uint32_t>::max() &&
-         f.payloads.size() <= std::numeric_limits<uint32_t>::max();
-}
-
 }  // namespace
 
 // Note [Sender writes]: a frame goes to the loop thread to be written (ARCHITECTURE §3: only the loop
@@ -166,7 +160,7 @@ void TcpConnection::send(OutgoingFrame frame, SendCallback done) {
 
 bool TcpConnection::writeFromSender(OutgoingFrame& frame, SendCallback& done) {
   std::unique_lock<std::mutex> lock(writeMutex_);
-  if (fd_ < 0 || unwritten_.load() != 0 || !fitsWire(frame)) return false;
+  if (fd_ < 0 || unwritten_.load() != 0 || !fitsWirePrefix(frame)) return false;  // refused by the loop
   senderBytes_.clear();
   senderPieces_.clear();
   layOutFrame(frame, senderBytes_, senderPieces_);
