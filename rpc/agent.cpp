@@ -631,7 +631,11 @@ void Agent::onFrame(const std::shared_ptr<Link>& link, transport::IncomingFrame&
   // One clock read per frame, for the peer's liveness and, traced, the frame's arrival (the same steady
   // clock as trace::nowNs(): tracing reads no clock of its own here).
   const int64_t seenNs = nowNanos();
-  const int64_t arrivalNs = trace::enabled() ? seenNs : 0;
+  const bool tracing = trace::enabled();
+  const int64_t arrivalNs = tracing ? seenNs : 0;
+  // The loop thread was bound to this agent at start, but one ucx loop serves every agent of a process
+  // (Note [One worker per process]): what this frame records goes to this agent's file.
+  trace::WorkerScope traceWorker(traceSlot_, tracing);
   if (!link->ready && (!frame.payloads.empty() || frame.envelope.size() > kMaxHandshakeEnvelopeBytes)) {
     // Only handshake messages may come before the link is ready (the tcp allocator refused payloads
     // before this point; inproc frames get here).
@@ -1345,6 +1349,7 @@ void Agent::failPending(uint64_t id, Error error, bool sendCancel) {
   auto pending = takePending(id);
   if (!pending) return;
   if (pending->traceName != nullptr && trace::enabled()) {
+    trace::WorkerScope traceWorker(traceSlot_);  // any thread: the loop's, a timer's, a canceller's
     // a2: 1 + the ErrorKind that ended the wait (0 = a reply came).
     trace::recordAsync("rpc.client.wait", trace::Category::kRpcClient, pending->waitBeginNs, trace::nowNs(),
                        {pending->peerRank, static_cast<int64_t>(id), 1 + static_cast<int64_t>(error.kind)}, 0,

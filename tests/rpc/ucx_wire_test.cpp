@@ -1,13 +1,17 @@
-// The ucx transport's wire validation: a raw ucp client (its own context, worker and client-server
-// endpoint) sends hand-made active messages to a ucx listener, and each malformed one must close that
+// The ucx transport's wire validation: a raw ucp client (a client-server endpoint of its own on the
+// process's worker) sends hand-made active messages to a ucx listener, and each malformed one must close that
 // connection with a `malformed frame:` Error naming the problem, without touching the process.
 #ifdef DG_HAVE_UCX
 
 #include <ucp/api/ucp.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <future>
+#include <thread>
+#include <type_traits>
 
 #include "rpc/transport/ucx/context.h"
 #include "tests/rpc/transport_test_util.h"
@@ -17,30 +21,13 @@ namespace {
 
 using namespace testing;  // NOLINT
 
-// A bare ucp client driven by hand (progress in wait loops), for sending what our transport never would.
+// A bare ucp endpoint driven by hand, for sending what our transport never would. It lives on the
+// process's one worker (a second worker in the process is what Note [One worker per process] avoids), so
+// every ucp call runs as a task on the ucx loop, which also progresses it; the server's goodbye to it
+// reaches our active-message handlers, which drop messages for endpoints they do not know.
 class RawUcpClient {
  public:
-  explicit RawUcpClient(const std::string& address) {
-    ucp_config_t* config = nullptr;
-    EXPECT_EQ(ucp_config_read(nullptr, nullptr, &config), UCS_OK);
-    ucp_params_t params{};
-    params.field_mask = UCP_PARAM_FIELD_FEATURES;
-    params.features = UCP_FEATURE_AM;
-    EXPECT_EQ(ucp_init(&params, config, &context_), UCS_OK);
-    ucp_config_release(config);
-    ucp_worker_params_t workerParams{};
-    workerParams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-    workerParams.thread_mode = UCS_THREAD_MODE_SINGLE;
-    EXPECT_EQ(ucp_worker_create(context_, &workerParams, &worker_), UCS_OK);
-    // Handlers for the ids the server sends (its goodbye): UCX 1.13 crashes on a reply-flagged message for
-    // an id without one.
-    for (unsigned id = 1; id <= 5; ++id) {
-      ucp_am_handler_param_t handler{};
-      handler.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB;
-      handler.id = id;
-      handler.cb = [](void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*) { return UCS_OK; };
-      EXPECT_EQ(ucp_worker_set_am_recv_handler(worker_, &handler), UCS_OK);
-    }
+  explicit RawUcpClient(const std::string& address) : loop_(UcxLoop::create(ContextOptions{}).value()) {
     sockaddr_storage target{};
     socklen_t length = 0;
     std::string error;
@@ -53,50 +40,54 @@ class RawUcpClient {
     epParams.sockaddr.addrlen = length;
     epParams.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     epParams.err_handler.cb = [](void*, ucp_ep_h, ucs_status_t) {};  // the server closing on us is expected
-    EXPECT_EQ(ucp_ep_create(worker_, &epParams, &ep_), UCS_OK);
+    EXPECT_EQ(onLoop([&] { return ucp_ep_create(loop_->workerFromLoop(), &epParams, &ep_); }), UCS_OK);
   }
   ~RawUcpClient() {
     if (ep_ != nullptr) {
       ucp_request_param_t param{};
       param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
       param.flags = UCP_EP_CLOSE_FLAG_FORCE;
-      wait(ucp_ep_close_nbx(ep_, &param));
+      wait(onLoop([&] { return ucp_ep_close_nbx(ep_, &param); }));
     }
-    if (worker_ != nullptr) ucp_worker_destroy(worker_);
-    if (context_ != nullptr) ucp_cleanup(context_);
+    loop_->shutdown();
   }
 
-  // Sends one active message and progresses until ucp completed it.
+  // Sends one active message and waits until ucp completed it.
   void send(AmId id, const std::vector<uint8_t>& header, const std::vector<uint8_t>& data) {
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     param.flags = UCP_AM_SEND_FLAG_REPLY;
-    wait(ucp_am_send_nbx(ep_, static_cast<unsigned>(id), header.empty() ? nullptr : header.data(), header.size(),
-                         data.empty() ? nullptr : data.data(), data.size(), &param));
+    wait(onLoop([&] {
+      return ucp_am_send_nbx(ep_, static_cast<unsigned>(id), header.empty() ? nullptr : header.data(), header.size(),
+                             data.empty() ? nullptr : data.data(), data.size(), &param);
+    }));
   }
-  // Progresses the worker (the server's goodbye and disconnect need an answer) until `done`.
+  // Waits (the loop progresses the worker) until `done`.
   template <typename F>
   bool progressUntil(F done) {
     auto deadline = std::chrono::steady_clock::now() + kWait;
     while (!done()) {
-      ucp_worker_progress(worker_);
       if (std::chrono::steady_clock::now() > deadline) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
     return true;
   }
 
  private:
+  template <typename F>
+  std::invoke_result_t<F> onLoop(F fn) {
+    std::packaged_task<std::invoke_result_t<F>()> task(std::move(fn));
+    auto result = task.get_future();
+    EXPECT_TRUE(loop_->post([&task] { task(); }));
+    return result.get();
+  }
   void wait(ucs_status_ptr_t request) {
     if (request == nullptr || UCS_PTR_IS_ERR(request)) return;
-    auto deadline = std::chrono::steady_clock::now() + kWait;
-    while (ucp_request_check_status(request) == UCS_INPROGRESS && std::chrono::steady_clock::now() < deadline) {
-      ucp_worker_progress(worker_);
-    }
-    ucp_request_free(request);
+    progressUntil([&] { return onLoop([&] { return ucp_request_check_status(request); }) != UCS_INPROGRESS; });
+    onLoop([&] { ucp_request_free(request); });
   }
 
-  ucp_context_h context_ = nullptr;
-  ucp_worker_h worker_ = nullptr;
+  std::shared_ptr<UcxLoop> loop_;
   ucp_ep_h ep_ = nullptr;
 };
 
@@ -285,6 +276,84 @@ TEST(UcxWire, HeadsLargerThanAnActiveMessageHeaderTakeTheTwoMessagePath) {
       EXPECT_EQ(f.payloads[1].size, 0u);
     }
   }
+}
+
+// A connection from `client` to `listener`, started on both ends into the two collectors.
+std::shared_ptr<Connection> connectPair(Context& client, const std::string& address, Collector& atClient,
+                                        Collector& atServer, std::promise<std::shared_ptr<Connection>>& accepted) {
+  std::promise<Result<std::shared_ptr<Connection>>> connected;
+  client.connect(address, [&](Result<std::shared_ptr<Connection>> r) { connected.set_value(std::move(r)); });
+  auto connection = connected.get_future().get();
+  EXPECT_TRUE(connection.ok()) << connection.error().message;
+  if (!connection.ok()) return nullptr;
+  atClient.start(connection.value());
+  atServer.start(accepted.get_future().get());
+  return connection.value();
+}
+
+bool exchanges(Connection& connection, Collector& atPeer, size_t index) {
+  OutgoingFrame frame;
+  frame.envelope = envelopeWithIndex(index);
+  frame.payloads = {patternBytes(1000, static_cast<uint32_t>(index)).buffer()};
+  connection.send(std::move(frame), nullptr);
+  if (!atPeer.waitFrames(index + 1)) return false;
+  std::lock_guard lock(atPeer.mutex);
+  return indexOf(atPeer.frames[index]) == index;
+}
+
+// Note [One worker per process]: the ucx Contexts of a process share one loop thread; closing one closes
+// only its own listeners and connections (its peers see them close), the others keep exchanging frames
+// and accepting, and once the last one closed a new Context starts a fresh worker.
+TEST(UcxWorker, ContextsOfAProcessShareOneLoopAndCloseOnlyTheirOwn) {
+  if (!ucxUnavailableReason().empty()) GTEST_SKIP() << "ucx is not viable here: " << ucxUnavailableReason();
+  auto server = createContext("ucx").value();
+  auto leaving = createContext("ucx").value();
+  auto staying = createContext("ucx").value();
+  auto loopThread = [](Context& context) {
+    std::promise<pid_t> id;  // the kernel's thread id: pthread ids are reused as soon as a thread ends
+    context.defer([&id] { id.set_value(::gettid()); });
+    return id.get_future().get();
+  };
+  const pid_t loop = loopThread(*server);
+  EXPECT_EQ(loopThread(*leaving), loop);
+  EXPECT_EQ(loopThread(*staying), loop);
+  EXPECT_NE(loop, ::gettid());
+
+  std::promise<std::shared_ptr<Connection>> acceptedFirst;
+  std::promise<std::shared_ptr<Connection>> acceptedSecond;
+  std::promise<std::shared_ptr<Connection>> acceptedThird;
+  std::atomic<int> accepts{0};
+  auto listener = server->listen("127.0.0.1:0", [&](std::shared_ptr<Connection> c) {
+    int n = accepts.fetch_add(1);
+    (n == 0 ? acceptedFirst : n == 1 ? acceptedSecond : acceptedThird).set_value(std::move(c));
+  });
+  ASSERT_TRUE(listener.ok());
+  const std::string address = listener.value()->address();
+  Collector leavingEnd, leavingPeer, stayingEnd, stayingPeer;
+  auto toLeave = connectPair(*leaving, address, leavingEnd, leavingPeer, acceptedFirst);
+  auto toStay = connectPair(*staying, address, stayingEnd, stayingPeer, acceptedSecond);
+  ASSERT_TRUE(toLeave && toStay);
+  EXPECT_TRUE(exchanges(*toLeave, leavingPeer, 0));
+  EXPECT_TRUE(exchanges(*toStay, stayingPeer, 0));
+
+  leaving->close();
+  ASSERT_TRUE(leavingEnd.waitClosed());
+  ASSERT_TRUE(leavingPeer.waitClosed()) << "the server's end of the closed Context's connection";
+  EXPECT_TRUE(exchanges(*toStay, stayingPeer, 1));
+  {
+    std::lock_guard lock(stayingEnd.mutex);
+    EXPECT_FALSE(stayingEnd.closed.has_value());
+  }
+  Collector laterEnd, laterPeer;
+  auto later = connectPair(*staying, address, laterEnd, laterPeer, acceptedThird);
+  ASSERT_TRUE(later);
+  EXPECT_TRUE(exchanges(*later, laterPeer, 0));
+
+  staying->close();
+  server->close();
+  ASSERT_TRUE(stayingPeer.waitClosed());
+  auto fresh = createContext("ucx").value();
+  EXPECT_NE(loopThread(*fresh), loop) << "a new worker (and thread) after the last Context closed";
 }
 
 }  // namespace

@@ -46,27 +46,73 @@ bool userSet(const char* name) { return std::getenv((std::string("UCX_") + name)
 
 }  // namespace
 
-UcxLoop::UcxLoop(const ContextOptions& options) : options_(options) {}
+// Note [One worker per process]
+// Every ucx Context of a process shares one ucp context, one ucp worker and the thread that drives them.
+// UCX 1.13 keeps the async handlers of all workers in one process-wide table keyed by file descriptor, and
+// a worker that misses an event (its async context was busy) queues the fd to handle on its next progress;
+// when that fd was closed meanwhile and its number reused by another worker's handler, the first worker's
+// progress finds a handler of another worker and aborts the process (`Assertion handler->async == async
+// failed` in __ucs_async_poll_missed; fixed upstream by openucx/ucx#9942, after 1.13). Agents running as
+// threads of one process (tests, local clusters) open and close enough endpoints to hit it: about one run
+// in twenty of the handshake tests did. With one worker every handler belongs to the same async context,
+// and a process runs one ucx progress thread instead of one per Context. Each Context keeps its own share
+// (UcxLoop: options, connections, listeners, close); the worker starts with the first Context and stops
+// when the last one has closed. The registry's mutex is held while a worker starts or stops, so a new
+// worker's fds never coexist with an old worker's handlers.
+namespace {
 
-Result<std::shared_ptr<UcxLoop>> UcxLoop::create(const ContextOptions& options) {
-  auto loop = std::make_shared<UcxLoop>(options);
-  auto initialised = loop->init();
-  if (!initialised.ok()) return initialised.error();
-  std::promise<void> started;
-  auto ready = started.get_future();
-  UcxLoop* raw = loop.get();
-  loop->thread_ = std::thread([raw, &started] {
-    pthread_setname_np(pthread_self(), "dg-ucx-loop");
-    trace::setThreadName("dg-ucx-loop");
-    raw->threadId_ = std::this_thread::get_id();
-    started.set_value();
-    raw->run();
-  });
-  ready.wait();
-  return loop;
+std::mutex& registryMutex() {
+  static std::mutex mutex;
+  return mutex;
 }
 
-Result<void> UcxLoop::init() {
+std::weak_ptr<UcxWorker>& registeredWorker() {  // GUARDED_BY(registryMutex())
+  static std::weak_ptr<UcxWorker> worker;
+  return worker;
+}
+
+}  // namespace
+
+Result<std::shared_ptr<UcxWorker>> UcxWorker::acquire(bool busyPoll) {
+  std::lock_guard lock(registryMutex());
+  auto worker = registeredWorker().lock();
+  if (worker == nullptr || worker->tenants_ == 0) {  // none yet, or one its last tenant stopped
+    worker = std::make_shared<UcxWorker>();
+    auto initialised = worker->init();
+    if (!initialised.ok()) return initialised.error();
+    std::promise<void> started;
+    auto ready = started.get_future();
+    UcxWorker* raw = worker.get();
+    worker->thread_ = std::thread([raw, &started] {
+      pthread_setname_np(pthread_self(), "dg-ucx-loop");
+      trace::setThreadName("dg-ucx-loop");
+      raw->threadId_ = std::this_thread::get_id();
+      started.set_value();
+      raw->run();
+    });
+    ready.wait();
+    registeredWorker() = worker;
+  }
+  ++worker->tenants_;
+  if (busyPoll) worker->busyPollers_.fetch_add(1);
+  return worker;
+}
+
+void UcxWorker::release(bool busyPoll) {
+  DG_CHECK(!inLoop(), "ucx Context::close() must not be called from the ucx loop thread (it waits for it)");
+  if (busyPoll) busyPollers_.fetch_sub(1);
+  std::lock_guard lock(registryMutex());
+  DG_CHECK(tenants_ > 0, "ucx worker released more often than acquired");
+  if (--tenants_ > 0) return;
+  {
+    std::lock_guard tasksLock(mutex_);
+    stopping_.store(true, std::memory_order_release);
+  }
+  wake();
+  thread_.join();
+}
+
+Result<void> UcxWorker::init() {
   auto fail = [](const std::string& what, ucs_status_t status) {
     return Error::unimplemented("ucx transport unavailable: " + what + " failed: " + ucsError(status));
   };
@@ -132,7 +178,7 @@ Result<void> UcxLoop::init() {
     handler.id = static_cast<unsigned>(id);
     // Whole messages, and eager data we may keep past the callback (processed after progress returns).
     handler.flags = UCP_AM_FLAG_WHOLE_MSG | UCP_AM_FLAG_PERSISTENT_DATA;
-    handler.cb = &UcxLoop::onActiveMessage;
+    handler.cb = &UcxWorker::onActiveMessage;
     handler.arg = &amArgs_.back();
     status = ucp_worker_set_am_recv_handler(worker_, &handler);
     if (status != UCS_OK) return fail("ucp_worker_set_am_recv_handler", status);
@@ -140,43 +186,40 @@ Result<void> UcxLoop::init() {
   return {};
 }
 
-UcxLoop::~UcxLoop() {
+UcxWorker::~UcxWorker() {
   if (thread_.joinable()) {
-    if (inLoop()) {
-      std::fprintf(stderr, "distgrad ucx: loop destroyed on its own thread; detaching it\n");
-      thread_.detach();
-      return;
-    }
-    shutdown();
+    // Only when a Context was dropped without close() on the loop thread itself (LoopContext refuses to
+    // close there), so its tenancy was never released.
+    std::fprintf(stderr, "distgrad ucx: worker destroyed with its thread running; detaching it\n");
+    thread_.detach();
+    return;
   }
-  // Reached without a thread only when init() failed: release what it made.
+  // The thread destroyed the worker and the context when it stopped; this releases what a failed init() made.
   if (worker_ != nullptr) ucp_worker_destroy(worker_);
   if (context_ != nullptr) ucp_cleanup(context_);
   if (epollFd_ >= 0) ::close(epollFd_);
   if (wakeFd_ >= 0) ::close(wakeFd_);
 }
 
-bool UcxLoop::post(std::function<void()> fn) {
+void UcxWorker::post(std::function<void()> fn) {
   bool wakeLoop = false;
   {
     std::lock_guard lock(mutex_);
-    if (stopping_ && !inLoop()) return false;
     wakeLoop = tasks_.empty();
     tasks_.push_back(std::move(fn));
     hasTasks_.store(true, std::memory_order_release);
   }
   // A busy-polling loop sees hasTasks_ without a wake-up; the eventfd stays open until the destructor.
-  if (wakeLoop && !options_.ucxBusyPoll && !inLoop()) wake();
-  return true;
+  if (wakeLoop && busyPollers_.load(std::memory_order_relaxed) == 0 && !inLoop()) wake();
 }
 
-void UcxLoop::wake() {
+void UcxWorker::wake() {
   const uint64_t one = 1;
   while (::write(wakeFd_, &one, sizeof(one)) < 0 && errno == EINTR) {
   }
 }
 
-bool UcxLoop::runTasks() {
+bool UcxWorker::runTasks() {
   if (!hasTasks_.load(std::memory_order_acquire)) return false;
   std::vector<std::function<void()>> batch;
   {
@@ -194,17 +237,19 @@ bool UcxLoop::runTasks() {
   return !batch.empty();
 }
 
-void UcxLoop::addTimerFromLoop(std::chrono::steady_clock::time_point deadline, std::function<void()> fn) {
-  timers_.emplace_back(deadline, std::move(fn));
+void UcxWorker::addTimerFromLoop(const UcxLoop* owner, std::chrono::steady_clock::time_point deadline,
+                                 std::function<void()> fn) {
+  timers_.push_back({deadline, owner, std::move(fn)});
 }
 
-void UcxLoop::runTimersFromLoop(bool all) {
+void UcxWorker::runTimersFromLoop() {
   if (timers_.empty()) return;
   auto now = std::chrono::steady_clock::now();
   std::vector<std::function<void()>> due;
   for (size_t i = 0; i < timers_.size();) {
-    if (all || timers_[i].first <= now) {
-      due.push_back(std::move(timers_[i].second));
+    // A closing Context whose connections are gone does not wait for its timers.
+    if (timers_[i].deadline <= now || timers_[i].owner->connectionsGoneFromLoop()) {
+      due.push_back(std::move(timers_[i].fn));
       timers_[i] = std::move(timers_.back());
       timers_.pop_back();
     } else {
@@ -214,17 +259,30 @@ void UcxLoop::runTimersFromLoop(bool all) {
   for (auto& fn : due) deferFromLoop(std::move(fn));
 }
 
-int UcxLoop::timeoutMsFromLoop() const {
-  if (closingConnections_ > 0) return kClosingPollMs;
+void UcxWorker::answerDrainedTenantsFromLoop() {
+  for (size_t i = 0; i < closingTenants_.size();) {
+    UcxLoop* tenant = closingTenants_[i];
+    bool ownsTimers = std::any_of(timers_.begin(), timers_.end(), [&](const Timer& t) { return t.owner == tenant; });
+    if (!tenant->drainedFromLoop(ownsTimers)) {
+      ++i;
+      continue;
+    }
+    closingTenants_[i] = closingTenants_.back();
+    closingTenants_.pop_back();
+    tenant->answerDrainedFromLoop();  // its shutdown() may return and destroy it now
+  }
+}
+
+int UcxWorker::timeoutMsFromLoop() const {
+  if (closingConnections_ > 0) return UcxLoop::kClosingPollMs;
   if (timers_.empty()) return -1;
-  auto next = timers_.front().first;
-  for (const auto& timer : timers_) next = std::min(next, timer.first);
+  auto next = timers_.front().deadline;
+  for (const auto& timer : timers_) next = std::min(next, timer.deadline);
   auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(next - std::chrono::steady_clock::now()).count();
   return static_cast<int>(std::clamp<long long>(ms + 1, 0, 60000));
 }
 
-bool UcxLoop::driveFromLoop() {
-  bool worked = false;
+void UcxWorker::driveFromLoop() {
   for (;;) {
     bool busy = false;
     while (ucp_worker_progress(worker_) != 0) busy = true;
@@ -255,26 +313,27 @@ bool UcxLoop::driveFromLoop() {
         }
       }
     }
-    if (!busy) return worked;
-    worked = true;
+    if (!busy) return;
   }
 }
 
-void UcxLoop::run() {
+void UcxWorker::run() {
   epoll_event events[4];
   for (;;) {
-    runTimersFromLoop(closing_ && connections_.empty());
+    runTimersFromLoop();
     driveFromLoop();
-    if (closing_ && connections_.empty() && listeners_.empty() && timers_.empty() && deferred_.empty() &&
-        teardowns_ == 0) {
+    if (!closingTenants_.empty()) answerDrainedTenantsFromLoop();
+    // Every tenant drained before the last one released the worker: only tasks the loop posted itself can
+    // be left.
+    if (stopping_.load(std::memory_order_acquire)) {
       std::lock_guard lock(mutex_);
       if (tasks_.empty()) break;
-      continue;
     }
-    if (options_.ucxBusyPoll) continue;
-    // Sleep only when ucp agrees nothing is pending (arm returns BUSY when events arrived meanwhile).
+    if (busyPollers_.load(std::memory_order_relaxed) > 0) continue;
+    // Sleep only when ucp agrees nothing is pending (arm returns BUSY when events arrived meanwhile), and
+    // not over a task posted while a busy-polling Context (which posts without waking) was leaving.
     ucs_status_t status = ucp_worker_arm(worker_);
-    if (status == UCS_ERR_BUSY) continue;
+    if (status == UCS_ERR_BUSY || hasTasks_.load(std::memory_order_acquire)) continue;
     if (status != UCS_OK) {
       std::fprintf(stderr, "distgrad ucx: ucp_worker_arm failed: %s; polling instead\n", ucsError(status).c_str());
     }
@@ -294,19 +353,48 @@ void UcxLoop::run() {
   context_ = nullptr;
 }
 
+UcxLoop::UcxLoop(const ContextOptions& options, std::shared_ptr<UcxWorker> worker)
+    : options_(options), worker_(std::move(worker)), drainedFuture_(drained_.get_future().share()) {}
+
+Result<std::shared_ptr<UcxLoop>> UcxLoop::create(const ContextOptions& options) {
+  auto worker = UcxWorker::acquire(options.ucxBusyPoll);
+  if (!worker.ok()) return worker.error();
+  return std::make_shared<UcxLoop>(options, std::move(worker).value());
+}
+
+UcxLoop::~UcxLoop() {
+  {
+    std::lock_guard lock(leaveMutex_);
+    if (left_) return;
+  }
+  if (inLoop()) {
+    std::fprintf(stderr, "distgrad ucx: a Context's loop share destroyed on the loop thread; it stays registered\n");
+    return;
+  }
+  shutdown();
+}
+
+bool UcxLoop::post(std::function<void()> fn) {
+  std::lock_guard lock(mutex_);
+  if (stopping_ && !inLoop()) return false;
+  worker_->post(std::move(fn));
+  return true;
+}
+
 void UcxLoop::shutdown() {
-  DG_CHECK(!inLoop(), "ucx Context::close() must not be called from its own loop thread (it joins it)");
+  DG_CHECK(!inLoop(), "ucx Context::close() must not be called from the ucx loop thread (it waits for it)");
   {
     std::lock_guard lock(mutex_);
     if (!stopping_) {
       stopping_ = true;
-      tasks_.push_back([this] { closeAllFromLoop(); });
-      hasTasks_.store(true, std::memory_order_release);
-      wake();
+      worker_->post([this] { closeAllFromLoop(); });  // this outlives it: shutdown waits below
     }
   }
-  std::lock_guard lock(joinMutex_);
-  if (thread_.joinable()) thread_.join();
+  drainedFuture_.wait();
+  std::lock_guard lock(leaveMutex_);
+  if (left_) return;
+  left_ = true;
+  worker_->release(options_.ucxBusyPoll);
 }
 
 void UcxLoop::closeAllFromLoop() {
@@ -315,12 +403,13 @@ void UcxLoop::closeAllFromLoop() {
   for (auto* listener : listeners) listener->closeFromLoop();
   std::vector<UcxConnection*> connections(connections_.begin(), connections_.end());
   for (auto* connection : connections) connection->closeFromLoop(Error::disconnected("ucx context closed"));
+  worker_->closingTenantFromLoop(this);
 }
 
-ucs_status_t UcxLoop::onActiveMessage(void* arg, const void* header, size_t headerLength, void* data, size_t length,
-                                      const ucp_am_recv_param_t* param) {
+ucs_status_t UcxWorker::onActiveMessage(void* arg, const void* header, size_t headerLength, void* data, size_t length,
+                                        const ucp_am_recv_param_t* param) {
   auto* handler = static_cast<AmHandlerArg*>(arg);
-  UcxLoop* loop = handler->loop;
+  UcxWorker* loop = handler->worker;
   ucp_ep_h ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0 ? param->reply_ep : nullptr;
   auto it = loop->endpoints_.find(ep);
   // A message for an endpoint we closed (or never knew): dropped; ucp completes a rendezvous sender.

@@ -1,17 +1,20 @@
-// The UCX transport on the ucp API: one ucp context and one ucp worker per Context, driven by the
-// Context's one loop thread; client-server endpoints over sockaddrs (listen/connect take "host:port" like
-// tcp); frames as active messages whose payloads land straight in the PayloadAllocator's buffers.
+// The UCX transport on the ucp API: one ucp context and one ucp worker per process, shared by every ucx
+// Context and driven by one loop thread (Note [One worker per process], context.cpp); client-server
+// endpoints over sockaddrs (listen/connect take "host:port" like tcp); frames as active messages whose
+// payloads land straight in the PayloadAllocator's buffers.
 //
-// Threads: UcxLoop owns the ucp context, the worker (UCS_THREAD_MODE_SINGLE) and the thread that drives
-// them; only that thread calls into ucp (methods named ...FromLoop). By default the loop sleeps in
-// epoll_wait on the worker's event fd (ucp_worker_get_efd, re-armed with ucp_worker_arm) and on an eventfd
-// that other threads write when they post a task (spinning a while before sleeping was tried and made the
-// round trip slower here, 133 us against 50: see bench/README.md); with ContextOptions::ucxBusyPoll it never sleeps and
-// spins in ucp_worker_progress (lowest latency, one core at 100%). ucp callbacks (active messages, request
-// completions, endpoint errors, connection requests) only record what happened: user callbacks (onFrame,
-// onClosed, send and connect completions, onAccept) run afterwards from the loop's deferred queue, so they
-// may call back into the transport freely. Context methods may be called from any thread;
-// Context::close() must not be called from the loop thread (it joins it).
+// Threads: UcxWorker owns the ucp context, the worker (UCS_THREAD_MODE_SINGLE) and the thread that drives
+// them; only that thread calls into ucp (methods named ...FromLoop). Each Context holds a UcxLoop, its share
+// of the worker: its options, connections, listeners and close. By default the loop sleeps in epoll_wait
+// on the worker's event fd (ucp_worker_get_efd, re-armed with ucp_worker_arm) and on an eventfd that other
+// threads write when they post a task (spinning a while before sleeping was tried and made the round trip
+// slower here, 133 us against 50: see bench/README.md); while any Context asks for
+// ContextOptions::ucxBusyPoll it never sleeps and spins in ucp_worker_progress (lowest latency, one core at
+// 100%). ucp callbacks (active messages, request completions, endpoint errors, connection requests) only
+// record what happened: user callbacks (onFrame, onClosed, send and connect completions, onAccept) run
+// afterwards from the loop's deferred queue, so they may call back into the transport freely. Context
+// methods may be called from any thread; Context::close() must not be called from the loop thread (it
+// waits for it).
 //
 // Viability: createUcxContext returns an Error (never aborts) when ucp cannot be initialised or the worker
 // offers no wake-up fd; ucxViable() answers once per process whether a Context can be created.
@@ -22,6 +25,7 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -50,79 +54,66 @@ enum class AmId : uint16_t {
 // "ucs_status_string(status) (code)", for messages.
 std::string ucsError(ucs_status_t status);
 
-class UcxLoop : public std::enable_shared_from_this<UcxLoop> {
+class UcxLoop;
+
+// The process's ucp context and worker and the thread that drives them (Note [One worker per process]).
+class UcxWorker {
  public:
-  // Creates the ucp context and worker and starts the loop thread; an Error when UCX is unusable.
-  static Result<std::shared_ptr<UcxLoop>> create(const ContextOptions& options);
-  ~UcxLoop();
-  UcxLoop(const UcxLoop&) = delete;
-  UcxLoop& operator=(const UcxLoop&) = delete;
+  // The running worker, or a new one (its thread started) when there is none; counts a tenant. An Error
+  // when UCX is unusable.
+  static Result<std::shared_ptr<UcxWorker>> acquire(bool busyPoll);
+  // Uncounts a tenant (after its close drained); the last one stops the thread, which destroys the worker
+  // and the ucp context, and waits for it. Not on the loop thread.
+  void release(bool busyPoll);
+  ~UcxWorker();
+  UcxWorker(const UcxWorker&) = delete;
+  UcxWorker& operator=(const UcxWorker&) = delete;
 
-  // Queues fn for the loop thread. False (fn dropped) once shutdown began, unless called on the loop
-  // thread itself.
-  bool post(std::function<void()> fn);
+  void post(std::function<void()> fn);
   bool inLoop() const { return std::this_thread::get_id() == threadId_; }
-  // Closes every connection and listener, waits for their endpoints to close, destroys the worker and
-  // joins the thread. Not on the loop thread.
-  void shutdown();
 
-  const ContextOptions& options() const { return options_; }
-  // Loop thread only.
+  // Loop thread only (nullptr once the worker is destroyed).
   ucp_worker_h workerFromLoop() const { return worker_; }
   ucp_context_h ucpContext() const { return context_; }
-  bool closingFromLoop() const { return closing_; }
   size_t maxAmHeader() const { return maxAmHeader_; }
-  // ucp_context_query's memory types (a bit per ucs_memory_type_t).
   uint64_t memoryTypes() const { return memoryTypes_; }
-  // Runs fn from the loop after the current ucp progress call returns (FIFO with the other deferred work).
   void deferFromLoop(std::function<void()> fn) { deferred_.push_back(std::move(fn)); }
-  // Runs fn at `deadline` on the loop (or during shutdown's drain, whichever comes first).
-  void addTimerFromLoop(std::chrono::steady_clock::time_point deadline, std::function<void()> fn);
-  void addFromLoop(UcxConnection* connection) { connections_.insert(connection); }
-  void removeFromLoop(UcxConnection* connection) { connections_.erase(connection); }
-  void addFromLoop(UcxListenerImpl* listener) { listeners_.insert(listener); }
-  void removeFromLoop(UcxListenerImpl* listener) { listeners_.erase(listener); }
+  void addTimerFromLoop(const UcxLoop* owner, std::chrono::steady_clock::time_point deadline, std::function<void()> fn);
   void mapEndpointFromLoop(ucp_ep_h ep, UcxConnection* connection) { endpoints_[ep] = connection; }
   void unmapEndpointFromLoop(ucp_ep_h ep) { endpoints_.erase(ep); }
-  // Connections between their goodbye and their forced close: while there are any, the loop wakes every
-  // kClosingPollMs, because ucp does not signal the event fd for every event a close waits for.
   void closingStartedFromLoop() { ++closingConnections_; }
   void closingDoneFromLoop() {
     if (closingConnections_ > 0) --closingConnections_;
   }
-  static constexpr int kClosingPollMs = 1;
-  // Endpoints whose ucp_ep_close_nbx is still in progress: the worker outlives them.
-  void teardownStartedFromLoop() { ++teardowns_; }
-  void teardownDoneFromLoop() {
-    if (teardowns_ > 0) --teardowns_;
-  }
-  // Asks for UcxConnection::processInboundFromLoop before the loop next sleeps.
   void markInboundFromLoop(std::shared_ptr<UcxConnection> connection) { inbound_.push_back(std::move(connection)); }
-  // One-line description of the transports ucp chose for `ep` (from ucp_ep_print_info), e.g.
-  // "am: sysv/memory; rma_bw: cma/memory".
-  static std::string describeEndpoint(ucp_ep_h ep);
+  // `tenant` began closing: the loop tells it once it has drained (UcxLoop::drainedFromLoop).
+  void closingTenantFromLoop(UcxLoop* tenant) { closingTenants_.push_back(tenant); }
 
-  explicit UcxLoop(const ContextOptions& options);  // use create()
+  UcxWorker() = default;  // use acquire()
 
  private:
   Result<void> init();
   void run();
   // Progresses the worker and runs posted tasks, inbound processing and deferred work until none is left.
-  bool driveFromLoop();  // true when it did anything
+  void driveFromLoop();
   bool runTasks();
-  void runTimersFromLoop(bool all);
+  void runTimersFromLoop();
+  void answerDrainedTenantsFromLoop();
   int timeoutMsFromLoop() const;
   void wake();
-  void closeAllFromLoop();
   static ucs_status_t onActiveMessage(void* arg, const void* header, size_t headerLength, void* data, size_t length,
                                       const ucp_am_recv_param_t* param);
 
   struct AmHandlerArg {
-    UcxLoop* loop;
+    UcxWorker* worker;
     AmId id;
   };
+  struct Timer {
+    std::chrono::steady_clock::time_point deadline;
+    const UcxLoop* owner;
+    std::function<void()> fn;
+  };
 
-  ContextOptions options_;
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   int workerFd_ = -1;
@@ -131,23 +122,105 @@ class UcxLoop : public std::enable_shared_from_this<UcxLoop> {
   size_t maxAmHeader_ = 0;
   uint64_t memoryTypes_ = 0;
   std::vector<AmHandlerArg> amArgs_;
+  size_t tenants_ = 0;  // GUARDED_BY(the registry's mutex, context.cpp)
+  std::atomic<int> busyPollers_{0};
   std::mutex mutex_;
   std::vector<std::function<void()>> tasks_;  // GUARDED_BY(mutex_)
   std::atomic<bool> hasTasks_{false};
-  bool stopping_ = false;  // GUARDED_BY(mutex_)
-  std::mutex joinMutex_;
+  std::atomic<bool> stopping_{false};  // written under mutex_
   std::thread thread_;
   std::thread::id threadId_;
   // Loop-thread state.
-  bool closing_ = false;
   size_t closingConnections_ = 0;
-  size_t teardowns_ = 0;
   std::vector<std::function<void()>> deferred_;
   std::vector<std::shared_ptr<UcxConnection>> inbound_;
-  std::vector<std::pair<std::chrono::steady_clock::time_point, std::function<void()>>> timers_;
+  std::vector<Timer> timers_;
+  std::vector<UcxLoop*> closingTenants_;
+  std::unordered_map<ucp_ep_h, UcxConnection*> endpoints_;
+};
+
+// One Context's share of the process's UcxWorker: what LoopContext, the connections and the listeners of
+// that Context use. Its close closes only its own listeners and connections.
+class UcxLoop : public std::enable_shared_from_this<UcxLoop> {
+ public:
+  // Joins (or starts) the process's worker; an Error when UCX is unusable.
+  static Result<std::shared_ptr<UcxLoop>> create(const ContextOptions& options);
+  ~UcxLoop();
+  UcxLoop(const UcxLoop&) = delete;
+  UcxLoop& operator=(const UcxLoop&) = delete;
+
+  // Queues fn for the loop thread. False (fn dropped) once shutdown began, unless called on the loop
+  // thread itself.
+  bool post(std::function<void()> fn);
+  bool inLoop() const { return worker_->inLoop(); }
+  // Closes this Context's listeners and connections, waits for their endpoints to close and leaves the
+  // worker (the last to leave stops it). Not on the loop thread.
+  void shutdown();
+
+  const ContextOptions& options() const { return options_; }
+  // Loop thread only.
+  ucp_worker_h workerFromLoop() const { return worker_->workerFromLoop(); }
+  ucp_context_h ucpContext() const { return worker_->ucpContext(); }
+  bool closingFromLoop() const { return closing_; }
+  size_t maxAmHeader() const { return worker_->maxAmHeader(); }
+  // ucp_context_query's memory types (a bit per ucs_memory_type_t).
+  uint64_t memoryTypes() const { return worker_->memoryTypes(); }
+  // Runs fn from the loop after the current ucp progress call returns (FIFO with the other deferred work).
+  void deferFromLoop(std::function<void()> fn) { worker_->deferFromLoop(std::move(fn)); }
+  // Runs fn at `deadline` on the loop (or during this Context's close, once its connections are gone).
+  void addTimerFromLoop(std::chrono::steady_clock::time_point deadline, std::function<void()> fn) {
+    worker_->addTimerFromLoop(this, deadline, std::move(fn));
+  }
+  void addFromLoop(UcxConnection* connection) { connections_.insert(connection); }
+  void removeFromLoop(UcxConnection* connection) { connections_.erase(connection); }
+  void addFromLoop(UcxListenerImpl* listener) { listeners_.insert(listener); }
+  void removeFromLoop(UcxListenerImpl* listener) { listeners_.erase(listener); }
+  void mapEndpointFromLoop(ucp_ep_h ep, UcxConnection* connection) { worker_->mapEndpointFromLoop(ep, connection); }
+  void unmapEndpointFromLoop(ucp_ep_h ep) { worker_->unmapEndpointFromLoop(ep); }
+  // Connections between their goodbye and their forced close: while there are any, the loop wakes every
+  // kClosingPollMs, because ucp does not signal the event fd for every event a close waits for.
+  void closingStartedFromLoop() { worker_->closingStartedFromLoop(); }
+  void closingDoneFromLoop() { worker_->closingDoneFromLoop(); }
+  static constexpr int kClosingPollMs = 1;
+  // Endpoints whose ucp_ep_close_nbx is still in progress: this Context's close waits for them.
+  void teardownStartedFromLoop() { ++teardowns_; }
+  void teardownDoneFromLoop() {
+    if (teardowns_ > 0) --teardowns_;
+  }
+  // Asks for UcxConnection::processInboundFromLoop before the loop next sleeps.
+  void markInboundFromLoop(std::shared_ptr<UcxConnection> connection) {
+    worker_->markInboundFromLoop(std::move(connection));
+  }
+  // One-line description of the transports ucp chose for `ep` (from ucp_ep_print_info), e.g.
+  // "am: sysv/memory; rma_bw: cma/memory".
+  static std::string describeEndpoint(ucp_ep_h ep);
+
+  // For UcxWorker: whether this closing Context has nothing left on the loop but its timers; and telling
+  // shutdown() that it has drained.
+  bool connectionsGoneFromLoop() const { return closing_ && connections_.empty(); }
+  bool drainedFromLoop(bool ownsTimers) const {
+    return connectionsGoneFromLoop() && listeners_.empty() && teardowns_ == 0 && !ownsTimers;
+  }
+  void answerDrainedFromLoop() { drained_.set_value(); }
+
+  UcxLoop(const ContextOptions& options, std::shared_ptr<UcxWorker> worker);  // use create()
+
+ private:
+  void closeAllFromLoop();
+
+  ContextOptions options_;
+  std::shared_ptr<UcxWorker> worker_;
+  std::mutex mutex_;
+  bool stopping_ = false;  // GUARDED_BY(mutex_)
+  std::promise<void> drained_;
+  std::shared_future<void> drainedFuture_;
+  std::mutex leaveMutex_;
+  bool left_ = false;  // GUARDED_BY(leaveMutex_)
+  // Loop-thread state.
+  bool closing_ = false;
+  size_t teardowns_ = 0;
   std::unordered_set<UcxConnection*> connections_;
   std::unordered_set<UcxListenerImpl*> listeners_;
-  std::unordered_map<ucp_ep_h, UcxConnection*> endpoints_;
 };
 
 class UcxContext final : public LoopContext<UcxLoop> {
