@@ -369,6 +369,8 @@ Result<void> Op::onChunk(const ChunkHeader& header, const std::string& sender, T
   }
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    // A chunk after a failure learns its cause (the operation is still reachable until finished() ran).
+    if (failure_) return *failure_;
     if (done_) {
       return Error::failed(what() + " already ended on " + group_->agent->name()).onWorker(group_->agent->name());
     }
@@ -519,6 +521,7 @@ void Op::fail(Error error, bool tellOthers) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (done_) return;
     done_ = true;
+    failure_ = error;
     queued_.clear();
     timer = timer_;
   }

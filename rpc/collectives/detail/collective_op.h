@@ -214,6 +214,7 @@ class Op : public std::enable_shared_from_this<Op> {
   Future<void> future_;
   bool begun_ = false;              // GUARDED_BY(mutex_)
   bool done_ = false;               // GUARDED_BY(mutex_)
+  std::optional<Error> failure_;    // GUARDED_BY(mutex_): why it failed, for chunks arriving after
   int64_t expected_ = 0;            // GUARDED_BY(mutex_)
   int64_t receivedCount_ = 0;       // GUARDED_BY(mutex_)
   size_t inFlight_ = 0;             // GUARDED_BY(mutex_)
