@@ -10,7 +10,6 @@
 #include <chrono>
 #include <cstring>
 #include <future>
-#include <thread>
 #include <type_traits>
 
 #include "rpc/transport/ucx/context.h"
@@ -47,7 +46,7 @@ class RawUcpClient {
       ucp_request_param_t param{};
       param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
       param.flags = UCP_EP_CLOSE_FLAG_FORCE;
-      wait(onLoop([&] { return ucp_ep_close_nbx(ep_, &param); }));
+      complete(param, [this](const ucp_request_param_t* p) { return ucp_ep_close_nbx(ep_, p); });
     }
     loop_->shutdown();
   }
@@ -57,20 +56,10 @@ class RawUcpClient {
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     param.flags = UCP_AM_SEND_FLAG_REPLY;
-    wait(onLoop([&] {
+    complete(param, [&](const ucp_request_param_t* p) {
       return ucp_am_send_nbx(ep_, static_cast<unsigned>(id), header.empty() ? nullptr : header.data(), header.size(),
-                             data.empty() ? nullptr : data.data(), data.size(), &param);
-    }));
-  }
-  // Waits (the loop progresses the worker) until `done`.
-  template <typename F>
-  bool progressUntil(F done) {
-    auto deadline = std::chrono::steady_clock::now() + kWait;
-    while (!done()) {
-      if (std::chrono::steady_clock::now() > deadline) return false;
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    return true;
+                             data.empty() ? nullptr : data.data(), data.size(), p);
+    });
   }
 
  private:
@@ -78,13 +67,39 @@ class RawUcpClient {
   std::invoke_result_t<F> onLoop(F fn) {
     std::packaged_task<std::invoke_result_t<F>()> task(std::move(fn));
     auto result = task.get_future();
-    EXPECT_TRUE(loop_->post([&task] { task(); }));
+    if (!loop_->post([&task] { task(); })) {
+      ADD_FAILURE() << "the raw client's loop refused a task";
+      if constexpr (std::is_void_v<std::invoke_result_t<F>>) {
+        return;
+      } else {
+        return {};
+      }
+    }
     return result.get();
   }
-  void wait(ucs_status_ptr_t request) {
-    if (request == nullptr || UCS_PTR_IS_ERR(request)) return;
-    progressUntil([&] { return onLoop([&] { return ucp_request_check_status(request); }) != UCS_INPROGRESS; });
-    onLoop([&] { ucp_request_free(request); });
+  // Starts a ucp operation on the loop with a completion callback and waits for its completion (the loop
+  // progresses the worker). The callback owns what it signals: it may run after a failed wait.
+  template <typename Start>
+  void complete(ucp_request_param_t param, Start start) {
+    using Signal = std::shared_ptr<std::promise<void>>;
+    auto signal = std::make_shared<std::promise<void>>();
+    auto completed = signal->get_future();
+    onLoop([&] {
+      auto* owned = new Signal(signal);
+      param.op_attr_mask |= UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+      param.user_data = owned;
+      param.cb.send = [](void* request, ucs_status_t, void* user) {
+        ucp_request_free(request);
+        std::unique_ptr<Signal> done(static_cast<Signal*>(user));
+        (*done)->set_value();
+      };
+      ucs_status_ptr_t request = start(&param);
+      if (request == nullptr || UCS_PTR_IS_ERR(request)) {  // done already: no callback
+        std::unique_ptr<Signal> done(owned);
+        (*done)->set_value();
+      }
+    });
+    EXPECT_EQ(completed.wait_for(kWait), std::future_status::ready) << "a ucp operation of the raw client";
   }
 
   std::shared_ptr<UcxLoop> loop_;
@@ -117,28 +132,15 @@ struct RawSession {
     client = std::make_unique<RawUcpClient>(listener->address());
     client->send(AmId::kHello, {}, {});
     auto acceptedFuture = accepted.get_future();
-    if (!client->progressUntil(
-            [&] { return acceptedFuture.wait_for(std::chrono::seconds(0)) == std::future_status::ready; })) {
+    if (acceptedFuture.wait_for(kWait) != std::future_status::ready) {
       ADD_FAILURE() << "the ucx listener did not accept the raw client";
       return false;
     }
     atServer.start(acceptedFuture.get());
     return true;
   }
-  // Progresses the client (the server's goodbye needs answers) until the server's end holds `n` frames.
-  bool waitFrames(size_t n) {
-    return client->progressUntil([&] {
-      std::lock_guard lock(atServer.mutex);
-      return atServer.frames.size() >= n;
-    });
-  }
-  // Likewise until the server's end reported its close.
-  bool waitClosed() {
-    return client->progressUntil([&] {
-      std::lock_guard lock(atServer.mutex);
-      return atServer.closed.has_value();
-    });
-  }
+  bool waitFrames(size_t n) { return atServer.waitFrames(n); }
+  bool waitClosed() { return atServer.waitClosed(); }
 };
 
 struct Case {
@@ -354,6 +356,32 @@ TEST(UcxWorker, ContextsOfAProcessShareOneLoopAndCloseOnlyTheirOwn) {
   ASSERT_TRUE(stayingPeer.waitClosed());
   auto fresh = createContext("ucx").value();
   EXPECT_NE(loopThread(*fresh), loop) << "a new worker (and thread) after the last Context closed";
+}
+
+// A busy-polling Context joining a worker asleep on behalf of another Context wakes it into spinning (its
+// posts do not wake the loop), and once it closed the loop sleeps again and still hears the other's posts.
+TEST(UcxWorker, ABusyPollingContextJoiningAndLeavingASleepingWorker) {
+  if (!ucxUnavailableReason().empty()) GTEST_SKIP() << "ucx is not viable here: " << ucxUnavailableReason();
+  auto sleeping = createContext("ucx").value();
+  std::promise<void> idle;  // the loop ran this and then went to sleep: nothing else is queued
+  sleeping->defer([&idle] { idle.set_value(); });
+  idle.get_future().get();
+  ContextOptions spin;
+  spin.ucxBusyPoll = true;
+  auto polling = createContext("ucx", spin).value();
+  std::promise<std::shared_ptr<Connection>> accepted;
+  auto listener =
+      polling->listen("127.0.0.1:0", [&](std::shared_ptr<Connection> c) { accepted.set_value(std::move(c)); });
+  ASSERT_TRUE(listener.ok()) << listener.error().message;
+  Collector atClient, atServer;
+  auto connection = connectPair(*sleeping, listener.value()->address(), atClient, atServer, accepted);
+  ASSERT_TRUE(connection);
+  EXPECT_TRUE(exchanges(*connection, atServer, 0));
+  polling->close();
+  ASSERT_TRUE(atClient.waitClosed());
+  std::promise<void> ran;
+  sleeping->defer([&ran] { ran.set_value(); });
+  EXPECT_EQ(ran.get_future().wait_for(kWait), std::future_status::ready) << "the loop slept through a post";
 }
 
 }  // namespace

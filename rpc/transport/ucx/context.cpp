@@ -82,25 +82,29 @@ Result<std::shared_ptr<UcxWorker>> UcxWorker::acquire(bool busyPoll) {
     if (!initialised.ok()) return initialised.error();
     std::promise<void> started;
     auto ready = started.get_future();
-    UcxWorker* raw = worker.get();
-    worker->thread_ = std::thread([raw, &started] {
+    // The thread holds its worker until run() returns: a worker whose tenants never all left (a Context
+    // dropped on the loop thread, which cannot close it there) keeps running instead of being freed under
+    // its thread, and stays the one the registry hands out.
+    worker->thread_ = std::thread([self = worker, &started] {
       pthread_setname_np(pthread_self(), "dg-ucx-loop");
       trace::setThreadName("dg-ucx-loop");
-      raw->threadId_ = std::this_thread::get_id();
+      self->threadId_ = std::this_thread::get_id();
       started.set_value();
-      raw->run();
+      self->run();
     });
     ready.wait();
     registeredWorker() = worker;
   }
   ++worker->tenants_;
-  if (busyPoll) worker->busyPollers_.fetch_add(1);
+  // A loop asleep in epoll_wait must notice it is to spin now (busy pollers post without waking it).
+  if (busyPoll && worker->busyPollers_.fetch_add(1) == 0) worker->wake();
   return worker;
 }
 
 void UcxWorker::release(bool busyPoll) {
   DG_CHECK(!inLoop(), "ucx Context::close() must not be called from the ucx loop thread (it waits for it)");
-  if (busyPoll) busyPollers_.fetch_sub(1);
+  // The last busy poller gone: the loop may sleep again, and must first see what was posted without a wake.
+  if (busyPoll && busyPollers_.fetch_sub(1) == 1) wake();
   std::lock_guard lock(registryMutex());
   DG_CHECK(tenants_ > 0, "ucx worker released more often than acquired");
   if (--tenants_ > 0) return;
@@ -187,14 +191,9 @@ Result<void> UcxWorker::init() {
 }
 
 UcxWorker::~UcxWorker() {
-  if (thread_.joinable()) {
-    // Only when a Context was dropped without close() on the loop thread itself (LoopContext refuses to
-    // close there), so its tenancy was never released.
-    std::fprintf(stderr, "distgrad ucx: worker destroyed with its thread running; detaching it\n");
-    thread_.detach();
-    return;
-  }
-  // The thread destroyed the worker and the context when it stopped; this releases what a failed init() made.
+  // Never while its thread runs (the thread holds it): the thread destroyed the worker and the context when
+  // it stopped, and release() joined it; this releases what a failed init() made.
+  if (thread_.joinable()) thread_.detach();  // the thread's own reference was the last, as run() returned
   if (worker_ != nullptr) ucp_worker_destroy(worker_);
   if (context_ != nullptr) ucp_cleanup(context_);
   if (epollFd_ >= 0) ::close(epollFd_);
@@ -277,7 +276,10 @@ int UcxWorker::timeoutMsFromLoop() const {
   if (closingConnections_ > 0) return UcxLoop::kClosingPollMs;
   if (timers_.empty()) return -1;
   auto next = timers_.front().deadline;
-  for (const auto& timer : timers_) next = std::min(next, timer.deadline);
+  for (const auto& timer : timers_) {
+    if (timer.owner->connectionsGoneFromLoop()) return 0;  // runTimersFromLoop runs it at once
+    next = std::min(next, timer.deadline);
+  }
   auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(next - std::chrono::steady_clock::now()).count();
   return static_cast<int>(std::clamp<long long>(ms + 1, 0, 60000));
 }
@@ -354,7 +356,10 @@ void UcxWorker::run() {
 }
 
 UcxLoop::UcxLoop(const ContextOptions& options, std::shared_ptr<UcxWorker> worker)
-    : options_(options), worker_(std::move(worker)), drainedFuture_(drained_.get_future().share()) {}
+    : options_(options),
+      worker_(std::move(worker)),
+      drained_(std::make_shared<std::promise<void>>()),
+      drainedFuture_(drained_->get_future().share()) {}
 
 Result<std::shared_ptr<UcxLoop>> UcxLoop::create(const ContextOptions& options) {
   auto worker = UcxWorker::acquire(options.ucxBusyPoll);
@@ -382,7 +387,9 @@ bool UcxLoop::post(std::function<void()> fn) {
 }
 
 void UcxLoop::shutdown() {
-  DG_CHECK(!inLoop(), "ucx Context::close() must not be called from the ucx loop thread (it waits for it)");
+  DG_CHECK(!inLoop(),
+           "ucx Context::close() must not be called from the ucx loop thread, which runs the callbacks of every "
+           "ucx Context of the process (close waits for it)");
   {
     std::lock_guard lock(mutex_);
     if (!stopping_) {

@@ -110,7 +110,7 @@ class UcxWorker {
   };
   struct Timer {
     std::chrono::steady_clock::time_point deadline;
-    const UcxLoop* owner;
+    const UcxLoop* owner;  // alive while the timer is: a closing tenant drains only once it owns none
     std::function<void()> fn;
   };
 
@@ -135,7 +135,7 @@ class UcxWorker {
   std::vector<std::function<void()>> deferred_;
   std::vector<std::shared_ptr<UcxConnection>> inbound_;
   std::vector<Timer> timers_;
-  std::vector<UcxLoop*> closingTenants_;
+  std::vector<UcxLoop*> closingTenants_;  // each alive until answered: its shutdown() waits for that
   std::unordered_map<ucp_ep_h, UcxConnection*> endpoints_;
 };
 
@@ -201,7 +201,10 @@ class UcxLoop : public std::enable_shared_from_this<UcxLoop> {
   bool drainedFromLoop(bool ownsTimers) const {
     return connectionsGoneFromLoop() && listeners_.empty() && teardowns_ == 0 && !ownsTimers;
   }
-  void answerDrainedFromLoop() { drained_.set_value(); }
+  void answerDrainedFromLoop() {
+    auto drained = drained_;  // set_value may still run when shutdown() returned and *this is gone
+    drained->set_value();
+  }
 
   UcxLoop(const ContextOptions& options, std::shared_ptr<UcxWorker> worker);  // use create()
 
@@ -212,7 +215,7 @@ class UcxLoop : public std::enable_shared_from_this<UcxLoop> {
   std::shared_ptr<UcxWorker> worker_;
   std::mutex mutex_;
   bool stopping_ = false;  // GUARDED_BY(mutex_)
-  std::promise<void> drained_;
+  std::shared_ptr<std::promise<void>> drained_;
   std::shared_future<void> drainedFuture_;
   std::mutex leaveMutex_;
   bool left_ = false;  // GUARDED_BY(leaveMutex_)
