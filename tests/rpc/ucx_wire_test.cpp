@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstring>
 #include <future>
+#include <memory>
 #include <type_traits>
 
 #include "rpc/transport/ucx/context.h"
@@ -85,7 +86,7 @@ class RawUcpClient {
     auto signal = std::make_shared<std::promise<void>>();
     auto completed = signal->get_future();
     onLoop([&] {
-      auto* owned = new Signal(signal);
+      Signal* owned = std::make_unique<Signal>(signal).release();  // user_data of a C callback
       param.op_attr_mask |= UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
       param.user_data = owned;
       param.cb.send = [](void* request, ucs_status_t, void* user) {

@@ -58,7 +58,10 @@ bool userSet(const char* name) { return std::getenv((std::string("UCX_") + name)
 // and a process runs one ucx progress thread instead of one per Context. Each Context keeps its own share
 // (UcxLoop: options, connections, listeners, close); the worker starts with the first Context and stops
 // when the last one has closed. The registry's mutex is held while a worker starts or stops, so a new
-// worker's fds never coexist with an old worker's handlers.
+// worker's fds never coexist with an old worker's handlers (nothing runs user code on the loop once the
+// last tenant drained, so the stopping thread never waits for that mutex). The registry is a deliberate
+// exception to STYLE's "no global registries": UCX's own table is process-wide, and a worker passed in by
+// main() would abort the process whenever a program forgot to share it.
 namespace {
 
 std::mutex& registryMutex() {
