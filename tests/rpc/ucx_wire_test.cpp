@@ -140,8 +140,6 @@ struct RawSession {
     atServer.start(acceptedFuture.get());
     return true;
   }
-  bool waitFrames(size_t n) { return atServer.waitFrames(n); }
-  bool waitClosed() { return atServer.waitClosed(); }
 };
 
 struct Case {
@@ -189,7 +187,7 @@ TEST(UcxWire, MalformedActiveMessagesCloseTheConnectionWithANamedError) {
     RawSession session;
     ASSERT_TRUE(session.open(*server));
     session.client->send(c.id, c.header, c.data);
-    ASSERT_TRUE(session.waitClosed());
+    ASSERT_TRUE(session.atServer.waitClosed());
     auto& atServer = session.atServer;
     std::lock_guard lock(atServer.mutex);
     EXPECT_TRUE(atServer.frames.empty());
@@ -205,7 +203,7 @@ TEST(UcxWire, MalformedActiveMessagesCloseTheConnectionWithANamedError) {
   prefix.payloadCount = 2;
   prefix.payloadBytes = 5;
   session.client->send(AmId::kFrame, head(prefix, {2, 3}, 16), {1, 2, 3, 4, 5});
-  ASSERT_TRUE(session.waitFrames(1));
+  ASSERT_TRUE(session.atServer.waitFrames(1));
   auto& atServer = session.atServer;
   std::lock_guard lock(atServer.mutex);
   ASSERT_EQ(atServer.frames[0].payloads.size(), 2u);
@@ -227,7 +225,7 @@ TEST(UcxWire, UnknownActiveMessageIdsAreDroppedAndTheConnectionStaysUp) {
   session.client->send(static_cast<AmId>(200), {1, 2, 3}, {4});
   prefix.flags = 7;
   session.client->send(AmId::kFrame, head(prefix, {}, 16), {});
-  ASSERT_TRUE(session.waitFrames(2));
+  ASSERT_TRUE(session.atServer.waitFrames(2));
   auto& atServer = session.atServer;
   std::lock_guard lock(atServer.mutex);
   EXPECT_FALSE(atServer.closed.has_value());

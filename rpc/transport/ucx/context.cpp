@@ -203,16 +203,19 @@ UcxWorker::~UcxWorker() {
   if (wakeFd_ >= 0) ::close(wakeFd_);
 }
 
-void UcxWorker::post(std::function<void()> fn) {
+bool UcxWorker::post(std::function<void()> fn, bool* gate, bool shut) {
   bool wakeLoop = false;
   {
     std::lock_guard lock(mutex_);
+    if (gate != nullptr && *gate && (shut || !inLoop())) return false;
+    if (shut) *gate = true;
     wakeLoop = tasks_.empty();
     tasks_.push_back(std::move(fn));
     hasTasks_.store(true, std::memory_order_release);
   }
   // A busy-polling loop sees hasTasks_ without a wake-up; the eventfd stays open until the destructor.
   if (wakeLoop && busyPollers_.load(std::memory_order_relaxed) == 0 && !inLoop()) wake();
+  return true;
 }
 
 void UcxWorker::wake() {
@@ -382,24 +385,14 @@ UcxLoop::~UcxLoop() {
   shutdown();
 }
 
-bool UcxLoop::post(std::function<void()> fn) {
-  std::lock_guard lock(mutex_);
-  if (stopping_ && !inLoop()) return false;
-  worker_->post(std::move(fn));
-  return true;
-}
+bool UcxLoop::post(std::function<void()> fn) { return worker_->post(std::move(fn), &stopping_); }
 
 void UcxLoop::shutdown() {
   DG_CHECK(!inLoop(),
            "ucx Context::close() must not be called from the ucx loop thread, which runs the callbacks of every "
            "ucx Context of the process (close waits for it)");
-  {
-    std::lock_guard lock(mutex_);
-    if (!stopping_) {
-      stopping_ = true;
-      worker_->post([this] { closeAllFromLoop(); });  // this outlives it: shutdown waits below
-    }
-  }
+  // Once, the last task of this Context's; `this` outlives it: shutdown waits below.
+  (void)worker_->post([this] { closeAllFromLoop(); }, &stopping_, /*shut=*/true);
   drainedFuture_.wait();
   std::lock_guard lock(leaveMutex_);
   if (left_) return;

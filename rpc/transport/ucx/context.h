@@ -69,7 +69,10 @@ class UcxWorker {
   UcxWorker(const UcxWorker&) = delete;
   UcxWorker& operator=(const UcxWorker&) = delete;
 
-  void post(std::function<void()> fn);
+  // Queues fn for the loop thread. With a `gate` (a Context's "closing" flag, guarded by this worker's task
+  // lock): refused (false, fn dropped) once the gate is shut, unless called on the loop thread; `shut`
+  // shuts it with this task, the last one it admits.
+  bool post(std::function<void()> fn, bool* gate = nullptr, bool shut = false);
   bool inLoop() const { return std::this_thread::get_id() == threadId_; }
 
   // Loop thread only (nullptr once the worker is destroyed).
@@ -213,8 +216,7 @@ class UcxLoop : public std::enable_shared_from_this<UcxLoop> {
 
   ContextOptions options_;
   std::shared_ptr<UcxWorker> worker_;
-  std::mutex mutex_;
-  bool stopping_ = false;  // GUARDED_BY(mutex_)
+  bool stopping_ = false;  // the gate of this Context's posts, GUARDED_BY(the worker's task lock)
   std::shared_ptr<std::promise<void>> drained_;
   std::shared_future<void> drainedFuture_;
   std::mutex leaveMutex_;
