@@ -197,12 +197,16 @@ std::vector<Tensor> GraphTask::run(Node& node, std::vector<Tensor>&& grads) cons
   return gradInputs;
 }
 
-std::vector<Tensor> GraphTask::runHooks(Node& node, std::vector<Tensor>&& grads) const {
+std::vector<Tensor> GraphTask::runPreHooks(Node& node, std::vector<Tensor>&& grads) const {
   NoGradGuard noGrad;
   runTensorHooks(node, grads);
   for (auto& hook : node.preHooks()) hook(grads);
-  for (auto& hook : node.postHooks()) hook({}, grads);
   return std::move(grads);
+}
+
+void GraphTask::runPostHooks(Node& node, const std::vector<Tensor>& grads) const {
+  NoGradGuard noGrad;
+  for (auto& hook : node.postHooks()) hook({}, grads);
 }
 
 void GraphTask::finish(Node* node, std::vector<Tensor>&& gradInputs) {

@@ -53,10 +53,13 @@ class GraphTask {
   // node was skipped: no gradient defined). Releases saved tensors unless retainGraph. Touches only the
   // node (and the leaf sink).
   std::vector<Tensor> run(Node& node, std::vector<Tensor>&& inputs) const;
-  // The hooks run() runs around a backward (tensor hooks and retainGrad of the node's outputs, pre- and
-  // post-hooks), without the backward itself: for a node whose gradients leave the task instead (the
-  // distributed engine's RecvBackward sends them to a peer). Returns the gradients as the hooks left them.
-  std::vector<Tensor> runHooks(Node& node, std::vector<Tensor>&& grads) const;
+  // The hooks run() runs around a backward, without the backward itself: for a node whose gradients leave
+  // the task instead (the distributed engine's RecvBackward sends them to a peer). runPreHooks runs the
+  // tensor hooks, retainGrad of the node's outputs and the pre-hooks, and returns the gradients as they
+  // left them; runPostHooks runs the post-hooks once the node has run (for a RecvBackward: its gradients
+  // were handed to the agent).
+  std::vector<Tensor> runPreHooks(Node& node, std::vector<Tensor>&& grads) const;
+  void runPostHooks(Node& node, const std::vector<Tensor>& grads) const;
   // Routes the gradients `run` returned along the node's edges; successors may become ready.
   void finish(Node* node, std::vector<Tensor>&& gradInputs);
 

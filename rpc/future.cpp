@@ -23,6 +23,8 @@ std::string demangle(const char* mangled) {
 thread_local int tInlineDepth = 0;
 // Set while blocking waits are forbidden on this thread (ForbidBlockingScope).
 thread_local bool tForbidBlocking = false;
+// Set while a ContinuationsHere scope lives on this thread.
+thread_local bool tContinuationsHere = false;
 // The shallowest stack address at which a coroutine started on this thread (stacks grow down).
 thread_local const char* tStackAnchor = nullptr;
 
@@ -51,7 +53,12 @@ Error brokenPromiseError() {
       "executor that had shut down)");
 }
 
+ContinuationsHere::ContinuationsHere() : previous_(tContinuationsHere) { tContinuationsHere = true; }
+ContinuationsHere::~ContinuationsHere() { tContinuationsHere = previous_; }
+
 namespace detail {
+
+bool continuationsHere() { return tContinuationsHere; }
 
 bool enterInline() {
   if (tInlineDepth >= kMaxInlineDepth) return false;

@@ -919,7 +919,7 @@ void DistAutogradState::drain(const std::shared_ptr<Context>& ctx, const std::sh
       // A RecvBackward's gradients go back to the peer that sent its tensors; hooks on those tensors
       // (registerHook, retainGrad) run first, as they would on a local node.
       if (recv != nullptr) {
-        inputs = pass->task->runHooks(*node, std::move(inputs));
+        inputs = pass->task->runPreHooks(*node, std::move(inputs));
       } else {
         out = pass->task->run(*node, std::move(inputs));
       }
@@ -939,7 +939,28 @@ void DistAutogradState::drain(const std::shared_ptr<Context>& ctx, const std::sh
     }
     if (pass->finished) break;
     pass->task->finish(node, std::move(out));
-    if (recv != nullptr) sendGradients(ctx, pass, *recv, std::move(inputs), lock);
+    if (recv != nullptr) {
+      // Running a RecvBackward is sending its gradients: its post-hooks run once they were handed to the
+      // agent (a pipeline stage's backward ends there, Note [Stage backward bracket] in
+      // models/pipeline/rpc_pipeline.cpp, so the stage computes nothing else before they left).
+      const bool postHooks = !recv->postHooks().empty();
+      std::vector<Tensor> sent = postHooks ? inputs : std::vector<Tensor>{};
+      sendGradients(ctx, pass, *recv, std::move(inputs), lock);
+      if (postHooks) {
+        lock.unlock();
+        try {
+          pass->task->runPostHooks(*node, sent);
+        } catch (const std::exception& e) {
+          failure = localError(rpc::ErrorKind::kRemote, "distributed backward failed on worker " + name_ + " in " +
+                                                            node->name() + "'s post-hook: " + e.what());
+        }
+        lock.lock();
+        if (failure) {
+          if (!pass->finished) failPass(*ctx, *pass, *failure);
+          break;
+        }
+      }
+    }
   }
   pass->running = false;
   // Note [Local part done]: before the completion, which may follow at once (nothing outstanding).

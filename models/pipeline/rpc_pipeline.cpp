@@ -14,6 +14,7 @@
 #include <unordered_set>
 #include <utility>
 
+#include "autograd/distributed/state.h"
 #include "autograd/grad_mode.h"
 #include "autograd/node.h"
 #include "autograd/ops.h"
@@ -76,9 +77,21 @@ T& slot(std::vector<T>& values, int64_t index) {
 // never waits for anything but the CPU (a forward job runs to its end; a backward's drain from the stage's
 // output to its input is local compute, its sends are asynchronous), so the wait is bounded by one op.
 // Blocked backwards go first when the token is released (they hold threads; and finishing a backward frees
-// its activations). The token a backward took is released at the end of the stage's backward (Note [Stage
-// backward bracket]), or, when that never comes (a failed pass), when the pass's graph is destroyed (the
-// context ends).
+// its activations), except under 1F1B right after a backward (Note [1F1B alternation]). The token a
+// backward took is released at the end of the stage's backward (Note [Stage backward bracket]), or, when
+// that never comes (a failed pass), when the pass's graph is destroyed (the context ends).
+//
+// Note [1F1B alternation]
+// In 1F1B's steady state a stage alternates: one forward, one backward (stageOrder in
+// models/pipeline/schedule.h; the local pipeline's stage threads run exactly that order). Here the next
+// backward's gradient often arrives while the stage still runs the previous backward, so with blocked
+// backwards first stage 0 of two ran F0 F1 B0 B1 F2 F3 B2 B3 instead of F0 F1 B0 F2 B1 F3 B2 B3: the last
+// stage, waiting for F2, idled about 15 ms of a 95 ms step (a traced run with each stage pinned to its own
+// core). So when a backward ends under 1F1B and a forward is queued that its end admits (the in-flight
+// limit), the token is reserved for the forward runner: blocked backwards wait until the runner took it.
+// The reservation is the runner's alone (one runner per stage, and only it takes queued forwards), and it
+// is dropped whenever the runner cannot use it (nothing to run, not admitted, its post refused, the stage
+// gone), so a blocked backward never waits for a forward that will not come.
 //
 // Note [Stage in-flight limit]
 // Under 1F1B a stage holds at most S - s micro-batches in flight (forwarded, backward not done), the
@@ -117,6 +130,16 @@ T& slot(std::vector<T>& values, int64_t index) {
 // that will not come: a held loss waits for the backward before it to leave this stage, and that backward
 // either leaves or fails.
 
+// Note [Stage output hand-off]
+// A forward's output goes on through continuations: the call's reply, the owner RRef's resolution and
+// the answers to the next stage's fetch of it. Posted to the executor, they waited for a worker while the
+// stage's next compute (a backward blocked on the token, woken by its release) held the core: the next
+// stage got its input 3 ms after the forward ended, per micro-batch (traced, each stage on its own core).
+// So the runner publishes a forward's result in a ContinuationsHere scope (Note [Continuations here] in
+// rpc/future.h), which runs those continuations on this thread, and releases the token only then. None of
+// them takes the token or waits for the stage. A last stage's result is not published this way: its loss
+// starts the micro-batch's backward, which needs the token.
+
 // Note [Stage devices]
 // A stage on a GPU (placement "workerN/cuda:i": PipelineStage::to moves its module) computes there, but
 // what crosses its boundary stays on the host: the input is moved onto the device by a differentiable copy
@@ -134,27 +157,31 @@ class ComputeToken {
   void acquireBlocking() {
     std::unique_lock<std::mutex> lock(mutex_);
     ++blocked_;
-    freed_.wait(lock, [&] { return !held_; });
+    freed_.wait(lock, [&] { return !held_ && !reserved_; });
     --blocked_;
     held_ = true;
   }
-  // Takes the token if it is free and no blocked caller waits; else keeps `wake` (replacing an earlier
-  // one) and calls it once the token is released with nobody blocked on it.
+  // The forward runner's acquire: takes the token if it is free and reserved for the runner or nobody is
+  // blocked on it; else keeps `wake` (replacing an earlier one) and calls it once the token is released to
+  // the runner.
   bool tryAcquireOrNotify(std::function<void()> wake) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!held_ && blocked_ == 0) {
+    if (!held_ && (reserved_ || blocked_ == 0)) {
       held_ = true;
+      reserved_ = false;
       return true;
     }
     wake_ = std::move(wake);
     return false;
   }
-  void release() {
+  // `forwardNext`: reserve the token for the forward runner (Note [1F1B alternation]).
+  void release(bool forwardNext = false) {
     std::function<void()> wake;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       held_ = false;
-      if (blocked_ > 0) {
+      reserved_ = forwardNext;
+      if (blocked_ > 0 && !reserved_) {
         freed_.notify_one();
         return;
       }
@@ -162,11 +189,18 @@ class ComputeToken {
     }
     if (wake) wake();
   }
+  // The runner will not take a reservation it may hold: blocked backwards go on.
+  void dropReservation() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!std::exchange(reserved_, false)) return;
+    if (!held_ && blocked_ > 0) freed_.notify_one();
+  }
 
  private:
   std::mutex mutex_;
   std::condition_variable freed_;
   bool held_ = false;           // GUARDED_BY(mutex_)
+  bool reserved_ = false;       // GUARDED_BY(mutex_): free, but only for the forward runner
   int blocked_ = 0;             // GUARDED_BY(mutex_)
   std::function<void()> wake_;  // GUARDED_BY(mutex_)
 };
@@ -178,6 +212,7 @@ struct PipelineStage::Meter {
   std::vector<Clock::time_point> backwardStarted;  // GUARDED_BY(mutex): [microBatch]
   int64_t inFlight = 0;                            // GUARDED_BY(mutex): forwarded, graph not yet done
   int64_t maxInFlight = 0;                         // GUARDED_BY(mutex): forwards wait above it (0: no limit)
+  int64_t queuedForwards = 0;                      // GUARDED_BY(mutex): in the stage's queue, not yet taken
   std::function<void()> admit;                     // GUARDED_BY(mutex): a forward waiting for a slot
   int64_t baselineBytes = -1;                      // GUARDED_BY(mutex): before the first forward since reset
   double cpuAtReset = processCpuSeconds();         // GUARDED_BY(mutex)
@@ -195,6 +230,16 @@ struct PipelineStage::Meter {
     if (maxInFlight <= 0 || inFlight < maxInFlight) return true;
     admit = std::move(wake);
     return false;
+  }
+  // Note [1F1B alternation]: under 1F1B, a queued forward may start now (called when a backward ends,
+  // after its slot was freed).
+  void forwardQueued(int64_t delta) {
+    std::lock_guard<std::mutex> lock(mutex);
+    queuedForwards += delta;
+  }
+  bool forwardDue() const {
+    std::lock_guard<std::mutex> lock(mutex);
+    return maxInFlight > 0 && queuedForwards > 0 && inFlight < maxInFlight;
   }
   void forwardStarting() {
     std::lock_guard<std::mutex> lock(mutex);
@@ -323,9 +368,9 @@ class PipelineStage::Flight {
       if (backwardRan && backwardThread_ == std::this_thread::get_id()) cpu = threadCpuSeconds() - backwardCpuStart_;
     }
     if (backwardRan && traceBeginNs != 0 && trace::enabled()) traceBackward(traceBeginNs, traceThread);
-    if (release) meter_->token->release();
     // A forward that threw never took a slot.
     if (counted) meter_->flightEnded(microBatch_, backwardRan, cpu);
+    if (release) meter_->token->release(/*forwardNext=*/backwardRan && meter_->forwardDue());
   }
 
  private:
@@ -358,9 +403,14 @@ class PipelineStage::Flight {
 
 // Note [Stage backward bracket]
 // A stage's backward of one micro-batch runs from the gradient's arrival at its output to the last of its
-// nodes. The output end is an identity op recorded after the module. The other end is an identity op on the
-// input when the input requires grad anyway (every stage but the first: the gradient goes on to the
-// previous stage). Stage 0's input is data: making it require grad would only time the backward at the
+// nodes. The output end is an identity op recorded after the module. The other end, when the input requires
+// grad anyway (every stage but the first: the gradient goes on to the previous stage), is the post-hook of
+// the input's RecvBackward, which the distributed engine runs once the gradient was handed to the agent:
+// ending at an identity op before it let the stage's next compute take the token first, and on a busy core
+// the thread still to send the gradient got the CPU back only after that compute's time slice (3-4 ms per
+// hand-off, traced: the previous stage idled meanwhile). An input requiring grad that did not come from
+// another worker (a stage called locally) ends at an identity op on it. Stage 0's input is data: making it
+// require grad would only time the backward at the
 // price of an input gradient nobody uses (its first conv's backward-data, measured 5-10% of stage 0's
 // backward for ResNet-18 with a 1-channel stem), so there the end is the last of the stage's FIRST ops
 // (the nodes whose only graph inputs are parameters) to finish: every other node of the stage leads to
@@ -662,6 +712,7 @@ void PipelineStage::enqueueJob(rpc::Executor& executor, Job job) {
     std::lock_guard<std::mutex> lock(queueMutex_);
     executor_ = &executor;
     queue_.push_back(std::move(job));
+    meter_->forwardQueued(+1);
     if (running_) return;  // the running thread takes it
     running_ = true;
   }
@@ -673,24 +724,35 @@ void PipelineStage::runQueued() {
     Job job;
     {
       std::lock_guard<std::mutex> lock(queueMutex_);
+      const std::shared_ptr<ComputeToken>& token = meter_->token;
       if (queue_.empty()) {
         running_ = false;
+        token->dropReservation();  // Note [1F1B alternation]: none is ever made then; kept safe anyway
         return;
       }
       // Waiting, this runner returns its thread (running_ stays true) and a wake-up posts it again. If the
       // agent is closing the post is refused: the queued promises break when the stage is destroyed.
       std::weak_ptr<PipelineStage> weak = weak_from_this();
       rpc::Executor* executor = executor_;
-      auto resume = [weak, executor] {
-        (void)executor->post([weak] {
-          if (auto self = weak.lock()) self->runQueued();
+      auto resume = [weak, executor, token] {
+        const bool posted = executor->post([weak, token] {
+          if (auto self = weak.lock()) {
+            self->runQueued();
+          } else {
+            token->dropReservation();
+          }
         });
+        if (!posted) token->dropReservation();
       };
       // Note [Stage in-flight limit], then Note [Stage compute token].
-      if (training_.load() && !meter_->admitOrNotify(resume)) return;
-      if (!meter_->token->tryAcquireOrNotify(resume)) return;
+      if (training_.load() && !meter_->admitOrNotify(resume)) {
+        token->dropReservation();
+        return;
+      }
+      if (!token->tryAcquireOrNotify(resume)) return;
       job = std::move(queue_.front());
       queue_.pop_front();
+      meter_->forwardQueued(-1);
     }
     rpc::Result<Tensor> result = [&]() -> rpc::Result<Tensor> {
       try {
@@ -701,7 +763,6 @@ void PipelineStage::runQueued() {
         return error;
       }
     }();
-    meter_->token->release();
     job.input = Tensor();
     // The runner stops before the result is published: the caller may switch modes (train(), to()) as
     // soon as its last forward answered, and must not find this runner still marked running. A job queued
@@ -713,9 +774,15 @@ void PipelineStage::runQueued() {
       if (!more) running_ = false;
     }
     if (job.loss) {
+      meter_->token->release();  // the loss's backward takes it (Note [Loss on the last stage])
       lossForwarded(job.loss, std::move(result));
     } else {
-      job.promise->setResult(std::move(result));
+      // Note [Stage output hand-off]: the output leaves before the stage computes anything else.
+      {
+        rpc::ContinuationsHere here;
+        job.promise->setResult(std::move(result));
+      }
+      meter_->token->release();
     }
     if (!more) return;
   }
@@ -741,11 +808,17 @@ Tensor PipelineStage::runForward(const Tensor& input, int64_t microBatch, int64_
   const bool inputNeedsGrad = autograd::anyRequiresGrad({input});
   Tensor x = input;
   if (inputNeedsGrad) {
-    x = autograd::recordOp("PipelineStageInput", {input}, input.detach(),
-                           [flight](const std::vector<Tensor>& grads, const autograd::Node&) {
-                             flight->end(/*backwardRan=*/true);
-                             return std::vector<Tensor>{grads[0]};
-                           });
+    const std::shared_ptr<autograd::Node> producer = autograd::gradientEdge(input).fn;
+    if (dynamic_cast<autograd::distributed::RecvBackward*>(producer.get()) != nullptr) {
+      producer->addPostHook(
+          [flight](const std::vector<Tensor>&, const std::vector<Tensor>&) { flight->end(/*backwardRan=*/true); });
+    } else {
+      x = autograd::recordOp("PipelineStageInput", {input}, input.detach(),
+                             [flight](const std::vector<Tensor>& grads, const autograd::Node&) {
+                               flight->end(/*backwardRan=*/true);
+                               return std::vector<Tensor>{grads[0]};
+                             });
+    }
   }
   Tensor y = module_->forward(toDevice(x, device));
   if (!inputNeedsGrad) endAtFirstOps(y, flight);
