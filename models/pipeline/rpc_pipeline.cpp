@@ -18,6 +18,7 @@
 #include "autograd/grad_mode.h"
 #include "autograd/node.h"
 #include "autograd/ops.h"
+#include "models/pipeline/compute_token.h"
 #include "rpc/autograd_hook.h"
 #include "rpc/detail/handler.h"
 #include "rpc/trace.h"
@@ -150,60 +151,6 @@ T& slot(std::vector<T>& values, int64_t index) {
 // labels are moved there); only its value and the correct count come back. TODO(perf): with device maps
 // between the stage workers, the hand-off could stage through pinned memory instead of these pageable
 // copies; measure on a GPU first (no GPU has run this code yet).
-
-class ComputeToken {
- public:
-  // Blocks until the token is this caller's.
-  void acquireBlocking() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    ++blocked_;
-    freed_.wait(lock, [&] { return !held_ && !reserved_; });
-    --blocked_;
-    held_ = true;
-  }
-  // The forward runner's acquire: takes the token if it is free and reserved for the runner or nobody is
-  // blocked on it; else keeps `wake` (replacing an earlier one) and calls it once the token is released to
-  // the runner.
-  bool tryAcquireOrNotify(std::function<void()> wake) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (!held_ && (reserved_ || blocked_ == 0)) {
-      held_ = true;
-      reserved_ = false;
-      return true;
-    }
-    wake_ = std::move(wake);
-    return false;
-  }
-  // `forwardNext`: reserve the token for the forward runner (Note [1F1B alternation]).
-  void release(bool forwardNext = false) {
-    std::function<void()> wake;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      held_ = false;
-      reserved_ = forwardNext;
-      if (blocked_ > 0 && !reserved_) {
-        freed_.notify_one();
-        return;
-      }
-      wake.swap(wake_);
-    }
-    if (wake) wake();
-  }
-  // The runner will not take a reservation it may hold: blocked backwards go on.
-  void dropReservation() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (!std::exchange(reserved_, false)) return;
-    if (!held_ && blocked_ > 0) freed_.notify_one();
-  }
-
- private:
-  std::mutex mutex_;
-  std::condition_variable freed_;
-  bool held_ = false;           // GUARDED_BY(mutex_)
-  bool reserved_ = false;       // GUARDED_BY(mutex_): free, but only for the forward runner
-  int blocked_ = 0;             // GUARDED_BY(mutex_)
-  std::function<void()> wake_;  // GUARDED_BY(mutex_)
-};
 
 struct PipelineStage::Meter {
   std::shared_ptr<ComputeToken> token = std::make_shared<ComputeToken>();

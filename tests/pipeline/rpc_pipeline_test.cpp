@@ -799,6 +799,42 @@ TEST_P(RpcPipelineTraceTest, GPipeDrainsTheLastStageOneMicroBatchAtATimeInOrder)
   }
 }
 
+// Note [Stage backward bracket]: a stage whose input came from another worker ends its backward once the
+// input's gradient was handed to the agent (the RecvBackward's post-hook), so nothing else of the stage
+// computes before the gradient left. Observed on the last stage: each pipeline.backward span ends after
+// the autograd.send_gradients instant of its micro-batch's context, on the same thread.
+TEST_P(RpcPipelineTraceTest, AStageBackwardEndsOnceItsInputGradientLeft) {
+  ASSERT_TRUE(trace::enabled());
+  const ModelSpec model = mlpSpec();
+  constexpr int64_t kMicro = 3;
+  constexpr int64_t kSteps = 2;
+  {
+    RpcPipeline pipe(agent(0), twoStages(model, 2),
+                     {.microBatches = kMicro, .schedule = Schedule::k1F1B, .optimizer = OptimizerSpec::sgd({})});
+    for (int64_t k = 0; k < kSteps; ++k) (void)pipe.step(images(9, model, 80 + k), classes(9, 5, 90 + k));
+  }
+  ASSERT_GT(trace::flush(), 0u);
+  const auto file = trace::testing::readTrace(dir_.path() + "/worker2.trace.jsonl");
+  // One gradient leaves the last stage per micro-batch (its input's); by context id, which the driver
+  // creates in micro-batch order, step after step.
+  std::map<int64_t, const tools::FlatObject*> sends;
+  for (const tools::FlatObject* e : trace::testing::named(file, "autograd.send_gradients")) {
+    EXPECT_TRUE(sends.emplace(e->integer("a0").value_or(-1), e).second) << "two sends for one context";
+  }
+  ASSERT_EQ(static_cast<int64_t>(sends.size()), kMicro * kSteps);
+  const auto backwards = tracecheck::pipelineEvents(file, "pipeline.backward", "rpc");
+  ASSERT_EQ(static_cast<int64_t>(backwards.size()), kMicro * kSteps);
+  auto send = sends.begin();
+  for (int64_t k = 0; k < kSteps; ++k) {
+    for (int64_t m = 0; m < kMicro; ++m, ++send) {
+      const auto* backward = backwards.at(tracecheck::Key{1, m, k});
+      EXPECT_GE(backward->integer("e").value_or(-1), send->second->integer("b").value_or(0))
+          << "step " << k << ": micro-batch " << m << "'s backward ended before its input gradient left";
+      EXPECT_EQ(backward->integer("tid"), send->second->integer("tid")) << "step " << k << ", micro-batch " << m;
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, RpcPipelineTraceTest, ::testing::ValuesIn(distgrad::testing::endToEndTransports()),
                          [](const auto& info) { return info.param; });
 

@@ -212,6 +212,69 @@ TEST(Future, InlineSafeContinuationRunsOnCompletingThread) {
   EXPECT_EQ(g.get(), 2);
 }
 
+// Note [Continuations here]: on a worker of the continuations' executor, inside the scope, a completion
+// runs the chain of continuations it triggers before it returns, on this thread; outside the scope, or for
+// a continuation bound to another executor, they are posted as usual.
+TEST(Future, ContinuationsHereRunTheChainOnTheCompletingWorker) {
+  Executor ex(2);
+  Executor other(1, "other");
+  Event done;
+  std::thread::id worker;
+  std::vector<std::thread::id> ranOn(3);
+  bool ranBeforeReturn = false;
+  bool postedOutsideScope = false;
+  std::atomic<bool> otherRanHere{true};
+  ASSERT_TRUE(ex.post([&] {
+    worker = std::this_thread::get_id();
+    Promise<int> p(ex);
+    auto chain = p.getFuture()
+                     .then([&](int v) {
+                       ranOn[0] = std::this_thread::get_id();
+                       return v + 1;
+                     })
+                     .then([&](int v) {
+                       ranOn[1] = std::this_thread::get_id();
+                       return v + 1;
+                     });
+    Promise<int> elsewhere(ex);
+    auto onOther = elsewhere.getFuture().via(other).then([&](int) { otherRanHere = Executor::current() == &ex; });
+    {
+      ContinuationsHere here;
+      p.setValue(1);
+      elsewhere.setValue(0);
+    }
+    ranBeforeReturn = chain.isReady() && chain.result().value() == 3;
+    // Outside the scope: posted, so not run before setValue returns.
+    Promise<int> q(ex);
+    auto later = q.getFuture().then([&](int) { ranOn[2] = std::this_thread::get_id(); });
+    q.setValue(0);
+    postedOutsideScope = !later.isReady();
+    done.set();
+  }));
+  ASSERT_TRUE(done.waitFor());
+  EXPECT_TRUE(ranBeforeReturn);
+  EXPECT_EQ(ranOn[0], worker);
+  EXPECT_EQ(ranOn[1], worker);
+  EXPECT_TRUE(postedOutsideScope);
+  ex.shutdown();
+  other.shutdown();
+  EXPECT_FALSE(otherRanHere.load());
+}
+
+// The scope changes nothing on a thread that is no worker of the continuation's executor.
+TEST(Future, ContinuationsHereOffTheExecutorStillPost) {
+  Executor ex(1);
+  Promise<int> p(ex);
+  std::thread::id ranOn;
+  auto g = p.getFuture().then([&](int) { ranOn = std::this_thread::get_id(); });
+  {
+    ContinuationsHere here;
+    p.setValue(0);
+  }
+  ASSERT_TRUE(g.wait(kTestTimeout));
+  EXPECT_NE(ranOn, std::this_thread::get_id());
+}
+
 TEST(Future, ViaRebindsContinuations) {
   Executor a(1, "exec-a");
   Executor b(1, "exec-b");

@@ -1,0 +1,95 @@
+#include "models/pipeline/compute_token.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+namespace distgrad::models::pipeline {
+namespace {
+
+using namespace std::chrono_literals;
+
+// Waits (bounded) until a thread is blocked in acquireBlocking.
+void waitUntilBlocked(const ComputeToken& token) {
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (token.blocked() == 0 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
+  ASSERT_EQ(token.blocked(), 1);
+}
+// Time for a thread that should stay blocked to have taken the token if it could.
+void giveItTime() { std::this_thread::sleep_for(20ms); }
+
+// Note [Stage compute token]: a blocked backward goes before the forward runner when the token is released.
+TEST(ComputeToken, BlockedAcquirersGoFirstWithoutAReservation) {
+  ComputeToken token;
+  ASSERT_TRUE(token.tryAcquireOrNotify([] {}));
+  std::atomic<bool> acquired{false};
+  std::thread backward([&] {
+    token.acquireBlocking();
+    acquired = true;
+  });
+  waitUntilBlocked(token);
+  EXPECT_FALSE(acquired.load());
+  int wakes = 0;
+  EXPECT_FALSE(token.tryAcquireOrNotify([&] { ++wakes; }));  // a backward is blocked: the runner waits
+  token.release();
+  backward.join();
+  EXPECT_TRUE(acquired.load());
+  EXPECT_EQ(wakes, 0);
+  token.release();
+  EXPECT_EQ(wakes, 1);  // released with nobody blocked: the runner is woken
+  EXPECT_TRUE(token.tryAcquireOrNotify([] {}));
+}
+
+// Note [1F1B alternation]: a release reserving the token for the forward runner wakes the runner and keeps
+// a blocked backward waiting until the runner took the token and released it.
+TEST(ComputeToken, AReservationMakesBlockedAcquirersWaitForTheRunner) {
+  ComputeToken token;
+  token.acquireBlocking();  // the ending backward holds it
+  int wakes = 0;
+  EXPECT_FALSE(token.tryAcquireOrNotify([&] { ++wakes; }));  // the runner waits for it
+  std::atomic<bool> acquired{false};
+  std::thread backward([&] {
+    token.acquireBlocking();
+    acquired = true;
+  });
+  waitUntilBlocked(token);
+  token.release(/*forwardNext=*/true);
+  EXPECT_EQ(wakes, 1);
+  giveItTime();
+  EXPECT_FALSE(acquired.load()) << "a blocked backward took a token reserved for the forward";
+  EXPECT_TRUE(token.tryAcquireOrNotify([] {}));  // the runner takes it despite the blocked backward
+  giveItTime();
+  EXPECT_FALSE(acquired.load());
+  token.release();
+  backward.join();
+  EXPECT_TRUE(acquired.load());
+  token.release();
+}
+
+// A reservation the runner will not use (nothing to run, not admitted, its post refused) is dropped, and a
+// blocked backward goes on; dropping without a reservation changes nothing.
+TEST(ComputeToken, ADroppedReservationLetsBlockedAcquirersGoOn) {
+  ComputeToken token;
+  token.acquireBlocking();
+  std::atomic<bool> acquired{false};
+  std::thread backward([&] {
+    token.acquireBlocking();
+    acquired = true;
+  });
+  waitUntilBlocked(token);
+  token.release(/*forwardNext=*/true);
+  giveItTime();
+  EXPECT_FALSE(acquired.load());
+  token.dropReservation();
+  backward.join();
+  EXPECT_TRUE(acquired.load());
+  token.dropReservation();  // held, not reserved: a no-op
+  EXPECT_FALSE(token.tryAcquireOrNotify([] {}));
+  token.release();
+  EXPECT_TRUE(token.tryAcquireOrNotify([] {}));
+}
+
+}  // namespace
+}  // namespace distgrad::models::pipeline
