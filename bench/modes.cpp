@@ -10,6 +10,7 @@
 // Every row prints as a JSON line {"bench":"modes","mode":...} on stdout; the examples' own output goes to
 // stderr so a failure can be read. The modes run one after another in one invocation, so their figures
 // share the machine's state: compare them with each other, not with another run.
+#include <sched.h>
 #include <sys/utsname.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -59,6 +60,20 @@ struct Mode {
   std::string command;  // relative to the build directory
 };
 
+// distgrad-run flags binding ranks 1 and 2 (the stage workers) to the first two CPUs this process may use
+// (both to the one CPU of a single-CPU machine).
+std::string stageCpuBinding() {
+  cpu_set_t allowed;
+  std::vector<int> cpus;
+  if (sched_getaffinity(0, sizeof(allowed), &allowed) == 0) {
+    for (int cpu = 0; cpu < CPU_SETSIZE && cpus.size() < 2; ++cpu) {
+      if (CPU_ISSET(cpu, &allowed)) cpus.push_back(cpu);
+    }
+  }
+  if (cpus.empty()) return "";
+  return " --cpu-bind 1:" + std::to_string(cpus.front()) + " --cpu-bind 2:" + std::to_string(cpus.back());
+}
+
 std::vector<Mode> modes(const Settings& s) {
   std::ostringstream common;
   common << " --epochs " << s.epochs << " --limit " << s.limit << " --batch-size " << s.batchSize << " --model "
@@ -66,6 +81,7 @@ std::vector<Mode> modes(const Settings& s) {
   const std::string c = common.str();
   const std::string m = " --micro-batches " + std::to_string(s.microBatches);
   const std::string run = "tools/distgrad-run --nproc ";
+  const std::string bindStages = stageCpuBinding();
   // Trainers of a parameter server each take half the batch: the same samples per optimizer step.
   std::ostringstream psCommon;
   psCommon << " --epochs " << s.epochs << " --limit " << s.limit << " --batch-size " << s.batchSize / 2 << " --model "
@@ -82,6 +98,11 @@ std::vector<Mode> modes(const Settings& s) {
        run + "3 -- examples/rpc_pipeline --schedule gpipe" + m + c},
       {"rpc_pipeline_1f1b", "2 stage workers + a driver over RPC (TCP), 1F1B", 3,
        run + "3 -- examples/rpc_pipeline --schedule 1f1b" + m + c},
+      // Note [CPU binding] in tools/distgrad_run.cpp: each stage worker on a CPU of its own.
+      {"rpc_pipeline_gpipe_bound", "the same, each stage worker bound to a CPU of its own (--cpu-bind), GPipe", 3,
+       run + "3" + bindStages + " -- examples/rpc_pipeline --schedule gpipe" + m + c},
+      {"rpc_pipeline_1f1b_bound", "the same, each stage worker bound to a CPU of its own (--cpu-bind), 1F1B", 3,
+       run + "3" + bindStages + " -- examples/rpc_pipeline --schedule 1f1b" + m + c},
       {"ps_ssgd", "parameter server + 2 trainers, synchronous SGD (batch split between trainers)", 3,
        run + "3 -- examples/parameter_server --mode ssgd" + psCommon.str()},
       {"ps_asgd", "parameter server + 2 trainers, asynchronous SGD (batch split between trainers)", 3,

@@ -1,6 +1,7 @@
 // distgrad-run: starts N worker processes on this machine with the torchrun environment contract.
 //
-//   distgrad-run --nproc N [--master-addr A] [--master-port P] [--grace-ms MS] [--transport T] [--] PROGRAM ARGS...
+//   distgrad-run --nproc N [--master-addr A] [--master-port P] [--grace-ms MS] [--transport T]
+//                [--cpu-bind RANK:CPUS]... [--] PROGRAM ARGS...
 //
 // Each worker gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
 // DISTGRAD_SECRET (one secret per job, generated here unless the launcher's own environment already has
@@ -15,10 +16,19 @@
 // worker runs in its own process group and signals go to the group: a worker that is a shell script must
 // not leave its children behind (they would keep the output pipes open and outlive the job). Workers also
 // get PR_SET_PDEATHSIG(SIGKILL), so they die if the launcher itself is killed.
+//
+// Note [CPU binding]: --cpu-bind RANK:CPUS restricts a worker (all its threads) to a set of CPUs, set in
+// the child before exec. Unbound workers keep the launcher's affinity. Pipeline stages are the use: each
+// stage computes on one thread at a time, but on a different executor thread from one micro-batch to the
+// next, and each hand-off wakes a thread the kernel places anew; on the 2-vCPU development VM, two stages'
+// compute threads were seen sharing one vCPU while the other idled for milliseconds (perf sched), which
+// stretched the stages' compute by 15% on average. Bound to a CPU each, they never share
+// (docs/pipeline.md). The CPUs must be in the launcher's own affinity set.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
@@ -56,17 +66,19 @@ struct Arguments {
   int masterPort = 0;  // 0: pick a free one
   int graceMs = 5000;
   std::string transport;  // "": the workers inherit DISTGRAD_TRANSPORT (or default to tcp)
+  std::vector<std::pair<int, cpu_set_t>> cpuBind;  // Note [CPU binding]: (rank, CPUs)
   std::vector<std::string> command;
 };
 
 const char* kUsage =
-    "usage: distgrad-run --nproc N [--master-addr ADDR] [--master-port PORT] [--grace-ms MS] [--transport T] [--] "
-    "PROGRAM [ARGS...]\n"
+    "usage: distgrad-run --nproc N [--master-addr ADDR] [--master-port PORT] [--grace-ms MS] [--transport T] "
+    "[--cpu-bind R:CPUS]... [--] PROGRAM [ARGS...]\n"
     "  --nproc N          number of worker processes to start on this machine (1..4096)\n"
     "  --master-addr ADDR rendezvous address given to the workers as MASTER_ADDR (default 127.0.0.1)\n"
     "  --master-port PORT rendezvous port (default: a free port picked by the launcher)\n"
     "  --grace-ms MS      how long workers get to exit after SIGTERM before SIGKILL (default 5000)\n"
-    "  --transport T      the workers' transport, tcp or ucx (sets DISTGRAD_TRANSPORT; default: inherited, else tcp)\n";
+    "  --transport T      the workers' transport, tcp or ucx (sets DISTGRAD_TRANSPORT; default: inherited, else tcp)\n"
+    "  --cpu-bind R:CPUS  run worker R on these CPUs only (e.g. 1:0 or 2:2-3,6; repeatable; default: unbound)\n";
 
 [[noreturn]] void usageError(const std::string& message) {
   std::fprintf(stderr, "distgrad-run: %s\n%s", message.c_str(), kUsage);
@@ -81,6 +93,36 @@ int parseIntArg(std::string_view name, std::string_view text, int lo, int hi) {
                "], got '" + std::string(text) + "'");
   }
   return value;
+}
+
+// "RANK:CPUS", CPUS a list of CPU numbers and ranges ("0", "2-3,6"), each CPU in `allowed`.
+std::pair<int, cpu_set_t> parseCpuBind(std::string_view text, const cpu_set_t& allowed) {
+  const std::string what = "--cpu-bind expects RANK:CPUS (e.g. 1:0 or 2:2-3,6), got '" + std::string(text) + "'";
+  const size_t colon = text.find(':');
+  if (colon == std::string_view::npos) usageError(what);
+  const int rank = parseIntArg("--cpu-bind's rank", text.substr(0, colon), 0, kMaxProcesses - 1);
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  std::string_view list = text.substr(colon + 1);
+  if (list.empty()) usageError(what);
+  while (!list.empty()) {
+    const size_t comma = list.find(',');
+    const std::string_view item = list.substr(0, comma);
+    list = comma == std::string_view::npos ? std::string_view() : list.substr(comma + 1);
+    if (comma != std::string_view::npos && list.empty()) usageError(what);
+    const size_t dash = item.find('-');
+    const int first = parseIntArg("--cpu-bind's CPU", item.substr(0, dash), 0, CPU_SETSIZE - 1);
+    const int last = dash == std::string_view::npos
+                         ? first
+                         : parseIntArg("--cpu-bind's CPU", item.substr(dash + 1), first, CPU_SETSIZE - 1);
+    for (int cpu = first; cpu <= last; ++cpu) {
+      if (!CPU_ISSET(cpu, &allowed)) {
+        usageError("--cpu-bind: CPU " + std::to_string(cpu) + " is not among the CPUs this launcher may use");
+      }
+      CPU_SET(cpu, &cpus);
+    }
+  }
+  return {rank, cpus};
 }
 
 Arguments parseArguments(int argc, char** argv) {
@@ -126,11 +168,26 @@ Arguments parseArguments(int argc, char** argv) {
       if (args.transport != "tcp" && args.transport != "ucx") {
         usageError("--transport must be tcp or ucx, got '" + args.transport + "'");
       }
+    } else if (name == "--cpu-bind") {
+      cpu_set_t allowed;
+      if (::sched_getaffinity(0, sizeof(allowed), &allowed) != 0) {
+        usageError(std::string("--cpu-bind: cannot read this launcher's CPU affinity: ") + std::strerror(errno));
+      }
+      args.cpuBind.push_back(parseCpuBind(takeValue(), allowed));
     } else {
       usageError("unknown option '" + std::string(arg) + "'");
     }
   }
   if (!haveNproc) usageError("--nproc is required");
+  for (size_t b = 0; b < args.cpuBind.size(); ++b) {
+    const int rank = args.cpuBind[b].first;
+    if (rank >= args.nproc) {
+      usageError("--cpu-bind names rank " + std::to_string(rank) + " of " + std::to_string(args.nproc) + " workers");
+    }
+    for (size_t a = 0; a < b; ++a) {
+      if (args.cpuBind[a].first == rank) usageError("--cpu-bind names rank " + std::to_string(rank) + " twice");
+    }
+  }
   for (; i < argc; ++i) args.command.emplace_back(argv[i]);
   if (args.command.empty()) usageError("no program to run");
   return args;
@@ -263,6 +320,11 @@ void Launcher::startWorkers(const std::vector<std::string>& environment) {
     for (auto& e : env) envp.push_back(e.data());
     envp.push_back(nullptr);
     const std::string execError = "distgrad-run: cannot execute '" + args_.command.front() + "': ";
+    const cpu_set_t* cpus = nullptr;  // Note [CPU binding]
+    for (const auto& [bound, set] : args_.cpuBind) {
+      if (bound == rank) cpus = &set;
+    }
+    const std::string bindError = "distgrad-run: cannot bind rank " + std::to_string(rank) + " to its CPUs: ";
 
     int outPipe[2];
     int errPipe[2];
@@ -287,13 +349,16 @@ void Launcher::startWorkers(const std::vector<std::string>& environment) {
       // Ignored signals and the blocked mask survive exec: give the program the defaults.
       ::signal(SIGPIPE, SIG_DFL);
       ::sigprocmask(SIG_SETMASK, &original_, nullptr);
+      auto fail = [](const std::string& message, int err) {
+        (void)!::write(2, message.data(), message.size());
+        const char* reason = std::strerror(err);
+        (void)!::write(2, reason, std::strlen(reason));
+        (void)!::write(2, "\n", 1);
+        ::_exit(127);
+      };
+      if (cpus != nullptr && ::sched_setaffinity(0, sizeof(*cpus), cpus) != 0) fail(bindError, errno);
       ::execvpe(argv[0], argv.data(), envp.data());
-      const int err = errno;
-      (void)!::write(2, execError.data(), execError.size());
-      const char* reason = std::strerror(err);
-      (void)!::write(2, reason, std::strlen(reason));
-      (void)!::write(2, "\n", 1);
-      ::_exit(127);
+      fail(execError, errno);
     }
     // Parent. setpgid on both sides so signals to the group work even before the child ran.
     ::setpgid(pid, pid);

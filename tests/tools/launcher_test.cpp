@@ -1,6 +1,7 @@
 // Runs the real distgrad-run binary on small shell commands.
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -12,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <fstream>
 #include <map>
 #include <regex>
 #include <sstream>
@@ -228,6 +230,29 @@ TEST(DistgradRun, TransportFlagSetsDistgradTransport) {
   EXPECT_TRUE(contains(p.out(), "[1] transport=ucx\n")) << p.out();
 }
 
+// Note [CPU binding]: a bound rank runs on its CPUs only; the others keep the launcher's affinity.
+TEST(DistgradRun, CpuBindRestrictsTheNamedRanks) {
+  cpu_set_t allowed;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(allowed), &allowed), 0);
+  int cpu = 0;
+  while (!CPU_ISSET(cpu, &allowed)) ++cpu;
+  LauncherProcess p({"--nproc", "3", "--cpu-bind", "1:" + std::to_string(cpu), "--", "sh", "-c",
+                     "grep Cpus_allowed_list /proc/$$/status"});
+  ASSERT_EQ(exitCode(p.finish()), 0) << p.err();
+  std::string launcher;
+  {
+    std::ifstream status("/proc/self/status");
+    std::string line;
+    while (std::getline(status, line)) {
+      if (line.starts_with("Cpus_allowed_list:")) launcher = line;
+    }
+  }
+  ASSERT_FALSE(launcher.empty());
+  EXPECT_TRUE(contains(p.out(), "[1] Cpus_allowed_list:\t" + std::to_string(cpu) + "\n")) << p.out();
+  EXPECT_TRUE(contains(p.out(), "[0] " + launcher + "\n")) << p.out();
+  EXPECT_TRUE(contains(p.out(), "[2] " + launcher + "\n")) << p.out();
+}
+
 TEST(DistgradRun, PrefixesEveryLineOfStdoutAndStderr) {
   // Two lines in one write, a line split across writes, a last line without '\n', and stderr.
   LauncherProcess p({"--nproc", "2", "--", "sh", "-c",
@@ -342,6 +367,13 @@ TEST(DistgradRun, BadArgumentsAreUsageErrors) {
       {"--nproc", "2", "--frobnicate", "true"},
       {"--nproc", "2", "--transport", "carrier-pigeon", "true"},
       {"--nproc", "2", "--transport", "inproc", "true"},  // one process's agents only
+      {"--nproc", "2", "--cpu-bind", "2:0", "true"},        // no rank 2
+      {"--nproc", "2", "--cpu-bind", "1:0", "--cpu-bind", "1:0", "true"},
+      {"--nproc", "2", "--cpu-bind", "1", "true"},
+      {"--nproc", "2", "--cpu-bind", "1:", "true"},
+      {"--nproc", "2", "--cpu-bind", "1:0,", "true"},
+      {"--nproc", "2", "--cpu-bind", "1:x", "true"},
+      {"--nproc", "2", "--cpu-bind", "1:1023", "true"},  // not a CPU this machine lets us use
       {"--nproc"},                                // missing value
   };
   for (const auto& args : bad) {
