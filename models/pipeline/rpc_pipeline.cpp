@@ -357,11 +357,11 @@ class PipelineStage::Flight {
 // the thread still to send the gradient got the CPU back only after that compute's time slice (3-4 ms per
 // hand-off, traced: the previous stage idled meanwhile). An input requiring grad that did not come from
 // another worker (a stage called locally) ends at an identity op on it. Stage 0's input is data: making it
-// require grad would only time the backward at the
-// price of an input gradient nobody uses (its first conv's backward-data, measured 5-10% of stage 0's
-// backward for ResNet-18 with a 1-channel stem), so there the end is the last of the stage's FIRST ops
-// (the nodes whose only graph inputs are parameters) to finish: every other node of the stage leads to
-// one of them, so they run last. Their post-hooks count down the Flight.
+// require grad would only time the backward at the price of an input gradient nobody uses (its first
+// conv's backward-data, measured 5-10% of stage 0's backward for ResNet-18 with a 1-channel stem), so
+// there the end is the last of the stage's FIRST ops (the nodes whose only graph inputs are parameters) to
+// finish: every other node of the stage leads to one of them, so they run last. Their post-hooks count down
+// the Flight.
 void PipelineStage::endAtFirstOps(const Tensor& y, const std::shared_ptr<Flight>& flight) {
   std::vector<std::shared_ptr<autograd::Node>> first;
   std::vector<std::shared_ptr<autograd::Node>> stack{autograd::gradientEdge(y).fn};
