@@ -20,16 +20,22 @@ void waitUntilBlocked(const ComputeToken& token) {
 // Time for a thread that should stay blocked to have taken the token if it could.
 void giveItTime() { std::this_thread::sleep_for(20ms); }
 
+// A backward blocking for the token; `acquired` turns true once it holds it.
+std::thread blockedBackward(ComputeToken& token, std::atomic<bool>& acquired) {
+  std::thread backward([&token, &acquired] {
+    token.acquireBlocking();
+    acquired = true;
+  });
+  waitUntilBlocked(token);
+  return backward;
+}
+
 // Note [Stage compute token]: a blocked backward goes before the forward runner when the token is released.
 TEST(ComputeToken, BlockedAcquirersGoFirstWithoutAReservation) {
   ComputeToken token;
   ASSERT_TRUE(token.tryAcquireOrNotify([] {}));
   std::atomic<bool> acquired{false};
-  std::thread backward([&] {
-    token.acquireBlocking();
-    acquired = true;
-  });
-  waitUntilBlocked(token);
+  std::thread backward = blockedBackward(token, acquired);
   EXPECT_FALSE(acquired.load());
   int wakes = 0;
   EXPECT_FALSE(token.tryAcquireOrNotify([&] { ++wakes; }));  // a backward is blocked: the runner waits
@@ -50,11 +56,7 @@ TEST(ComputeToken, AReservationMakesBlockedAcquirersWaitForTheRunner) {
   int wakes = 0;
   EXPECT_FALSE(token.tryAcquireOrNotify([&] { ++wakes; }));  // the runner waits for it
   std::atomic<bool> acquired{false};
-  std::thread backward([&] {
-    token.acquireBlocking();
-    acquired = true;
-  });
-  waitUntilBlocked(token);
+  std::thread backward = blockedBackward(token, acquired);
   token.release(/*forwardNext=*/true);
   EXPECT_EQ(wakes, 1);
   giveItTime();
@@ -74,11 +76,7 @@ TEST(ComputeToken, ADroppedReservationLetsBlockedAcquirersGoOn) {
   ComputeToken token;
   token.acquireBlocking();
   std::atomic<bool> acquired{false};
-  std::thread backward([&] {
-    token.acquireBlocking();
-    acquired = true;
-  });
-  waitUntilBlocked(token);
+  std::thread backward = blockedBackward(token, acquired);
   token.release(/*forwardNext=*/true);
   giveItTime();
   EXPECT_FALSE(acquired.load());

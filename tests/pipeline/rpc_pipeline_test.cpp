@@ -709,6 +709,21 @@ TEST_F(StageWorkerDeathTest, KilledStageWorkerFailsTheStepNamingItWithinTheHeart
 class RpcPipelineTraceTest : public RpcPipelineTest {
  protected:
   RpcPipelineTraceTest() { traceDir_ = dir_.path(); }
+  // Trains `steps` steps of the two-stage MLP pipeline (batches of `batch`, data from `seed` on), then
+  // flushes the trace; returns the last stage's trace file.
+  trace::testing::TraceFile trainAndReadLastStage(Schedule schedule, int64_t microBatches, int64_t steps,
+                                                  int64_t batch, uint64_t seed) {
+    const ModelSpec model = mlpSpec();
+    {
+      RpcPipeline pipe(agent(0), twoStages(model, 2),
+                       {.microBatches = microBatches, .schedule = schedule, .optimizer = OptimizerSpec::sgd({})});
+      for (int64_t k = 0; k < steps; ++k) {
+        (void)pipe.step(images(batch, model, seed + k), classes(batch, 5, seed + 10 + k));
+      }
+    }
+    EXPECT_GT(trace::flush(), 0u);
+    return trace::testing::readTrace(dir_.path() + "/worker2.trace.jsonl");
+  }
   trace::testing::TempDir dir_;
 };
 
@@ -751,16 +766,9 @@ TEST_P(RpcPipelineTraceTest, StepsRecordEveryStageAndMicroBatchInTheirWorkersFil
 // pipeline.backward spans follow micro-batch order.
 TEST_P(RpcPipelineTraceTest, GPipeDrainsTheLastStageOneMicroBatchAtATimeInOrder) {
   ASSERT_TRUE(trace::enabled());
-  const ModelSpec model = mlpSpec();
   constexpr int64_t kMicro = 4;
   constexpr int64_t kSteps = 3;
-  {
-    RpcPipeline pipe(agent(0), twoStages(model, 2),
-                     {.microBatches = kMicro, .schedule = Schedule::kGPipe, .optimizer = OptimizerSpec::sgd({})});
-    for (int64_t k = 0; k < kSteps; ++k) (void)pipe.step(images(8, model, 60 + k), classes(8, 5, 70 + k));
-  }
-  ASSERT_GT(trace::flush(), 0u);
-  const auto file = trace::testing::readTrace(dir_.path() + "/worker2.trace.jsonl");
+  const auto file = trainAndReadLastStage(Schedule::kGPipe, kMicro, kSteps, 8, 60);
   // The engine's node spans on the last stage, by context: [first begin, last end].
   std::map<int64_t, std::pair<int64_t, int64_t>> byContext;
   for (const auto& e : file.events) {
@@ -805,16 +813,9 @@ TEST_P(RpcPipelineTraceTest, GPipeDrainsTheLastStageOneMicroBatchAtATimeInOrder)
 // the autograd.send_gradients instant of its micro-batch's context, on the same thread.
 TEST_P(RpcPipelineTraceTest, AStageBackwardEndsOnceItsInputGradientLeft) {
   ASSERT_TRUE(trace::enabled());
-  const ModelSpec model = mlpSpec();
   constexpr int64_t kMicro = 3;
   constexpr int64_t kSteps = 2;
-  {
-    RpcPipeline pipe(agent(0), twoStages(model, 2),
-                     {.microBatches = kMicro, .schedule = Schedule::k1F1B, .optimizer = OptimizerSpec::sgd({})});
-    for (int64_t k = 0; k < kSteps; ++k) (void)pipe.step(images(9, model, 80 + k), classes(9, 5, 90 + k));
-  }
-  ASSERT_GT(trace::flush(), 0u);
-  const auto file = trace::testing::readTrace(dir_.path() + "/worker2.trace.jsonl");
+  const auto file = trainAndReadLastStage(Schedule::k1F1B, kMicro, kSteps, 9, 80);
   // One gradient leaves the last stage per micro-batch (its input's); by context id, which the driver
   // creates in micro-batch order, step after step.
   std::map<int64_t, const tools::FlatObject*> sends;
