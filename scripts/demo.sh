@@ -8,7 +8,8 @@
 #
 #   ./scripts/demo.sh [ARG...]
 #
-# Environment: DG_JOBS (build jobs, default 2), DG_SKIP_DEPS=1 (do not check/install packages).
+# Environment: DG_JOBS (build jobs, default 2), DG_SKIP_DEPS=1 (do not check/install packages),
+# DG_CPU_BIND=0 (leave the stage workers unbound; see below).
 set -euo pipefail
 # shellcheck source=scripts/common.sh
 source "$(dirname "$0")/common.sh"
@@ -43,6 +44,25 @@ dg_build default "$demo_target" "$launcher_target"
 [[ -x "$demo_binary" ]] || dg_die "the build did not produce $demo_binary"
 [[ -x "$launcher_binary" ]] || dg_die "the build did not produce $launcher_binary"
 
-dg_log "run: ${launcher_binary#"$DG_ROOT"/} --nproc $nproc -- ${demo_binary#"$DG_ROOT"/} $*"
+# Note [CPU binding] (tools/distgrad_run.cpp, docs/pipeline.md): the stage workers (ranks 1..S) get equal,
+# disjoint shares of the CPUs this script may use, so two stages' compute never shares a CPU while another
+# idles; the driver (rank 0) stays unbound. With fewer CPUs than stage workers nothing is bound.
+cpu_bind=()
+if [[ ${DG_CPU_BIND:-1} != 0 ]]; then
+  cpus=()
+  IFS=, read -ra ranges <<<"$(awk '/^Cpus_allowed_list:/ {print $2}' /proc/self/status)"
+  for range in "${ranges[@]}"; do
+    for ((cpu = ${range%-*}; cpu <= ${range#*-}; ++cpu)); do cpus+=("$cpu"); done
+  done
+  share=$((${#cpus[@]} / stage_workers))
+  if ((share >= 1)); then
+    for ((rank = 1; rank <= stage_workers; ++rank)); do
+      list=$(IFS=,; echo "${cpus[*]:$(((rank - 1) * share)):$share}")
+      cpu_bind+=(--cpu-bind "$rank:$list")
+    done
+  fi
+fi
+
+dg_log "run: ${launcher_binary#"$DG_ROOT"/} --nproc $nproc ${cpu_bind[*]} -- ${demo_binary#"$DG_ROOT"/} $*"
 cd "$DG_ROOT"
-exec "$launcher_binary" --nproc "$nproc" -- "$demo_binary" "$@"
+exec "$launcher_binary" --nproc "$nproc" "${cpu_bind[@]}" -- "$demo_binary" "$@"
