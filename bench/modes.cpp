@@ -60,18 +60,27 @@ struct Mode {
   std::string command;  // relative to the build directory
 };
 
-// distgrad-run flags binding ranks 1 and 2 (the stage workers) to the first two CPUs this process may use
-// (both to the one CPU of a single-CPU machine).
+// distgrad-run flags giving ranks 1 and 2 (the stage workers) equal, disjoint halves of the CPUs this
+// process may use, as scripts/demo.sh does; none with fewer than two CPUs.
 std::string stageCpuBinding() {
   cpu_set_t allowed;
   std::vector<int> cpus;
   if (sched_getaffinity(0, sizeof(allowed), &allowed) == 0) {
-    for (int cpu = 0; cpu < CPU_SETSIZE && cpus.size() < 2; ++cpu) {
+    for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
       if (CPU_ISSET(cpu, &allowed)) cpus.push_back(cpu);
     }
   }
-  if (cpus.empty()) return "";
-  return " --cpu-bind 1:" + std::to_string(cpus.front()) + " --cpu-bind 2:" + std::to_string(cpus.back());
+  const size_t share = cpus.size() / 2;
+  if (share == 0) return "";
+  std::string flags;
+  for (size_t rank = 1; rank <= 2; ++rank) {
+    flags += " --cpu-bind " + std::to_string(rank) + ":";
+    for (size_t i = 0; i < share; ++i) {
+      if (i > 0) flags += ',';
+      flags += std::to_string(cpus[(rank - 1) * share + i]);
+    }
+  }
+  return flags;
 }
 
 std::vector<Mode> modes(const Settings& s) {
@@ -98,10 +107,10 @@ std::vector<Mode> modes(const Settings& s) {
        run + "3 -- examples/rpc_pipeline --schedule gpipe" + m + c},
       {"rpc_pipeline_1f1b", "2 stage workers + a driver over RPC (TCP), 1F1B", 3,
        run + "3 -- examples/rpc_pipeline --schedule 1f1b" + m + c},
-      // Note [CPU binding] in tools/distgrad_run.cpp: each stage worker on a CPU of its own.
-      {"rpc_pipeline_gpipe_bound", "the same, each stage worker bound to a CPU of its own (--cpu-bind), GPipe", 3,
+      // Note [CPU binding] in tools/distgrad_run.cpp: each stage worker on its own CPUs.
+      {"rpc_pipeline_gpipe_bound", "the same, each stage worker bound to its own half of the CPUs (--cpu-bind), GPipe", 3,
        run + "3" + bindStages + " -- examples/rpc_pipeline --schedule gpipe" + m + c},
-      {"rpc_pipeline_1f1b_bound", "the same, each stage worker bound to a CPU of its own (--cpu-bind), 1F1B", 3,
+      {"rpc_pipeline_1f1b_bound", "the same, each stage worker bound to its own half of the CPUs (--cpu-bind), 1F1B", 3,
        run + "3" + bindStages + " -- examples/rpc_pipeline --schedule 1f1b" + m + c},
       {"ps_ssgd", "parameter server + 2 trainers, synchronous SGD (batch split between trainers)", 3,
        run + "3 -- examples/parameter_server --mode ssgd" + psCommon.str()},

@@ -90,9 +90,11 @@ T& slot(std::vector<T>& values, int64_t index) {
 // stage, waiting for F2, idled about 15 ms of a 95 ms step (a traced run with each stage pinned to its own
 // core). So when a backward ends under 1F1B and a forward is queued that its end admits (the in-flight
 // limit), the token is reserved for the forward runner: blocked backwards wait until the runner took it.
-// The reservation is the runner's alone (one runner per stage, and only it takes queued forwards), and it
-// is dropped whenever the runner cannot use it (nothing to run, not admitted, its post refused, the stage
-// gone), so a blocked backward never waits for a forward that will not come.
+// The reservation is the runner's alone (one runner per stage, and only it takes queued forwards, holding
+// the token: so the forward the reservation was made for is still queued when the runner comes), and it
+// is dropped whenever the runner cannot use it (not admitted, as when setMaxInFlight lowered the limit
+// meanwhile; its post refused; the stage gone), so a blocked backward never waits for a forward that will
+// not come.
 //
 // Note [Stage in-flight limit]
 // Under 1F1B a stage holds at most S - s micro-batches in flight (forwarded, backward not done), the
@@ -674,7 +676,6 @@ void PipelineStage::runQueued() {
       const std::shared_ptr<ComputeToken>& token = meter_->token;
       if (queue_.empty()) {
         running_ = false;
-        token->dropReservation();  // Note [1F1B alternation]: none is ever made then; kept safe anyway
         return;
       }
       // Waiting, this runner returns its thread (running_ stays true) and a wake-up posts it again. If the
