@@ -7,6 +7,10 @@
 //                                      ratios to the raw ping-pong of the same placement
 //   rpc        rpcsync_rtt_noop_inline the same, the function bound with Dispatch::kInline (its handler runs
 //                                      on the callee's loop thread: Note [Inline handlers] in rpc/agent.cpp)
+//   rpc        ..._loop_reads          each rpcSync figure again with the caller's loop thread reading the
+//                                      reply (AgentConfig::syncReadWindow 0) instead of the waiting caller
+//                                      (Note [Waiting reader] in rpc/transport/tcp/connection.cpp),
+//                                      interleaved with it in blocks of 250 calls
 //   rpc        rpcasync_throughput_wW  rpcAsync calls/s with W = 1, 8, 64 calls in flight
 //   rpc        tensor_echo_SIZE        rpcSync of tensor(tensor) returning its float32 argument, SIZE = 1KB,
 //                                      64KB, 1MB, 16MB, 64MB: GB/s counting both directions (2 x bytes per
@@ -106,23 +110,32 @@ void measureIdle(AgentPair& pair, double seconds, const char* phase, bool pinned
                   {{"agent", quoted("worker1")}, {"phase", quoted(phase)}, {"idle_s", number(wall)}});
 }
 
-void measureRpcSync(rpc::Agent& agent, const rpc::Function<int64_t(int64_t)>& fn, const char* metric, int rounds,
-                    const Measurement& raw, bool pinned) {
-  std::vector<double> us;
-  us.reserve(static_cast<size_t>(rounds));
-  for (int i = 0; i < rounds; ++i) {
+// No-op rpcSync round trips, the caller reading its reply itself (Note [Waiting reader]) and, interleaved
+// in blocks of 250 so that both see the same load, the same with the loop thread reading it
+// (`metric`_loop_reads).
+void measureRpcSync(rpc::Agent& agent, const rpc::Function<int64_t(int64_t)>& fn, const std::string& metric,
+                    int rounds, const Measurement& raw, bool pinned) {
+  const auto window = agent.syncReadWindow();
+  std::vector<double> us[2];
+  for (int i = 0; i < 2 * rounds; ++i) {
+    const int loopReads = (i / 250) % 2;
+    agent.setSyncReadWindow(loopReads ? std::chrono::microseconds{0} : window);
     auto t0 = std::chrono::steady_clock::now();
     int64_t r = agent.rpcSync("worker1", fn, int64_t{i});
-    us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+    us[loopReads].push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
     check(r == i, "ping result");
   }
-  us.erase(us.begin(), us.begin() + std::min<size_t>(us.size() / 10, 500));  // warm-up
-  Measurement m = measurementOf(std::move(us));
-  emitMeasurement("rpc", metric, "us", m, pinned,
-                  {{"raw_median", number(raw.stats.median)},
-                   {"raw_p99", number(raw.p99)},
-                   {"ratio_vs_raw", number(m.stats.median / raw.stats.median)},
-                   {"p99_ratio_vs_raw", number(m.p99 / raw.p99)}});
+  agent.setSyncReadWindow(window);
+  for (int loopReads = 0; loopReads < 2; ++loopReads) {
+    auto& v = us[loopReads];
+    v.erase(v.begin(), v.begin() + std::min<size_t>(v.size() / 10, 500));  // warm-up
+    Measurement m = measurementOf(std::move(v));
+    emitMeasurement("rpc", loopReads ? metric + "_loop_reads" : metric, "us", m, pinned,
+                    {{"raw_median", number(raw.stats.median)},
+                     {"raw_p99", number(raw.p99)},
+                     {"ratio_vs_raw", number(m.stats.median / raw.stats.median)},
+                     {"p99_ratio_vs_raw", number(m.p99 / raw.p99)}});
+  }
 }
 
 void measureRpcAsync(AgentPair& pair, int calls, const std::vector<int>& windows, bool pinned) {

@@ -287,7 +287,11 @@ struct Agent::Incoming {
 // ---- start ----
 
 Agent::Agent(const Options& options, const Registry& registry, AgentConfig config)
-    : options_(options), config_(std::move(config)), registry_(registry), name_(options.name()) {
+    : options_(options),
+      config_(std::move(config)),
+      syncReadWindowUs_(config_.syncReadWindow.count()),
+      registry_(registry),
+      name_(options.name()) {
   self_ = std::make_unique<Peer>();
   self_->name = name_;
   self_->rank = options_.rank;
@@ -1151,7 +1155,7 @@ void Agent::rpcRaw(const CallOptions& callOptions, const std::string& worker, co
     complete(Result<DecodedMessage>(frame.error()));
     return;
   }
-  startCall(callOptions, worker, fields, std::move(frame).value(), std::move(complete), timing);
+  startCall(callOptions, worker, fields, std::move(frame).value(), std::move(complete), timing, /*wait=*/nullptr);
 }
 
 // ---- calls ----
@@ -1189,8 +1193,31 @@ void Agent::prepareCall(const CallOptions& callOptions, EnvelopeFields& fields) 
   }
 }
 
+void Agent::readWhileWaiting(const std::string& worker, const std::function<bool()>& ready) {
+  const auto window = syncReadWindow();
+  if (window.count() <= 0 || worker == name_ || ready()) return;
+  SyncWait wait;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = peers_.find(worker);
+    if (it == peers_.end() || it->second->dead || !it->second->link) return;
+    wait.connection = it->second->link->connection;
+  }
+  if (!wait.connection->beginWaitingRead()) wait.connection = nullptr;
+  wait.read(window, ready);
+}
+
+void Agent::SyncWait::read(std::chrono::microseconds window, const std::function<bool()>& ready) {
+  if (!connection) return;
+  auto reading = std::move(connection);
+  // The reply may be in already (a fast peer, or the send failed).
+  if (window.count() > 0 && !ready()) reading->readWhileWaiting(ready, window);
+  reading->endWaitingRead();
+}
+
 void Agent::startCall(const CallOptions& callOptions, const std::string& worker, const EnvelopeFields& fields,
-                      transport::OutgoingFrame frame, Completion complete, const CallTiming& timing) {
+                      transport::OutgoingFrame frame, Completion complete, const CallTiming& timing,
+                      SyncWait* wait) {
   const uint64_t id = fields.messageId;
   const bool toSelf = worker == name_;  // Note [Self calls]
   // Decided once, when the call was encoded: a call is traced whole or not at all.
@@ -1255,6 +1282,11 @@ void Agent::startCall(const CallOptions& callOptions, const std::string& worker,
       error.worker = peer;
       failPending(id, std::move(error), /*sendCancel=*/false);
     };
+    // rpcSync: this thread becomes the connection's reader before the send (Note [Waiting reader] in
+    // rpc/transport/tcp/connection.cpp), so that the reply cannot wake the loop thread first.
+    if (wait != nullptr && syncReadWindow().count() > 0 && link->connection->beginWaitingRead()) {
+      wait->connection = link->connection;
+    }
     // Traced, its transport.send is part of the call's record (below).
     link->connection->send(std::move(frame), [failed](const Result<void>& sent) {
       if (!sent.ok()) failed(sent);
@@ -1469,7 +1501,7 @@ void Agent::onCallDeadline(const std::string& peer, uint64_t id, int64_t timeout
 // the queue empty and slept again: two context switches, a futex wake and wait and a loop wake-up per
 // call instead of per read. So on the loop thread calls are queued with Executor::postDeferred and the
 // worker is woken once, by a task deferred to the loop (Context::defer), which runs after the read's
-// frames are handled and before the loop next blocks (the tcp loop runs its tasks in its prepare phase).
+// frames are handled and before the loop next blocks (the tcp loop runs its tasks before it blocks).
 // Refusals still answer at once; calls that do not arrive on the loop thread (self calls from other
 // threads) are posted as before.
 void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Arrival arrival) {

@@ -78,6 +78,10 @@ struct AgentConfig {
   // Bound on one connection's handshake (from the moment it exists to the last proof): a connection that
   // has not finished by then is closed with a logged reason. 0 = min(Options::rendezvousTimeout, 10 s).
   std::chrono::milliseconds handshakeTimeout{0};
+  // How long a thread blocked in rpcSync may read the reply's connection itself instead of being woken by
+  // the transport's loop thread (transport::Connection::readWhileWaiting; tcp only: Note [Waiting reader]
+  // in rpc/transport/tcp/connection.cpp). Replies slower than this are awaited as usual. 0 turns it off.
+  std::chrono::microseconds syncReadWindow{2000};
   // TEST-ONLY: added to this agent's clock (the times its handshakes and heartbeats carry and its trace
   // file records), so one process can check the clock-offset estimate against a known offset.
   std::chrono::nanoseconds clockSkewForTesting{0};
@@ -154,7 +158,7 @@ class Agent {
   template <typename R, typename... Params, typename... A>
   Future<R> rpcAsyncWith(const CallOptions& callOptions, const std::string& worker, const Function<R(Params...)>& fn,
                          A&&... args) {
-    return call(callOptions, /*callerWaits=*/false, worker, fn, std::forward<A>(args)...);
+    return call(callOptions, /*wait=*/nullptr, worker, fn, std::forward<A>(args)...);
   }
 
   template <typename R, typename... Params, typename... A>
@@ -162,15 +166,19 @@ class Agent {
     return rpcAsyncWith(CallOptions{}, worker, fn, std::forward<A>(args)...);
   }
   // The caller blocks for the answer, so its frame is written from this thread when the connection has
-  // nothing queued (transport::OutgoingFrame::fromSender).
+  // nothing queued (transport::OutgoingFrame::fromSender), and this thread may read the reply itself
+  // (AgentConfig::syncReadWindow, transport::Connection::readWhileWaiting).
   template <typename R, typename... Params, typename... A>
   R rpcSync(const std::string& worker, const Function<R(Params...)>& fn, A&&... args) {
-    return call(CallOptions{}, /*callerWaits=*/true, worker, fn, std::forward<A>(args)...).get();
+    return rpcSyncWith(CallOptions{}, worker, fn, std::forward<A>(args)...);
   }
   template <typename R, typename... Params, typename... A>
   R rpcSyncWith(const CallOptions& callOptions, const std::string& worker, const Function<R(Params...)>& fn,
                 A&&... args) {
-    return call(callOptions, /*callerWaits=*/true, worker, fn, std::forward<A>(args)...).get();
+    SyncWait wait;
+    Future<R> future = call(callOptions, &wait, worker, fn, std::forward<A>(args)...);
+    wait.read(syncReadWindow(), [&future] { return future.isReady(); });
+    return future.get();
   }
 
   // Graceful (default): meet every worker at a store barrier, serving and calling as usual meanwhile
@@ -220,13 +228,35 @@ class Agent {
   // The current estimate of `worker`'s clock relative to this agent's; nullopt before the first sample
   // (or for this agent itself / an unknown name).
   std::optional<ClockOffset> clockOffset(const std::string& worker) const;
+  // The calling thread is about to block until `ready()` holds, for an answer from `worker` that some call
+  // already asked for (an RRef's value, a remote module's output): it may read its connection to `worker`
+  // meanwhile, as rpcSync does (AgentConfig::syncReadWindow, transport::Connection::beginWaitingRead).
+  // Returns once ready() holds or the window passed, or at once where it cannot read (another thread reads
+  // that connection, a call to this agent itself, inproc or ucx); then block as usual.
+  void readWhileWaiting(const std::string& worker, const std::function<bool()>& ready);
+  // AgentConfig::syncReadWindow, changeable while the agent runs (benchmarks compare both ways in one run).
+  std::chrono::microseconds syncReadWindow() const {
+    return std::chrono::microseconds(syncReadWindowUs_.load(std::memory_order_relaxed));
+  }
+  void setSyncReadWindow(std::chrono::microseconds window) {
+    syncReadWindowUs_.store(window.count(), std::memory_order_relaxed);
+  }
   // This agent's worker slot in the trace recorder (rpc/trace.h).
   trace::WorkerSlot traceWorker() const { return traceSlot_; }
 
  private:
-  // rpcAsyncWith, and rpcSync(With) with callerWaits (the frame's fromSender hint).
+  // rpcSync(With)'s hold on the connection its call goes out on, when startCall made this thread its reader
+  // (transport::Connection::beginWaitingRead, before the send): read() reads until `ready` holds or the
+  // window passed, then lets go; so does the destructor if read() was never reached.
+  struct SyncWait {
+    std::shared_ptr<transport::Connection> connection;  // null: this thread does not read (the usual wait)
+    void read(std::chrono::microseconds window, const std::function<bool()>& ready);
+    ~SyncWait() { read(std::chrono::microseconds{0}, nullptr); }
+  };
+  // rpcAsyncWith (wait == nullptr), and rpcSync(With): the caller waits, so the frame carries the fromSender
+  // hint and `wait` gets the connection to read.
   template <typename R, typename... Params, typename... A>
-  Future<R> call(const CallOptions& callOptions, bool callerWaits, const std::string& worker,
+  Future<R> call(const CallOptions& callOptions, SyncWait* wait, const std::string& worker,
                  const Function<R(Params...)>& fn, A&&... args) {
     static_assert(sizeof...(Params) == sizeof...(A), "rpcAsync: wrong number of arguments");
     // Tracing (rpc/trace.h): the only cost when off is this load.
@@ -271,8 +301,8 @@ class Agent {
     if (!frame.ok()) {
       complete(Result<DecodedMessage>(frame.error()));
     } else {
-      frame.value().fromSender = callerWaits;
-      startCall(callOptions, worker, fields, std::move(frame).value(), std::move(complete), timing);
+      frame.value().fromSender = wait != nullptr;
+      startCall(callOptions, worker, fields, std::move(frame).value(), std::move(complete), timing, wait);
     }
     return future;
   }
@@ -338,8 +368,9 @@ class Agent {
   std::optional<Error> attachAutograd(DecodedMessage& message, const std::string& peer);
   std::chrono::milliseconds effectiveTimeout(const CallOptions& callOptions) const;
   void startUp();
+  // `wait` (rpcSync): gets the connection the call went out on.
   void startCall(const CallOptions& callOptions, const std::string& worker, const EnvelopeFields& fields,
-                 transport::OutgoingFrame frame, Completion complete, const CallTiming& timing);
+                 transport::OutgoingFrame frame, Completion complete, const CallTiming& timing, SyncWait* wait);
   // Removes and returns pending call `id`; with `fromPeer`, only if that call went to that peer (a reply
   // from anyone else is ignored).
   std::unique_ptr<Pending> takePending(uint64_t id, const std::string* fromPeer = nullptr);
@@ -407,6 +438,7 @@ class Agent {
 
   Options options_;
   AgentConfig config_;
+  std::atomic<int64_t> syncReadWindowUs_{0};  // syncReadWindow(); set from config_ by the constructor
   Registry registry_;
   std::string name_;
   std::unique_ptr<Executor> executor_;

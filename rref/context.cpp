@@ -370,6 +370,16 @@ void RRefContext::fetch(const std::string& owner, RRefId id, std::chrono::millis
   endUse();
 }
 
+void RRefContext::readWhileWaiting(const std::string& owner, const std::function<bool()>& ready) {
+  rpc::Agent* agent = beginUse();
+  if (agent == nullptr) return;
+  struct EndUse {
+    RRefContext* context;
+    ~EndUse() { context->endUse(); }
+  } endUse{this};
+  agent->readWhileWaiting(owner, ready);
+}
+
 // Note [Control messages]: fork requests, child accepts and user deletions are calls of idempotent
 // functions (a fork already known, a deleted fork or an accepted child is a no-op; deleted forks are
 // remembered as tombstones so a late duplicate fork request cannot resurrect one). A call that timed out or

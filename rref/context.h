@@ -266,6 +266,9 @@ class RRefContext : public rpc::AgentExtension,
   // The user fork `fork` was confirmed by its owner (or failed to be): sends a deferred deletion.
   void confirmUser(ForkId fork, bool ownerKnowsIt);
   rpc::Error ownerLost(const std::string& owner, const rpc::Error& cause) const;
+  // The calling thread blocks next until `ready()`, for an answer from `owner` already asked for: it may
+  // read its connection to `owner` meanwhile (rpc::Agent::readWhileWaiting).
+  void readWhileWaiting(const std::string& owner, const std::function<bool()>& ready);
   rpc::Agent::RawCompletion ownerReply(const std::string& owner,
                                        std::function<void(rpc::Result<rpc::DecodedMessage>&&)> done);
 

@@ -254,7 +254,7 @@ class RemoteModule {
   }
   template <typename... A>
   auto forward(A&&... args) const {
-    return forwardAsync(std::forward<A>(args)...).get();
+    return module_.waitForOwner(forwardAsync(std::forward<A>(args)...));
   }
   // M::forward at the owner, its result kept there as a new RRef (chain further remote calls on it without
   // a round trip each).

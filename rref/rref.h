@@ -105,7 +105,7 @@ class RRef {
   T toHere(std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) const
     requires CopyableToHere<T>
   {
-    return toHereAsync(timeout).get();
+    return waitForOwner(toHereAsync(timeout));
   }
   // Owner only: the value itself (shared, not copied) once resolved. Throws ValueError on a user, or
   // while the value is not resolved yet; RpcError when creating it failed.
@@ -116,7 +116,15 @@ class RRef {
   auto rpcAsync(M method, A&&... args) const;
   template <typename M, typename... A>
   auto rpcSync(M method, A&&... args) const {
-    return rpcAsync(method, std::forward<A>(args)...).get();
+    return waitForOwner(rpcAsync(method, std::forward<A>(args)...));
+  }
+  // future.get() for an answer from the owner; on a user, the thread reads its connection to the owner
+  // meanwhile (RRefContext::readWhileWaiting), as rpc::Agent::rpcSync does.
+  template <typename R>
+  R waitForOwner(rpc::Future<R>&& future) const {
+    const detail::RRefState& state = checked();
+    if (!state.isOwner) state.context->readWhileWaiting(state.owner, [&future] { return future.isReady(); });
+    return future.get();
   }
   // The method's result as a new RRef owned by the same owner (Note [Promise pipelining]).
   template <typename M, typename... A>

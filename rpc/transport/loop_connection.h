@@ -18,6 +18,7 @@
 // and protected members included, is loop-thread only.
 #pragma once
 
+#include <atomic>
 #include <cstdio>
 #include <functional>
 #include <limits>
@@ -67,6 +68,9 @@ class LoopConnection : public Connection, public std::enable_shared_from_this<De
   virtual void sendFromLoop(OutgoingFrame frame, SendCallback done) = 0;
   // start() on a connection that is not closing: start delivering what arrives.
   virtual void beginReadingFromLoop() = 0;
+  // True once the frame being received must be dropped: the connection is closing (tcp: or its reader
+  // failed, Note [Waiting reader]).
+  virtual bool readingStopped() const { return closing_; }
 
   // True (and `done` failed later on the loop, never inline) when the frame cannot be sent: the connection
   // is `closed`, or the envelope or payload count does not fit the wire's 32-bit fields.
@@ -96,7 +100,8 @@ class LoopConnection : public Connection, public std::enable_shared_from_this<De
   std::shared_ptr<Derived> self_;  // the connection keeps itself alive while open (set by the transport)
   // Loop-thread state.
   bool started_ = false;
-  bool closing_ = false;
+  // Written on the loop thread only; atomic because a thread reading in readWhileWaiting (tcp) checks it.
+  std::atomic<bool> closing_{false};
   bool closed_ = false;
   std::optional<Error> closeError_;
   PayloadAllocator allocate_;
@@ -270,7 +275,7 @@ bool LoopConnection<Derived, Loop>::allocatePayloadsFromLoop() {
     failFromLoop("the payload allocator threw a non-standard exception");
     return false;
   }
-  if (closing_) return false;  // the allocator closed the connection
+  if (readingStopped()) return false;  // the allocator closed the connection
   if (!result->ok()) {
     Error error = result->error();
     std::fprintf(stderr, "distgrad %s: closing connection to %s: payload allocation refused: %s\n", transport_,

@@ -10,10 +10,12 @@
 // skips even that and hands over the sender's buffers (reference semantics).
 //
 // Threads: each Context owns one loop thread; every callback (accept, connect, send completion, frame,
-// close) runs on it, exactly once where stated. Methods may be called from any thread (they post to the
+// close) runs on it, exactly once where stated, except the frames a waiting thread reads itself
+// (Connection::beginWaitingRead). Methods may be called from any thread (they post to the
 // loop). Callbacks must not block.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -79,8 +81,9 @@ struct IncomingFrame {
   std::vector<PayloadBuffer> payloads;
 };
 
-// Called on the loop thread once a frame's envelope and payload sizes are in; returns one buffer per
-// payload with exactly that size, or an Error (the connection is then closed with it).
+// Called on the loop thread (or a waiting reader: Connection::beginWaitingRead) once a frame's envelope and
+// payload sizes are in; returns one buffer per payload with exactly that size, or an Error (the connection
+// is then closed with it).
 using PayloadAllocator =
     std::function<Result<std::vector<PayloadBuffer>>(std::span<const uint8_t> envelope, std::span<const uint64_t> sizes)>;
 using SendCallback = std::function<void(const Result<void>&)>;
@@ -99,6 +102,21 @@ class Connection {
   // Closes the connection; pending sends fail with `disconnected`. Idempotent.
   virtual void close() = 0;
   virtual std::string peerAddress() const = 0;
+  // Note [Waiting reader] (tcp, rpc/transport/tcp/connection.cpp): a thread about to send a frame and then
+  // block for its answer may read this connection itself meanwhile, so that the answer needs no wake-up of
+  // the loop thread and then of this one. beginWaitingRead, before the send: true when this thread is now
+  // the connection's reader (the loop no longer reads it); the thread must then call endWaitingRead, after
+  // at most one readWhileWaiting. readWhileWaiting reads until `done()` holds, `window` passed or the
+  // connection closes; frames read are handed to onFrame (and the PayloadAllocator runs) on this thread, in
+  // order with the loop's, never concurrently with them. False (the default: inproc, ucx) when the
+  // transport does not do this, the connection is not reading yet or is closing, another thread reads it,
+  // or this is the loop thread or a thread that reads another connection already.
+  virtual bool beginWaitingRead() { return false; }
+  virtual void readWhileWaiting(const std::function<bool()>& done, std::chrono::microseconds window) {
+    (void)done;
+    (void)window;
+  }
+  virtual void endWaitingRead() {}
 };
 
 class Listener {

@@ -117,6 +117,47 @@ TEST_P(AgentTest, ThousandsOfConcurrentCalls) {
   EXPECT_EQ(agent(0).pendingCalls(), 0u);
 }
 
+// Note [Waiting reader] (tcp): a thread blocked in rpcSync reads its connection itself, and so hands on
+// whatever else arrives there: other threads' replies, calls coming the other way, replies to asynchronous
+// calls. Every call gets its own answer, whoever reads it; a handler slower than the window is awaited as
+// usual; with the window at 0 the loop reads as before.
+TEST_P(AgentTest, SyncCallersReadingTheirRepliesServeAllOtherTrafficToo) {
+  const Function<int64_t(int64_t)> slow{"slow"};
+  ClusterSpec spec;
+  spec.executorThreads = 4;
+  start(spec, [&](Registry& reg) {
+    reg.bind(slow, [](int64_t ms) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+      return ms;
+    });
+  });
+  constexpr int kThreads = 4;
+  constexpr int kCallsPerThread = 300;
+  std::vector<std::thread> threads;
+  std::atomic<int> wrong{0};
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      // Half the threads call from worker1 to worker0, so calls also arrive where replies are awaited.
+      Agent& from = agent(t % 2);
+      const std::string to = t % 2 ? "worker0" : "worker1";
+      for (int64_t i = 0; i < kCallsPerThread; ++i) {
+        if (from.rpcSync(to, kAddInt, i, int64_t{t}) != i + t) wrong.fetch_add(1);
+      }
+    });
+  }
+  std::vector<Future<int64_t>> futures;
+  for (int64_t i = 0; i < 1000; ++i) futures.push_back(agent(0).rpcAsync("worker1", kAddInt, i, i));
+  for (auto& thread : threads) thread.join();
+  for (int64_t i = 0; i < 1000; ++i) EXPECT_EQ(futures[i].get(), 2 * i);
+  EXPECT_EQ(wrong.load(), 0);
+  agent(0).setSyncReadWindow(std::chrono::milliseconds(1));
+  EXPECT_EQ(agent(0).rpcSync("worker1", slow, 30), 30);  // answered after the window: the loop reads it
+  agent(0).setSyncReadWindow(std::chrono::microseconds(0));
+  EXPECT_EQ(agent(0).rpcSync("worker1", kAddInt, 40, 2), 42);
+  EXPECT_EQ(agent(0).pendingCalls(), 0u);
+  EXPECT_EQ(agent(1).pendingCalls(), 0u);
+}
+
 TEST_P(AgentTest, UnknownFunctionAndSignatureMismatchAreUnimplemented) {
   start();
   Error missing = errorOf([&] { agent(0).rpcSync("worker1", kMissing); });

@@ -1,11 +1,15 @@
 #include "rpc/transport/tcp/connection.h"
 
+#include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <bit>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <utility>
 
 namespace distgrad::rpc::transport::tcp {
 
@@ -32,7 +36,9 @@ TcpConnection::TcpConnection(std::shared_ptr<TcpLoop> loop, std::string peerAddr
   handle_.data = this;
 }
 
-TcpConnection::~TcpConnection() = default;
+TcpConnection::~TcpConnection() {
+  if (kickFd_ >= 0) ::close(kickFd_);
+}
 
 void TcpConnection::initFromLoop() {
   uv_tcp_init(loop_->uvLoop(), &handle_);
@@ -328,9 +334,61 @@ void TcpConnection::onWrite(uv_write_t* req, int status) {
   if (status != UV_ECANCELED) self.closeFromLoop(error);
 }
 
+// Note [Waiting reader]: a caller blocked in rpcSync used to be woken by the loop thread, which had been
+// woken by its socket: on a busy (or the one) core that is a context switch more than a raw socket
+// ping-pong's, and across idle cores a wake-up of a sleeping CPU more (bench_rpc's no-op rpcSync; ARCHITECTURE
+// §3's thread rules, docs/thread_model.md "Latency"). So a thread about to block for a reply may read its
+// connection itself for a while (Connection::beginWaitingRead, used by Agent::rpcSync):
+//  - The loop does not read sockets through uv_read_start but through its read set (TcpLoop::watchReads), an
+//    epoll set of its own, level-triggered, watched by one uv_poll_t. The waiting thread takes its socket out
+//    of that set (epoll_ctl is thread-safe; no libuv call is made off the loop thread), so the reply wakes
+//    only the waiting thread, blocked in ppoll on the socket. It does so before it sends its call: on one
+//    core the callee's answer can come back before the sender runs again.
+//  - Whoever reads holds readerMutex_: the loop try-locks it per readable socket and skips one a waiting
+//    thread holds; a waiting thread try-locks it and, when the loop or another waiter reads, just waits as
+//    usual. So frames are read and handed to onFrame in order, one reader at a time, whichever thread.
+//  - The waiter reads everything that arrives (replies of other calls, calls, heartbeats), until its own
+//    reply is in (`done`), the window passed, or the connection closes; then it puts the socket back into the
+//    read set, where anything still unread wakes the loop at once (level-triggered).
+//  - Closing stays the loop's: a failure the reader meets (end of stream, read error, malformed frame, a
+//    throwing handler) is recorded (failReading, also what closeFromLoop does when called inside the read
+//    path, tReading) and handed to closeFromLoop once the reader let go. closeFromLoop marks the connection
+//    closing, wakes a waiting reader through kickFd_ and takes readerMutex_ before it closes the socket, so
+//    no thread polls or reads an fd that was closed (and maybe reused). The loop blocks there only while a
+//    waiter finishes the frame it is handing over: a reader never waits for the loop (frame handlers post).
+//  - What a frame handler sees: it may run on the waiting thread. The agent's handlers are thread-agnostic
+//    (calls read there are posted to the executor, and an inline handler's call too: Note [Inline handlers]
+//    runs inline on the loop thread only).
+// A thread that already reads some connection (a handler's continuation calling rpcSync) does not read
+// another (tReading). inproc and ucx do not do this (the default readWhileWaiting returns at once).
+namespace {
+thread_local const TcpConnection* tReading = nullptr;  // the connection this thread reads, if any
+
+struct ReadingScope {
+  explicit ReadingScope(const TcpConnection* connection) : previous(tReading) { tReading = connection; }
+  ~ReadingScope() { tReading = previous; }
+  const TcpConnection* previous;
+};
+}  // namespace
+
 void TcpConnection::beginReadingFromLoop() {
-  int rc = uv_read_start(reinterpret_cast<uv_stream_t*>(&handle_), &TcpConnection::onAlloc, &TcpConnection::onRead);
-  if (rc < 0) closeFromLoop(Error::disconnected("tcp read from " + peerAddress_ + " failed: " + uvError(rc)));
+  uv_os_fd_t fd = -1;
+  int rc = uv_fileno(reinterpret_cast<uv_handle_t*>(&handle_), &fd);
+  if (rc < 0) {
+    closeFromLoop(Error::disconnected("tcp read from " + peerAddress_ + " failed: " + uvError(rc)));
+    return;
+  }
+  kickFd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (kickFd_ < 0) {
+    closeFromLoop(Error::failed("tcp connection to " + peerAddress_ + ": eventfd failed: " + std::strerror(errno)));
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(readerMutex_);
+    readFd_ = fd;
+  }
+  loop_->watchReads(this, fd);
+  readable_.store(true, std::memory_order_release);
 }
 
 void TcpConnection::beginStage(Stage stage, void* target, size_t bytes) {
@@ -339,54 +397,105 @@ void TcpConnection::beginStage(Stage stage, void* target, size_t bytes) {
   remaining_ = bytes;
 }
 
-void TcpConnection::onAlloc(uv_handle_t* handle, size_t /*suggested*/, uv_buf_t* buf) {
-  auto* self = static_cast<TcpConnection*>(handle->data);
-  if (self->target_ != nullptr && self->remaining_ >= kDirectReadBytes) {
-    // Large region (payload or big envelope): read straight into its destination.
-    *buf = uv_buf_init(reinterpret_cast<char*>(self->target_), 0);
-    buf->len = std::min<size_t>(self->remaining_, size_t{1} << 30);
-    return;
-  }
-  *buf = uv_buf_init(reinterpret_cast<char*>(self->scratch_.data()), static_cast<unsigned int>(self->scratch_.size()));
+void TcpConnection::failReading(const Error& error) {
+  if (readFailed_) return;
+  readFailed_ = true;
+  readError_ = error;
 }
 
-void TcpConnection::onRead(uv_stream_t* stream, ssize_t nread, const uv_buf_t* buf) {
-  auto* self = static_cast<TcpConnection*>(stream->data);
-  auto keepAlive = self->shared_from_this();
+void TcpConnection::readReadyFromLoop() {
+  std::unique_lock<std::mutex> lock(readerMutex_, std::try_to_lock);
+  if (!lock.owns_lock() || readingStopped()) return;  // a waiting thread reads it (or it is closing)
+  auto keepAlive = shared_from_this();
+  {
+    ReadingScope reading(this);
+    readSocket(32);
+  }
+  std::optional<Error> failure = std::exchange(readError_, std::nullopt);
+  lock.unlock();
+  if (failure) closeFromLoop(*failure);
+}
+
+bool TcpConnection::beginWaitingRead() {
+  if (tReading != nullptr || loop_->inLoop() || !readable_.load(std::memory_order_acquire)) return false;
+  if (!readerMutex_.try_lock()) return false;
+  if (readingStopped()) {
+    readerMutex_.unlock();
+    return false;
+  }
+  loop_->unwatchReads(readFd_);  // the loop is no longer woken by this socket
+  tReading = this;
+  return true;
+}
+
+void TcpConnection::readWhileWaiting(const std::function<bool()>& done, std::chrono::microseconds window) {
+  DG_ASSERT(tReading == this, "TcpConnection::readWhileWaiting without beginWaitingRead");
+  const auto deadline = std::chrono::steady_clock::now() + window;
+  while (!readingStopped() && !done()) {
+    const auto left = deadline - std::chrono::steady_clock::now();
+    if (left <= std::chrono::steady_clock::duration::zero()) break;
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
+    const timespec timeout{static_cast<time_t>(ns / 1'000'000'000), static_cast<long>(ns % 1'000'000'000)};
+    pollfd fds[2] = {{readFd_, POLLIN, 0}, {kickFd_, POLLIN, 0}};
+    const int ready = ::ppoll(fds, 2, &timeout, nullptr);
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready <= 0) break;           // the window passed (or ppoll failed: wait as usual)
+    if (fds[1].revents != 0) break;  // closeFromLoop waits for this thread to let go
+    readSocket(32);
+  }
+}
+
+void TcpConnection::endWaitingRead() {
+  DG_ASSERT(tReading == this, "TcpConnection::endWaitingRead without beginWaitingRead");
+  tReading = nullptr;
+  // Level-triggered: bytes that came in since the last read wake the loop at once.
+  if (!readingStopped()) loop_->watchReads(this, readFd_);
+  std::optional<Error> failure = std::exchange(readError_, std::nullopt);
+  readerMutex_.unlock();
+  if (failure) {
+    auto self = shared_from_this();
+    // Refused only once the context is closing, which closes this connection anyway.
+    (void)loop_->post([self, error = std::move(*failure)] { self->closeFromLoop(error); });
+  }
+}
+
+void TcpConnection::readSocket(int reads) {
   try {
-    self->readFromLoop(nread, buf);
+    for (int i = 0; i < reads && !readingStopped(); ++i) {
+      // A large region (payload or big envelope) is read straight into its destination.
+      const bool direct = target_ != nullptr && remaining_ >= kDirectReadBytes;
+      uint8_t* into = direct ? target_ : scratch_.data();
+      const size_t capacity = direct ? std::min<size_t>(remaining_, size_t{1} << 30) : scratch_.size();
+      const ssize_t n = ::recv(readFd_, into, capacity, MSG_DONTWAIT);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+        failReading(Error::disconnected("tcp read from " + peerAddress_ + " failed: " + std::strerror(errno)));
+        return;
+      }
+      if (n == 0) {
+        std::string message = "tcp peer " + peerAddress_ + " closed the connection";
+        if (!(stage_ == Stage::kPrefix && remaining_ == sizeof(FramePrefix))) {
+          message += " in the middle of a frame";
+          std::fprintf(stderr, "distgrad tcp: %s\n", message.c_str());
+        }
+        failReading(Error::disconnected(message));
+        return;
+      }
+      const auto got = static_cast<size_t>(n);
+      if (direct) {
+        target_ += got;
+        remaining_ -= got;
+        consumeFromLoop(nullptr, 0);
+      } else {
+        consumeFromLoop(scratch_.data(), got);
+      }
+      if (got < capacity) return;  // a short read: the socket has nothing more now
+    }
   } catch (...) {
     // Callbacks are guarded where they run; this catches the rest (e.g. std::bad_alloc for an envelope).
-    std::string message =
-        reportCallbackException("reading from the tcp connection to " + self->peerAddress_, "closing the connection");
-    self->closeFromLoop(Error::failed(message));
-  }
-}
-
-void TcpConnection::readFromLoop(ssize_t nread, const uv_buf_t* buf) {
-  if (nread < 0) {
-    bool midFrame = !(stage_ == Stage::kPrefix && remaining_ == sizeof(FramePrefix));
-    if (nread == UV_EOF) {
-      std::string message = "tcp peer " + peerAddress_ + " closed the connection";
-      if (midFrame) {
-        message += " in the middle of a frame";
-        std::fprintf(stderr, "distgrad tcp: %s\n", message.c_str());
-      }
-      closeFromLoop(Error::disconnected(message));
-    } else {
-      closeFromLoop(Error::disconnected("tcp read from " + peerAddress_ + " failed: " +
-                                        uvError(static_cast<int>(nread))));
-    }
-    return;
-  }
-  if (nread == 0 || closing_) return;
-  auto n = static_cast<size_t>(nread);
-  if (buf->base == reinterpret_cast<char*>(scratch_.data())) {
-    consumeFromLoop(scratch_.data(), n);
-  } else {
-    target_ += n;
-    remaining_ -= n;
-    consumeFromLoop(nullptr, 0);
+    failReading(Error::failed(
+        reportCallbackException("reading from the tcp connection to " + peerAddress_, "closing the connection")));
   }
 }
 
@@ -458,6 +567,13 @@ void TcpConnection::deliverFromLoop() {
 }
 
 void TcpConnection::closeFromLoop(const Error& error) {
+  if (tReading == this) {
+    // Inside the read path (a malformed frame, a handler closing its own connection): the reader stops
+    // and hands the error back to closeFromLoop once it let go (Note [Waiting reader]).
+    failReading(error);
+    return;
+  }
+  DG_ASSERT(loop_->inLoop(), "TcpConnection::closeFromLoop off the loop thread");
   if (closing_ || !initialized_) return;
   closing_ = true;
   closeError_ = error;
@@ -465,7 +581,16 @@ void TcpConnection::closeFromLoop(const Error& error) {
     std::lock_guard<std::mutex> lock(writeMutex_);  // Note [Sender writes]: no sender writes from here on
     fd_ = -1;
   }
-  if (started_) uv_read_stop(reinterpret_cast<uv_stream_t*>(&handle_));
+  if (readable_.load(std::memory_order_acquire)) {
+    // Note [Waiting reader]: wake a thread reading the socket and wait until it let go, so that nobody
+    // polls or reads the fd once uv_close closed it.
+    const uint64_t one = 1;
+    while (::write(kickFd_, &one, sizeof(one)) < 0 && errno == EINTR) {
+    }
+    std::lock_guard<std::mutex> lock(readerMutex_);
+    loop_->unwatchReads(readFd_);
+    readFd_ = -1;
+  }
   // In-flight writes complete with UV_ECANCELED before the close callback runs.
   uv_close(reinterpret_cast<uv_handle_t*>(&handle_), &TcpConnection::onClose);
 }

@@ -6,7 +6,9 @@
 // socket did not take (Note [Direct writes] in connection.cpp). The SendBuffers' owners are held until the
 // write completes. A frame marked fromSender is written by the sending thread itself when nothing of this
 // connection is waiting to be written (Note [Sender writes]).
-// Receiving: a state machine (prefix -> size table -> envelope -> PayloadAllocator -> payloads -> padding).
+// Receiving: the loop reads a socket when its read set says it is readable, or a thread waiting for a reply
+// reads it itself (beginWaitingRead, Note [Waiting reader]); whichever reads holds readerMutex_.
+// A state machine (prefix -> size table -> envelope -> PayloadAllocator -> payloads -> padding).
 // Small pieces are read through a scratch buffer; a region of kDirectReadBytes or more is read straight into
 // its destination (the allocator's buffer). Every size is checked (validatePrefix, the size table against
 // the prefix and the limits, the allocator's buffers against the table) before it is used; a violation
@@ -14,13 +16,16 @@
 // Callbacks, state, posting to the loop and close reporting: LoopConnection (rpc/transport/loop_connection.h).
 // Lifetime: the connection keeps itself alive while its handle is open, so dropping the last user
 // reference does not close it; call close().
-// Thread-safety: public methods may be called from any thread; everything else runs on the loop thread.
+// Thread-safety: public methods may be called from any thread; everything else runs on the loop thread,
+// except the read state machine, which runs under readerMutex_ on the thread that reads.
 #pragma once
 
 #include <sys/uio.h>
 
 #include <atomic>
+#include <chrono>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -42,6 +47,10 @@ class TcpConnection final : public LoopConnection<TcpConnection, TcpLoop> {
 
   // Any thread: writes a fromSender frame here when nothing is queued ahead of it (Note [Sender writes]).
   void send(OutgoingFrame frame, SendCallback done) override;
+  // Any thread but the loop's: Note [Waiting reader].
+  bool beginWaitingRead() override;
+  void readWhileWaiting(const std::function<bool()>& done, std::chrono::microseconds window) override;
+  void endWaitingRead() override;
 
   // Loop thread only.
   void initFromLoop();  // uv_tcp_init, registration with the loop, self reference
@@ -50,6 +59,8 @@ class TcpConnection final : public LoopConnection<TcpConnection, TcpLoop> {
   void connectedFromLoop();  // TCP_NODELAY
   void closeFromLoop(const Error& error) override;
   void flushFromLoop();
+  // The loop's read set says the socket is readable: read it, unless a waiting thread does.
+  void readReadyFromLoop();
 
  private:
   enum class Stage { kPrefix, kSizes, kEnvelope, kEnvelopePadding, kPayload, kPayloadPadding };
@@ -69,19 +80,23 @@ class TcpConnection final : public LoopConnection<TcpConnection, TcpLoop> {
   // Note [Sender writes]: true when the frame was taken (written whole, or its rest left in partial_).
   bool writeFromSender(OutgoingFrame& frame, SendCallback& done);
   void requestFlushFromLoop();
-  void beginReadingFromLoop() override;  // uv_read_start
+  void beginReadingFromLoop() override;  // joins the loop's read set
+  bool readingStopped() const override { return closing_ || readFailed_; }
   void writeFromLoop(std::vector<QueuedFrame> frames);
   void beginStage(Stage stage, void* target, size_t bytes);
+  // The reader's part (under readerMutex_, on the loop or a waiting thread; the ...FromLoop names of the
+  // state machine are kept from when only the loop read). At most `reads` recv calls; stops at a short read.
+  void readSocket(int reads);
   // Consumes bytes read into the scratch buffer; completes stages whose region is full.
   void consumeFromLoop(const uint8_t* data, size_t size);
   // Moves on from a completed stage. False when the connection closed meanwhile.
   bool completeStageFromLoop();
   void deliverFromLoop();
+  // A failure met while reading (end of stream, a read error, a malformed frame, a handler that threw):
+  // the reader stops and, once it let go of the socket, the connection is closed with the first such error.
+  void failReading(const Error& error);
   void closedFromLoop();  // the handle's close callback
-  void readFromLoop(ssize_t nread, const uv_buf_t* buf);  // onRead's body (onRead catches around it)
 
-  static void onAlloc(uv_handle_t* handle, size_t suggested, uv_buf_t* buf);
-  static void onRead(uv_stream_t* stream, ssize_t nread, const uv_buf_t* buf);
   static void onWrite(uv_write_t* req, int status);
   static void onClose(uv_handle_t* handle);
 
@@ -104,6 +119,14 @@ class TcpConnection final : public LoopConnection<TcpConnection, TcpLoop> {
   std::vector<uint8_t> senderBytes_;    // GUARDED_BY(writeMutex_): writeFromSender's storage
   std::vector<WritePiece> senderPieces_;
   std::vector<iovec> senderIov_;
+  // Note [Waiting reader]. readerMutex_ is held by whichever thread reads the socket; the read state
+  // below and readFd_ are guarded by it.
+  std::mutex readerMutex_;
+  std::atomic<bool> readable_{false};  // reading began: readFd_ and kickFd_ are set
+  int readFd_ = -1;   // the socket (the handle's fd), for reading
+  int kickFd_ = -1;   // eventfd: closeFromLoop wakes a waiting reader through it
+  bool readFailed_ = false;
+  std::optional<Error> readError_;  // failReading's error, until the reader hands it to closeFromLoop
   // Read state machine.
   std::vector<uint8_t> scratch_;
   Stage stage_ = Stage::kPrefix;

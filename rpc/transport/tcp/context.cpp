@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -26,27 +27,18 @@ TcpLoop::TcpLoop(const ContextOptions& options) : options_(options) {
   DG_CHECK(rc == 0, "tcp transport: uv_loop_init failed: ", uvError(rc));
   wakeFd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   DG_CHECK(wakeFd_ >= 0, "tcp transport: eventfd failed: ", std::strerror(errno));
-  wakePoll_.data = this;
-  prepare_.data = this;
-  check_.data = this;
-  rc = uv_poll_init(&loop_, &wakePoll_, wakeFd_);
-  DG_CHECK(rc == 0, "tcp transport: uv_poll_init failed: ", uvError(rc));
-  uv_poll_start(&wakePoll_, UV_READABLE,
-                [](uv_poll_t* h, int, int) { static_cast<TcpLoop*>(h->data)->onWakeFromLoop(); });
-  uv_prepare_init(&loop_, &prepare_);
-  uv_prepare_start(&prepare_, [](uv_prepare_t* h) {
-    auto* self = static_cast<TcpLoop*>(h->data);
-    // Tasks posted from the loop itself (or while it was busy) run now instead of after a wake-up.
-    self->inPrepare_ = true;
-    self->runTasks();
-    self->flushDirtyFromLoop();
-    self->inPrepare_ = false;
-  });
-  uv_check_init(&loop_, &check_);
-  uv_check_start(&check_, [](uv_check_t* h) { static_cast<TcpLoop*>(h->data)->flushDirtyFromLoop(); });
-  // Only the wake-up handle (and real I/O) keep the loop alive.
-  uv_unref(reinterpret_cast<uv_handle_t*>(&prepare_));
-  uv_unref(reinterpret_cast<uv_handle_t*>(&check_));
+  // Note [Waiting reader] in connection.cpp: the loop thread blocks on its own epoll set, which holds the
+  // connections' sockets (data.ptr: the connection), the wake-up eventfd (&wakeFd_) and libuv's backend fd
+  // (null).
+  readSetFd_ = ::epoll_create1(EPOLL_CLOEXEC);
+  DG_CHECK(readSetFd_ >= 0, "tcp transport: epoll_create1 failed: ", std::strerror(errno));
+  for (auto [fd, tag] : {std::pair<int, void*>{uv_backend_fd(&loop_), nullptr}, {wakeFd_, &wakeFd_}}) {
+    epoll_event event{};
+    event.events = EPOLLIN;
+    event.data.ptr = tag;
+    rc = ::epoll_ctl(readSetFd_, EPOLL_CTL_ADD, fd, &event);
+    DG_CHECK(rc == 0, "tcp transport: epoll_ctl(ADD) failed: ", std::strerror(errno));
+  }
   std::promise<void> started;
   auto ready = started.get_future();
   thread_ = std::thread([this, &started] {
@@ -70,6 +62,7 @@ TcpLoop::~TcpLoop() {
   int rc = uv_loop_close(&loop_);
   if (rc != 0) std::fprintf(stderr, "distgrad tcp: uv_loop_close: %s\n", uvError(rc).c_str());
   ::close(wakeFd_);
+  ::close(readSetFd_);
 }
 
 bool TcpLoop::post(std::function<void()> fn) {
@@ -78,16 +71,15 @@ bool TcpLoop::post(std::function<void()> fn) {
     std::lock_guard lock(mutex_);
     if (stopping_ && !inLoop()) return false;
     // A non-empty queue means a wake-up is already on its way (or the loop runs the queue before it next
-    // blocks). So does a task the loop posts to itself outside its prepare phase: the prepare callback
-    // runs it before the loop next blocks in poll (Note [Batched hand-offs] in rpc/agent.cpp defers a
-    // task per read this way; a wake-up would cost an eventfd write, a poll and a read).
-    wakeLoop = tasks_.empty() && wakeOpen_ && !(inLoop() && !inPrepare_);
+    // blocks). So does a task the loop posts to itself: run() runs the queue before it blocks (Note
+    // [Batched hand-offs] in rpc/agent.cpp defers a task per read this way; a wake-up would cost an
+    // eventfd write, a poll and a read).
+    wakeLoop = tasks_.empty() && !inLoop();
     tasks_.push_back(std::move(fn));
   }
   // Written after unlocking: on a busy core the write wakes the loop thread, which may preempt us at once
   // and would then block on the mutex we held (two more context switches). The eventfd stays open until
-  // the destructor, and our caller holds the loop alive; a write that lands after the wake-up handle
-  // closed only leaves the counter set.
+  // the destructor, and our caller holds the loop alive.
   if (wakeLoop) wake();
   return true;
 }
@@ -97,13 +89,6 @@ void TcpLoop::wake() {
   // EAGAIN (counter saturated) still leaves the fd readable: the wake-up is not lost.
   while (::write(wakeFd_, &one, sizeof(one)) < 0 && errno == EINTR) {
   }
-}
-
-void TcpLoop::onWakeFromLoop() {
-  uint64_t count = 0;
-  while (::read(wakeFd_, &count, sizeof(count)) < 0 && errno == EINTR) {
-  }
-  runTasks();
 }
 
 void TcpLoop::runTasks() {
@@ -138,17 +123,56 @@ void TcpLoop::runTasks() {
 }
 
 void TcpLoop::run() {
-  uv_run(&loop_, UV_RUN_DEFAULT);
-  // After the handles closed, run what the close callbacks posted (send completions, onClosed followers).
+  // Note [Waiting reader] (connection.cpp): libuv is embedded (uv_backend_fd, uv_backend_timeout,
+  // UV_RUN_NOWAIT) rather than run, so that this thread blocks on the read set, where readable sockets are
+  // reported directly and a waiting reader can take its socket out. libuv runs its phases when its backend
+  // fd is readable (listeners, connects, writes waiting for room) or it has work due (timers, close
+  // callbacks, write completions: a timeout of 0); a wake-up by sockets or posted tasks costs no libuv poll.
+  epoll_event events[64];
   for (;;) {
+    // What was posted or queued since the last pass goes out before the loop blocks.
+    runTasks();
+    flushDirtyFromLoop();
     bool empty;
     {
       std::lock_guard lock(mutex_);
       empty = tasks_.empty();
     }
-    if (empty && !uv_loop_alive(&loop_)) break;
-    runTasks();
-    uv_run(&loop_, UV_RUN_NOWAIT);
+    const bool alive = uv_loop_alive(&loop_);
+    // After closeAllFromLoop: once every handle closed and what their callbacks posted ran.
+    if (closing_ && empty && !alive) break;
+    const int timeout = !empty ? 0 : alive ? uv_backend_timeout(&loop_) : -1;
+    const int count = ::epoll_wait(readSetFd_, events, 64, timeout);
+    if (count < 0) {
+      DG_CHECK(errno == EINTR, "tcp transport: epoll_wait failed: ", std::strerror(errno));
+      continue;
+    }
+    bool runLibuv = alive && (timeout == 0 || count == 0);  // work due, or a libuv timer expired
+    for (int i = 0; i < count; ++i) {
+      void* tag = events[i].data.ptr;
+      if (tag == nullptr) {
+        runLibuv = true;
+        continue;
+      }
+      if (tag == &wakeFd_) {
+        uint64_t posted = 0;
+        while (::read(wakeFd_, &posted, sizeof(posted)) < 0 && errno == EINTR) {
+        }
+        continue;  // the tasks run at the top of the next pass
+      }
+      auto* connection = static_cast<TcpConnection*>(tag);
+      // A connection closed by an earlier one's frame handler left the set (closeFromLoop); its object lives
+      // until its handle's close callback, which runs inside uv_run. Checked anyway: cheap, and safe.
+      if (connections_.count(connection) != 0) connection->readReadyFromLoop();
+    }
+    // What the frames just read queued (replies of inline handlers, a refusal's last words) is written now,
+    // before any task posted meanwhile runs: a task that closes the connection (an agent giving up on its
+    // start) must not drop those frames.
+    flushDirtyFromLoop();
+    if (runLibuv) {
+      uv_run(&loop_, UV_RUN_NOWAIT);
+      flushDirtyFromLoop();  // the same for what libuv's callbacks (accepts, connects, completions) queued
+    }
   }
 }
 
@@ -177,14 +201,22 @@ void TcpLoop::closeAllFromLoop() {
   std::vector<TcpConnection*> connections(connections_.begin(), connections_.end());
   for (auto* connection : connections) connection->closeFromLoop(Error::disconnected("tcp context closed"));
   dirty_.clear();
-  {
-    std::lock_guard lock(mutex_);
-    wakeOpen_ = false;
-    uv_close(reinterpret_cast<uv_handle_t*>(&wakePoll_), nullptr);
-  }
-  uv_close(reinterpret_cast<uv_handle_t*>(&prepare_), nullptr);
-  uv_close(reinterpret_cast<uv_handle_t*>(&check_), nullptr);
 }
+
+void TcpLoop::watchReads(TcpConnection* connection, int fd) {
+  epoll_event event{};
+  event.events = EPOLLIN;
+  event.data.ptr = connection;
+  // Fails only for an fd that is not open (a bug: a connection watches its socket only while it is open).
+  int rc = ::epoll_ctl(readSetFd_, EPOLL_CTL_ADD, fd, &event);
+  DG_CHECK(rc == 0 || errno == EEXIST, "tcp transport: epoll_ctl(ADD) of a socket failed: ", std::strerror(errno));
+}
+
+void TcpLoop::unwatchReads(int fd) {
+  // ENOENT: not in the set (a waiting reader took it out).
+  (void)::epoll_ctl(readSetFd_, EPOLL_CTL_DEL, fd, nullptr);
+}
+
 
 void TcpLoop::markDirtyFromLoop(std::shared_ptr<TcpConnection> connection) {
   dirty_.push_back(std::move(connection));

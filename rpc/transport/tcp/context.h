@@ -65,12 +65,18 @@ class TcpLoop {
   void removeFromLoop(TcpListenerImpl* listener) { listeners_.erase(listener); }
   // Asks for flushFromLoop() on `connection` before the loop next blocks (write coalescing).
   void markDirtyFromLoop(std::shared_ptr<TcpConnection> connection);
+  // Note [Waiting reader] (connection.cpp): the loop learns that a socket is readable from its read set, an
+  // epoll set of its own on which it blocks (libuv's backend fd is in it too), not from uv_read_start: a
+  // thread that waits for a reply can then take its socket out of the set while it reads the socket
+  // itself, which no libuv call may do off the loop thread. Any thread (epoll_ctl is thread-safe);
+  // level-triggered.
+  void watchReads(TcpConnection* connection, int fd);
+  void unwatchReads(int fd);
 
  private:
   void run();
   void runTasks();
   void wake();
-  void onWakeFromLoop();
   void closeAllFromLoop();
   void flushDirtyFromLoop();
 
@@ -78,21 +84,17 @@ class TcpLoop {
   uv_loop_t loop_{};
   // Not uv_async_t: its uv_async_send/uv__async_spin handshake made the loop thread spin (about 6% of a
   // no-op RPC's CPU on a loaded 2-core box) whenever a poster was preempted inside the send.
-  int wakeFd_ = -1;         // eventfd
-  uv_poll_t wakePoll_{};
-  uv_prepare_t prepare_{};  // runs queued tasks and flushes before the loop blocks in poll
-  uv_check_t check_{};      // flushes right after the I/O callbacks of an iteration
+  int wakeFd_ = -1;     // eventfd, in the read set
+  int readSetFd_ = -1;  // what the loop blocks on (Note [Waiting reader]): sockets, wakeFd_, libuv's backend fd
   std::mutex mutex_;
   std::vector<std::function<void()>> tasks_;  // GUARDED_BY(mutex_)
   std::vector<std::function<void()>> spareTasks_;  // loop: runTasks' batch storage, kept between batches
   bool stopping_ = false;                    // GUARDED_BY(mutex_)
-  bool wakeOpen_ = true;                     // GUARDED_BY(mutex_): wakeFd_ may be written
   std::mutex joinMutex_;  // concurrent close() calls join the thread once
   std::thread thread_;
   std::thread::id threadId_;
   // Loop-thread state.
-  bool inPrepare_ = false;  // the prepare callback runs (tasks posted now need a wake-up to run before poll)
-  bool closing_ = false;
+  bool closing_ = false;  // closeAllFromLoop ran
   std::unordered_set<TcpConnection*> connections_;
   std::unordered_set<TcpListenerImpl*> listeners_;
   std::vector<std::shared_ptr<TcpConnection>> dirty_;
