@@ -340,10 +340,11 @@ void TcpConnection::onWrite(uv_write_t* req, int status) {
 // §3's thread rules, docs/thread_model.md "Latency"). So a thread about to block for a reply may read its
 // connection itself for a while (Connection::beginWaitingRead, used by Agent::rpcSync):
 //  - The loop does not read sockets through uv_read_start but through its read set (TcpLoop::watchReads), an
-//    epoll set of its own, level-triggered, watched by one uv_poll_t. The waiting thread takes its socket out
-//    of that set (epoll_ctl is thread-safe; no libuv call is made off the loop thread), so the reply wakes
-//    only the waiting thread, blocked in ppoll on the socket. It does so before it sends its call: on one
-//    core the callee's answer can come back before the sender runs again.
+//    epoll set of its own, level-triggered, on which the loop thread blocks (libuv is embedded in it:
+//    TcpLoop::run). The waiting thread takes its socket out of that set (epoll_ctl is thread-safe; no libuv
+//    call is made off the loop thread), so the reply wakes only the waiting thread, blocked in ppoll on the
+//    socket. It does so before it sends its call: on one core the callee's answer can come back before the
+//    sender runs again.
 //  - Whoever reads holds readerMutex_: the loop try-locks it per readable socket and skips one a waiting
 //    thread holds; a waiting thread try-locks it and, when the loop or another waiter reads, just waits as
 //    usual. So frames are read and handed to onFrame in order, one reader at a time, whichever thread.
