@@ -79,7 +79,7 @@ struct AgentConfig {
   // has not finished by then is closed with a logged reason. 0 = min(Options::rendezvousTimeout, 10 s).
   std::chrono::milliseconds handshakeTimeout{0};
   // How long a thread blocked in rpcSync may read the reply's connection itself instead of being woken by
-  // the transport's loop thread (transport::Connection::readWhileWaiting; tcp only: Note [Waiting reader]
+  // the transport's loop thread (transport::Connection::beginWaitingRead; tcp only: Note [Waiting reader]
   // in rpc/transport/tcp/connection.cpp). Replies slower than this are awaited as usual. 0 turns it off.
   std::chrono::microseconds syncReadWindow{2000};
   // TEST-ONLY: added to this agent's clock (the times its handshakes and heartbeats carry and its trace
@@ -167,7 +167,7 @@ class Agent {
   }
   // The caller blocks for the answer, so its frame is written from this thread when the connection has
   // nothing queued (transport::OutgoingFrame::fromSender), and this thread may read the reply itself
-  // (AgentConfig::syncReadWindow, transport::Connection::readWhileWaiting).
+  // (AgentConfig::syncReadWindow, transport::Connection::beginWaitingRead).
   template <typename R, typename... Params, typename... A>
   R rpcSync(const std::string& worker, const Function<R(Params...)>& fn, A&&... args) {
     return rpcSyncWith(CallOptions{}, worker, fn, std::forward<A>(args)...);
