@@ -99,6 +99,22 @@ class TcpWaitingReaderTest : public ::testing::Test {
     return false;
   }
 
+  // The client's thread waits (a 60 s window, for nothing) while `closing` (either end) is closed 50 ms in:
+  // the wait must end early, and the client's connection report its close.
+  void waitWhileClosing(Connection& closing) {
+    auto closer = std::async(std::launch::async, [&] {
+      std::this_thread::sleep_for(milliseconds(50));
+      closing.close();
+    });
+    const auto t0 = std::chrono::steady_clock::now();
+    atClient_->readWhileWaiting([] { return false; }, std::chrono::seconds(60));
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(20)) << "the close must end the wait";
+    atClient_->endWaitingRead();
+    closer.get();
+    ASSERT_TRUE(fromServer_.waitClosed());
+    std::this_thread::sleep_for(milliseconds(20));  // a second close report would show by now
+  }
+
   std::unique_ptr<Context> server_, client_;
   std::unique_ptr<Listener> listener_;
   std::shared_ptr<Connection> atClient_, atServer_;
@@ -179,17 +195,7 @@ TEST_F(TcpWaitingReaderTest, TheWindowBoundsTheWait) {
 
 TEST_F(TcpWaitingReaderTest, ClosingTheConnectionWakesTheWaiter) {
   ASSERT_TRUE(beginOnceReading());
-  auto closer = std::async(std::launch::async, [&] {
-    std::this_thread::sleep_for(milliseconds(50));
-    atClient_->close();
-  });
-  const auto t0 = std::chrono::steady_clock::now();
-  atClient_->readWhileWaiting([] { return false; }, std::chrono::seconds(60));
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(20)) << "the close must end the wait";
-  atClient_->endWaitingRead();
-  closer.get();
-  ASSERT_TRUE(fromServer_.waitClosed());
-  std::this_thread::sleep_for(milliseconds(20));
+  waitWhileClosing(*atClient_);
   std::lock_guard lock(fromServer_.state->mutex);
   EXPECT_EQ(fromServer_.state->closeCount, 1);
   EXPECT_EQ(fromServer_.state->closed->kind, ErrorKind::kDisconnected);
@@ -199,17 +205,7 @@ TEST_F(TcpWaitingReaderTest, ClosingTheConnectionWakesTheWaiter) {
 TEST_F(TcpWaitingReaderTest, APeerHangingUpEndsTheWaitAndClosesTheConnectionOnce) {
   ASSERT_TRUE(beginOnceReading());
   sendIndex(*atServer_, 1);
-  auto hangUp = std::async(std::launch::async, [&] {
-    std::this_thread::sleep_for(milliseconds(50));
-    atServer_->close();
-  });
-  const auto t0 = std::chrono::steady_clock::now();
-  atClient_->readWhileWaiting([] { return false; }, std::chrono::seconds(60));
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(20)) << "the hang-up must end the wait";
-  atClient_->endWaitingRead();
-  hangUp.get();
-  ASSERT_TRUE(fromServer_.waitClosed());
-  std::this_thread::sleep_for(milliseconds(20));
+  waitWhileClosing(*atServer_);
   std::lock_guard lock(fromServer_.state->mutex);
   ASSERT_EQ(fromServer_.state->frames.size(), 1u) << "the frame before the hang-up was delivered";
   EXPECT_EQ(fromServer_.state->closeCount, 1);
