@@ -217,7 +217,6 @@ void TcpLoop::unwatchReads(int fd) {
   (void)::epoll_ctl(readSetFd_, EPOLL_CTL_DEL, fd, nullptr);
 }
 
-
 void TcpLoop::markDirtyFromLoop(std::shared_ptr<TcpConnection> connection) {
   dirty_.push_back(std::move(connection));
 }
