@@ -15,7 +15,8 @@
 // (the pings alternating with that figure's operations, in chunks of 50) and ratio_vs_rpc = ours / (round_trips x rpc rtt) (above 1: time beyond the network round trips), and
 // calls_per_op (calls worker0 sent per operation, including the asynchronous fork/accept/delete control
 // calls). chain3_pipelined adds round_trips_saved and speedup_vs_sequential (sequential / pipelined).
-// JSON lines (bench/bench_util.h). Usage: bench_rref [rounds=5000]
+// JSON lines (bench/bench_util.h). Usage: bench_rref [rounds=5000] [trace_dir] (trace_dir: every worker
+// writes a trace there, for distgrad-trace; the figures then include the tracing cost).
 #include <csignal>
 #include <cstdlib>
 #include <thread>
@@ -55,8 +56,12 @@ inline const rpc::Function<int64_t(RRef<int64_t>)> kReadRef{"read_ref"};  // the
 
 constexpr int kWorldSize = 3;
 
+// bench_rref's second argument: every worker traces into this directory (distgrad-trace report/merge it).
+std::string gTraceDir;
+
 rpc::Options optionsFor(int rank, int storePort) {
   rpc::Options options;
+  options.traceDir = gTraceDir;
   options.rank = rank;
   options.worldSize = kWorldSize;
   options.transport = "tcp";
@@ -215,6 +220,7 @@ int main(int argc, char** argv) {
   using namespace distgrad;
   int rounds = 5000;
   if (argc > 1) rounds = std::max(std::atoi(argv[1]), 10);
+  if (argc > 2) gTraceDir = argv[2];  // set before the children are forked: they trace too
   std::signal(SIGPIPE, SIG_IGN);
 
   AgentTrio trio;
