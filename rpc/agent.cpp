@@ -1209,10 +1209,11 @@ void Agent::readWhileWaiting(const std::string& worker, const std::function<bool
 
 void Agent::SyncWait::read(std::chrono::microseconds window, const std::function<bool()>& ready) {
   if (!connection) return;
-  auto reading = std::move(connection);
-  // The reply may be in already (a fast peer, or the send failed).
-  if (window.count() > 0 && !ready()) reading->readWhileWaiting(ready, window);
-  reading->endWaitingRead();
+  // The reply may be in already (a fast peer, or the send failed). Should the read throw, the destructor
+  // still lets go.
+  if (window.count() > 0 && !ready()) connection->readWhileWaiting(ready, window);
+  connection->endWaitingRead();
+  connection.reset();
 }
 
 void Agent::startCall(const CallOptions& callOptions, const std::string& worker, const EnvelopeFields& fields,

@@ -247,11 +247,13 @@ class Agent {
  private:
   // rpcSync(With)'s hold on the connection its call goes out on, when startCall made this thread its reader
   // (transport::Connection::beginWaitingRead, before the send): read() reads until `ready` holds or the
-  // window passed, then lets go; so does the destructor if read() was never reached.
+  // window passed, then lets go; the destructor lets go if read() was never reached (an exception).
   struct SyncWait {
     std::shared_ptr<transport::Connection> connection;  // null: this thread does not read (the usual wait)
     void read(std::chrono::microseconds window, const std::function<bool()>& ready);
-    ~SyncWait() { read(std::chrono::microseconds{0}, nullptr); }
+    ~SyncWait() {
+      if (connection) connection->endWaitingRead();
+    }
   };
   // rpcAsyncWith (wait == nullptr), and rpcSync(With): the caller waits, so the frame carries the fromSender
   // hint and `wait` gets the connection to read.

@@ -15,7 +15,12 @@
 // deferFromLoop(fn) (runs fn later on the loop, never inline), removeFromLoop(Derived*) and options().
 //
 // Thread-safety: send, start, close and peerAddress may be called from any thread; everything else, hooks
-// and protected members included, is loop-thread only.
+// and protected members included, is loop-thread only, with one exception: a transport whose waiting
+// threads read their connection (tcp, Note [Waiting reader]) runs the receive helpers (the size-table and
+// allocator checks, handFrameFromLoop, failFromLoop, readingStopped) on whichever thread holds its reader
+// lock; they touch only the frame being received, allocate_ and onFrame_ (set before reading begins,
+// cleared only after the reader let go) and closing_ (atomic), and their close goes through the
+// transport's closeFromLoop, which defers it to the loop.
 #pragma once
 
 #include <atomic>
