@@ -10,7 +10,10 @@
 //   rpc        ..._loop_reads          each rpcSync figure again with the caller's loop thread reading the
 //                                      reply (AgentConfig::syncReadWindow 0) instead of the waiting caller
 //                                      (Note [Waiting reader] in rpc/transport/tcp/connection.cpp),
-//                                      interleaved with it in blocks of 250 calls
+//   rpc        ..._loop_serves         and again with the callee's loop thread reading every call and
+//                                      handing it to a worker (AgentConfig::serveReadWindow 0) instead of the
+//                                      worker that answered the last one reading it (Note [Serving reader] in
+//                                      rpc/agent.cpp); the three interleaved in blocks of 250 calls
 //   rpc        rpcasync_throughput_wW  rpcAsync calls/s with W = 1, 8, 64 calls in flight
 //   rpc        tensor_echo_SIZE        rpcSync of tensor(tensor) returning its float32 argument, SIZE = 1KB,
 //                                      64KB, 1MB, 16MB, 64MB: GB/s counting both directions (2 x bytes per
@@ -50,6 +53,8 @@ using tensor::Tensor;
 inline const rpc::Function<int64_t(int64_t)> kPing{"ping"};
 inline const rpc::Function<int64_t(int64_t)> kPingInline{"ping_inline"};
 inline const rpc::Function<Tensor(Tensor)> kEcho{"echo"};
+// Sets the callee's serveReadWindow (µs); returns it.
+inline const rpc::Function<int64_t(int64_t)> kSetServeWindow{"set_serve_window"};
 
 struct Config {
   int rounds = 5000;
@@ -83,6 +88,13 @@ rpc::Registry pairRegistry(int rank) {
     registry.bind(kPing, [](int64_t x) { return x; });
     registry.bind(kPingInline, [](int64_t x) { return x; }, rpc::Dispatch::kInline);
     registry.bind(kEcho, [](Tensor t) { return t; });
+    registry.bind(
+        kSetServeWindow,
+        [](const rpc::CallContext& ctx, int64_t us) {
+          ctx.agent->setServeReadWindow(std::chrono::microseconds(us));
+          return us;
+        },
+        rpc::Dispatch::kInline);
   }
   return registry;
 }
@@ -110,31 +122,40 @@ void measureIdle(AgentPair& pair, double seconds, const char* phase, bool pinned
                   {{"agent", quoted("worker1")}, {"phase", quoted(phase)}, {"idle_s", number(wall)}});
 }
 
-// No-op rpcSync round trips, the caller reading its reply itself (Note [Waiting reader]) and, interleaved
-// in blocks of 250 so that both see the same load, the same with the loop thread reading it
-// (`metric`_loop_reads).
+// No-op rpcSync round trips, the caller reading its reply itself (Note [Waiting reader]) and the callee's
+// worker reading the next call (Note [Serving reader]), and, interleaved in blocks of 250 so that all see
+// the same load, the same with the caller's loop thread reading the reply (`metric`_loop_reads) and with the
+// callee's loop thread reading the call (`metric`_loop_serves).
 void measureRpcSync(rpc::Agent& agent, const rpc::Function<int64_t(int64_t)>& fn, const std::string& metric,
                     int rounds, const Measurement& raw, bool pinned) {
   const auto window = agent.syncReadWindow();
-  std::vector<double> us[2];
-  for (int i = 0; i < 2 * rounds; ++i) {
-    const int loopReads = (i / 250) % 2;
-    agent.setSyncReadWindow(loopReads ? std::chrono::microseconds{0} : window);
+  const int64_t serveWindowUs = rpc::AgentConfig{}.serveReadWindow.count();
+  const char* suffixes[] = {"", "_loop_reads", "_loop_serves"};
+  std::vector<double> us[3];
+  int mode = -1;
+  for (int i = 0; i < 3 * rounds; ++i) {
+    if ((i / 250) % 3 != mode) {
+      mode = (i / 250) % 3;
+      agent.setSyncReadWindow(mode == 1 ? std::chrono::microseconds{0} : window);
+      const int64_t serve = mode == 2 ? 0 : serveWindowUs;
+      check(agent.rpcSync("worker1", kSetServeWindow, serve) == serve, "set_serve_window");
+    }
     auto t0 = std::chrono::steady_clock::now();
     int64_t r = agent.rpcSync("worker1", fn, int64_t{i});
-    us[loopReads].push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+    us[mode].push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
     check(r == i, "ping result");
   }
   agent.setSyncReadWindow(window);
-  for (int loopReads = 0; loopReads < 2; ++loopReads) {
-    auto& v = us[loopReads];
+  check(agent.rpcSync("worker1", kSetServeWindow, serveWindowUs) == serveWindowUs, "set_serve_window");
+  for (int m = 0; m < 3; ++m) {
+    auto& v = us[m];
     v.erase(v.begin(), v.begin() + std::min<size_t>(v.size() / 10, 500));  // warm-up
-    Measurement m = measurementOf(std::move(v));
-    emitMeasurement("rpc", loopReads ? metric + "_loop_reads" : metric, "us", m, pinned,
+    Measurement measured = measurementOf(std::move(v));
+    emitMeasurement("rpc", metric + suffixes[m], "us", measured, pinned,
                     {{"raw_median", number(raw.stats.median)},
                      {"raw_p99", number(raw.p99)},
-                     {"ratio_vs_raw", number(m.stats.median / raw.stats.median)},
-                     {"p99_ratio_vs_raw", number(m.p99 / raw.p99)}});
+                     {"ratio_vs_raw", number(measured.stats.median / raw.stats.median)},
+                     {"p99_ratio_vs_raw", number(measured.p99 / raw.p99)}});
   }
 }
 
@@ -252,7 +273,7 @@ int main(int argc, char** argv) {
     AgentPair pair(pinned, pairOptions, pairRegistry);
     measureIdle(pair, config.idleSeconds, "after_start", pinned);
     measureRpcSync(pair.agent(), kPing, "rpcsync_rtt_noop", config.rounds, rawRtt, pinned);
-      measureRpcSync(pair.agent(), kPingInline, "rpcsync_rtt_noop_inline", config.rounds, rawRtt, pinned);
+    measureRpcSync(pair.agent(), kPingInline, "rpcsync_rtt_noop_inline", config.rounds, rawRtt, pinned);
     measureRpcAsync(pair, config.calls, config.windows, pinned);
     for (size_t i = 0; i < std::size(kEchoSizes); ++i) {
       measureTensorEcho(pair, config, kEchoSizes[i], rawEcho[i], pinned);
@@ -270,7 +291,7 @@ int main(int argc, char** argv) {
     {
       AgentPair pair(pinned, pairOptions, pairRegistry);
       measureRpcSync(pair.agent(), kPing, "rpcsync_rtt_noop", config.rounds, rawRtt, pinned);
-      measureRpcSync(pair.agent(), kPingInline, "rpcsync_rtt_noop_inline", config.rounds, rawRtt, pinned);
+    measureRpcSync(pair.agent(), kPingInline, "rpcsync_rtt_noop_inline", config.rounds, rawRtt, pinned);
       measureRpcAsync(pair, config.calls, config.windows, pinned);
     }
     restoreAffinity(freeAffinity);

@@ -208,6 +208,10 @@ enum class HandshakeStep {
   kDone,
 };
 
+// True while this thread reads a connection for some agent (SyncWait::read: a caller waiting for its reply,
+// a worker serving the next call): the frames it hands on are decoded on a read path, as on the loop.
+thread_local bool tReadsConnection = false;
+
 }  // namespace
 
 // Fields marked "loop" are read and written only on the transport's loop thread.
@@ -290,6 +294,7 @@ Agent::Agent(const Options& options, const Registry& registry, AgentConfig confi
     : options_(options),
       config_(std::move(config)),
       syncReadWindowUs_(config_.syncReadWindow.count()),
+      serveReadWindowUs_(config_.serveReadWindow.count()),
       registry_(registry),
       name_(options.name()) {
   self_ = std::make_unique<Peer>();
@@ -1207,11 +1212,43 @@ void Agent::readWhileWaiting(const std::string& worker, const std::function<bool
   wait.read(window, ready);
 }
 
+// Note [Serving reader]: Note [Waiting reader] (rpc/transport/tcp/connection.cpp) let a caller blocked in
+// rpcSync read its reply itself; on the callee the call still went from the loop thread, which read it, to
+// an executor worker, which ran it: a wake-up and a context switch more than a raw socket ping-pong's on
+// one core (a sixth of a no-op rpcSync's round trip here), a wake-up of a sleeping CPU more across idle
+// ones. So the worker that wrote the reply to the only call this agent was serving, a call that also
+// arrived alone (the latency-bound case: one call at a time), becomes that connection's reader for
+// serveReadWindow, waiting outside the executor's queue (Executor::beginOutsideWait, Note [Waiting outside
+// the queue] in rpc/executor.cpp): the next call wakes it, the call it reads is queued without waking
+// anyone (an inline function's runs right there: Note [Inline handlers]), and it returns to its task loop
+// and runs that call at once. It takes the reader role before it writes the reply, as rpcSync's caller does
+// before its send: on one core the caller, woken by the reply, preempts the worker and sends its next call
+// before the worker could begin reading. Other work ends the wait: anything queued (posted by it or, with
+// no other worker asleep, by another thread, which interrupts it), a closing connection, shutdown. A flood
+// of calls leaves it out (its calls arrive while others are served), so the loop keeps batching them.
+// inproc and ucx refuse the read (beginWaitingRead), so nothing changes there.
+void Agent::serveNextCall(SyncWait& serving) {
+  DG_ASSERT(serving.connection != nullptr, "Agent::serveNextCall without the connection's reader role");
+  const auto connection = serving.connection;
+  if (!executor_->beginOutsideWait([connection] { connection->interruptWaitingRead(); })) return;
+  struct OutsideWait {
+    Executor& executor;
+    ~OutsideWait() { executor.endOutsideWait(); }
+  } outside{*executor_};
+  serving.read(serveReadWindow(), [this] { return executor_->outsideWaitOver(); });
+}
+
 void Agent::SyncWait::read(std::chrono::microseconds window, const std::function<bool()>& ready) {
   if (!connection) return;
   // The reply may be in already (a fast peer, or the send failed). Should the read throw, the destructor
   // still lets go.
-  if (window.count() > 0 && !ready()) connection->readWhileWaiting(ready, window);
+  if (window.count() > 0 && !ready()) {
+    struct Reading {
+      Reading() { tReadsConnection = true; }
+      ~Reading() { tReadsConnection = false; }
+    } reading;
+    connection->readWhileWaiting(ready, window);
+  }
   connection->endWaitingRead();
   connection.reset();
 }
@@ -1494,7 +1531,10 @@ void Agent::onCallDeadline(const std::string& peer, uint64_t id, int64_t timeout
 // it: inside an inline handler it throws instead (detail::ForbidBlockingScope), which the caller gets as
 // the call's error. What inline does not change: the checks (unknown function, signature, autograd
 // context), deadlines, cancellation tokens, tracing, and the reply path. Self calls are not decoded on a
-// loop thread: they run on the executor as usual.
+// loop thread: they run on the executor as usual. A call decoded by a thread that reads its connection
+// instead of the loop (tcp: a caller waiting in rpcSync, Note [Waiting reader]; a worker reading for the
+// next call, Note [Serving reader]) runs inline there too, under the same no-blocking rule: where an
+// inline handler runs never decides whether it may block.
 //
 // Note [Batched hand-offs]: the frames of one read reach onFrame one after the other on the loop thread.
 // Posting each call to the executor as it is decoded woke a worker for the first one, and on a busy (or
@@ -1529,6 +1569,7 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
   CancellationToken token;
   std::optional<Error> refusal;
   bool duplicateId = false;
+  bool arrivedAlone = false;  // no other call was being served: Note [Serving reader]
   {
     std::lock_guard<std::mutex> lock(mutex_);
     Peer* caller = peerLocked(peerName);
@@ -1543,6 +1584,7 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
       // a protocol violation, answered by closing the link.
       duplicateId = !incoming_.emplace(std::make_pair(peerName, id), std::move(incoming)).second;
       incomingCount_.store(incoming_.size(), std::memory_order_relaxed);
+      arrivedAlone = incoming_.size() == 1;
       const int64_t timeoutMicros = message.fields().timeoutMicros;
       if (!duplicateId && timeoutMicros > 0 && link) {
         // The callee's own deadline, from the call's arrival: if the caller's cancel message never comes
@@ -1569,7 +1611,7 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
   // no map when the call carried none: a CUDA result is then refused naming the device).
   std::shared_ptr<const DeviceMap> replyMap =
       message.fields().deviceMap.empty() ? nullptr : std::make_shared<const DeviceMap>(message.fields().deviceMap.inverse());
-  auto reply = [this, peerName, id, autogradContext, fn = message.fields().functionName, traceName, callerRank,
+  auto reply = [this, link, arrivedAlone, peerName, id, autogradContext, fn = message.fields().functionName, traceName, callerRank,
                 replyMap = std::move(replyMap)](Result<EncodeValueFn>&& result, int64_t startedNs = 0) {
     // `startedNs`: the caller just read the clock (a handler that returned); saves a read.
     const int64_t serializeBeginNs = traceName == nullptr ? 0 : startedNs != 0 ? startedNs : trace::nowNs();
@@ -1594,9 +1636,12 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
     // The reply to the only call this agent is serving is written by the worker itself (Note [Sender
     // writes] in rpc/transport/tcp/connection.cpp): a latency-bound caller waits on it. With more calls
     // running, replies go to the loop, which writes those of a batch together.
-    if (frame.ok()) {
-      frame.value().fromSender =
-          executor_->isCurrentThread() && incomingCount_.load(std::memory_order_relaxed) == 1;
+    const bool onlyCall = executor_->isCurrentThread() && incomingCount_.load(std::memory_order_relaxed) == 1;
+    if (frame.ok()) frame.value().fromSender = onlyCall;
+    SyncWait serving;  // Note [Serving reader]: this worker reads the caller's next call
+    if (onlyCall && arrivedAlone && frame.ok() && link && serveReadWindow().count() > 0 &&
+        link->connection->beginWaitingRead()) {
+      serving.connection = link->connection;
     }
     const int64_t bytes = frame.ok() ? static_cast<int64_t>(frameBytes(frame.value())) : 0;
     const bool queued = frame.ok() && sendFrame(peerName, std::move(frame).value(), id, /*traceSend=*/traceName == nullptr);
@@ -1614,6 +1659,7 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
       trace::recordRpc(record);
     }
     std::unique_ptr<Incoming> done;
+    bool serveNext = false;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto it = incoming_.find({peerName, id});
@@ -1623,8 +1669,10 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
         incomingCount_.store(incoming_.size(), std::memory_order_relaxed);
       }
       if (incoming_.empty()) changed_.notify_all();
+      serveNext = serving.connection && queued && incoming_.empty() && accepting_ && !closed_;
     }
     if (done && done->timer != kInvalidTimerId) timers_->cancel(done->timer);
+    if (serveNext) serveNextCall(serving);
   };
   if (duplicateId) {
     warn("closing the connection with " + peerName + ": it reused call id " + std::to_string(id) +
@@ -1712,7 +1760,7 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
   };
   // Note [Batched hand-offs]: on the loop thread the worker is woken once per batch of frames.
   const bool onLoop = context_ && context_->inLoop();
-  if (onLoop && entry && entry->dispatch == Dispatch::kInline) {
+  if ((onLoop || tReadsConnection) && entry && entry->dispatch == Dispatch::kInline) {
     // Note [Inline handlers].
     detail::ForbidBlockingScope noBlocking;
     task();

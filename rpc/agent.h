@@ -82,6 +82,10 @@ struct AgentConfig {
   // the transport's loop thread (transport::Connection::beginWaitingRead; tcp only: Note [Waiting reader]
   // in rpc/transport/tcp/connection.cpp). Replies slower than this are awaited as usual. 0 turns it off.
   std::chrono::microseconds syncReadWindow{2000};
+  // How long an executor worker that just answered the only call this agent was serving reads that call's
+  // connection for the next call, instead of sleeping until the loop thread hands it one (tcp only: Note
+  // [Serving reader] in rpc/agent.cpp). 0 turns it off.
+  std::chrono::microseconds serveReadWindow{2000};
   // TEST-ONLY: added to this agent's clock (the times its handshakes and heartbeats carry and its trace
   // file records), so one process can check the clock-offset estimate against a known offset.
   std::chrono::nanoseconds clockSkewForTesting{0};
@@ -240,6 +244,13 @@ class Agent {
   }
   void setSyncReadWindow(std::chrono::microseconds window) {
     syncReadWindowUs_.store(window.count(), std::memory_order_relaxed);
+  }
+  // AgentConfig::serveReadWindow, changeable while the agent runs.
+  std::chrono::microseconds serveReadWindow() const {
+    return std::chrono::microseconds(serveReadWindowUs_.load(std::memory_order_relaxed));
+  }
+  void setServeReadWindow(std::chrono::microseconds window) {
+    serveReadWindowUs_.store(window.count(), std::memory_order_relaxed);
   }
   // This agent's worker slot in the trace recorder (rpc/trace.h).
   trace::WorkerSlot traceWorker() const { return traceSlot_; }
@@ -411,6 +422,10 @@ class Agent {
   // Note [Carried references] in agent.cpp.
   void bindReferences(const DecodedMessage& message, const std::string& peer);
   void onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Arrival arrival);
+  // Note [Serving reader]: an executor worker that just wrote the reply to the only call being served, as
+  // `serving`'s reader, reads that connection for the next call (serveReadWindow), waiting outside the
+  // executor's queue meanwhile; then lets go.
+  void serveNextCall(SyncWait& serving);
   void onReply(const std::string& peer, DecodedMessage message, Arrival arrival);
   void onCancel(const std::string& peer, const DecodedMessage& message);
   // `callId`: the call the frame belongs to (a self call fails it if its loopback frame does not decode).
@@ -440,7 +455,8 @@ class Agent {
 
   Options options_;
   AgentConfig config_;
-  std::atomic<int64_t> syncReadWindowUs_{0};  // syncReadWindow(); set from config_ by the constructor
+  std::atomic<int64_t> syncReadWindowUs_{0};   // syncReadWindow(); set from config_ by the constructor
+  std::atomic<int64_t> serveReadWindowUs_{0};  // serveReadWindow(); likewise
   Registry registry_;
   std::string name_;
   std::unique_ptr<Executor> executor_;

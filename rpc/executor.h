@@ -59,6 +59,20 @@ class Executor {
   // postDeferred() calls.
   void wakeDeferred();
 
+  // Note [Waiting outside the queue] (executor.cpp): a worker, inside a task, that waits for work arriving
+  // some other way (the agent: the next call on the connection it just answered, which it reads itself)
+  // registers here with `interrupt`, which must make that wait check outsideWaitOver(). Returns false
+  // (and registers nothing) when work is queued or the executor is stopping; otherwise the caller must call
+  // endOutsideWait() on this thread afterwards. While registered: a post() or wakeDeferred() from another
+  // thread that has no sleeping worker to wake calls one registered worker's `interrupt` (after unlocking),
+  // and a post() from the registered thread itself wakes nobody (the thread comes back for it). Workers
+  // only; `interrupt` may run on any thread, also after endOutsideWait (a spurious call must be harmless).
+  bool beginOutsideWait(std::function<void()> interrupt);
+  void endOutsideWait();
+  // On the registered worker: true once the executor wants it back (work is queued, it was interrupted, or
+  // shutdown began), so its wait should end.
+  bool outsideWaitOver() const;
+
   // Stops accepting work, runs what is queued, joins the workers. Idempotent; concurrent callers all
   // return after the join.
   void shutdown();
@@ -80,6 +94,10 @@ class Executor {
   void workerLoop(size_t index);
   // True when the caller must notify one sleeping worker (Note [Wake-up chaining]). Caller holds mutex_.
   bool wakeOneLocked();
+  // Note [Waiting outside the queue]: a queued task found no sleeping worker to wake (or must not wake
+  // one: posted by the outside waiter itself). Returns the `interrupt` to call after unlocking, or an empty
+  // function. Caller holds mutex_.
+  std::function<void()> interruptOneLocked();
 
   const size_t numThreads_;
   const std::string name_;
@@ -91,6 +109,14 @@ class Executor {
   bool stopping_ = false;   // GUARDED_BY(mutex_): workers exit once the queue is empty
   size_t sleeping_ = 0;     // GUARDED_BY(mutex_): workers waiting for work
   bool waking_ = false;     // GUARDED_BY(mutex_): a notify went out that no worker has answered yet
+  // GUARDED_BY(mutex_): workers waiting outside the queue (Note [Waiting outside the queue]), at most one
+  // entry per worker: its interrupt, and whether that was handed out since it registered.
+  struct OutsideWaiter {
+    std::function<void()> interrupt;
+    bool interrupted = false;
+    const void* thread = nullptr;  // the registered worker's tOutsideWait marker
+  };
+  std::vector<OutsideWaiter> outside_;
   std::mutex joinMutex_;    // serialises shutdown() callers around the join
   bool joined_ = false;     // GUARDED_BY(joinMutex_)
   std::vector<std::thread> threads_;

@@ -117,6 +117,9 @@ class Connection {
     (void)window;
   }
   virtual void endWaitingRead() {}
+  // Any thread: makes a readWhileWaiting in progress (or the next one, if none is) check `done()` again now,
+  // e.g. because what it waits for came from elsewhere. A spurious call costs that one check.
+  virtual void interruptWaitingRead() {}
 };
 
 class Listener {

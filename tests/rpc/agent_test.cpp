@@ -158,6 +158,31 @@ TEST_P(AgentTest, SyncCallersReadingTheirRepliesServeAllOtherTrafficToo) {
   EXPECT_EQ(agent(1).pendingCalls(), 0u);
 }
 
+// Note [Serving reader] (tcp): the worker that answered the only call being served reads that connection for
+// the next call. With the window at 30 s, everything else must still end its wait at once: a call from
+// another worker (the callee's only worker waits outside the queue, so the loop's hand-off interrupts it),
+// a handler calling back its caller (the worker lets go of the connection before it runs a call), replies
+// of the callee's own calls, and shutdown.
+TEST_P(AgentTest, AWorkerReadingForTheNextCallLetsEveryOtherWorkThrough) {
+  ClusterSpec spec;
+  spec.size = 3;
+  spec.executorThreads = 1;
+  start(spec);
+  for (int rank = 0; rank < 3; ++rank) agent(rank).setServeReadWindow(std::chrono::seconds(30));
+  const auto begin = SteadyTime::now();
+  for (int64_t i = 0; i < 50; ++i) {
+    EXPECT_EQ(agent(0).rpcSync("worker1", kAddInt, i, int64_t{1}), i + 1);
+    // worker1's worker now reads worker0's connection: worker2's call comes through worker1's loop.
+    EXPECT_EQ(agent(2).rpcSync("worker1", kAddInt, i, int64_t{2}), i + 2);
+    EXPECT_EQ(agent(0).rpcSync("worker1", kNested, i), (i + 1) * 10);  // worker1 calls worker0 back
+    EXPECT_EQ(agent(1).rpcAsync("worker2", kAddInt, i, int64_t{3}).get(), i + 3);
+  }
+  EXPECT_LT(SteadyTime::now() - begin, 20s) << "a call waited for a serving reader's window";
+  const auto shutdownBegin = SteadyTime::now();
+  for (int rank = 0; rank < 3; ++rank) agent(rank).shutdown(false);
+  EXPECT_LT(SteadyTime::now() - shutdownBegin, 10s) << "shutdown waited for a serving reader's window";
+}
+
 TEST_P(AgentTest, UnknownFunctionAndSignatureMismatchAreUnimplemented) {
   start();
   Error missing = errorOf([&] { agent(0).rpcSync("worker1", kMissing); });

@@ -334,6 +334,40 @@ TEST_P(AgentTraceTest, EveryCallIsTracedOnBothSidesWithFlowsAndEachAgentWritesIt
   EXPECT_EQ(w1.clocks.back().string("peer"), "worker0");
 }
 
+// Note [Serving reader] (tcp): with one call at a time, every call after the first is read (its
+// rpc.server.deserialize recorded) by the executor worker that answered the one before, not by the loop;
+// with serveReadWindow 0 the loop reads them all. inproc and ucx refuse the read: their loop reads all.
+TEST_P(AgentTraceTest, OneCallAtATimeIsReadByTheWorkerThatAnsweredThePreviousOne) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.traceDir = dir.path();
+  start(spec);
+  for (int64_t i = 0; i < 20; ++i) EXPECT_EQ(agent(0).rpcSync("worker1", kAddInt, i, int64_t{1}), i + 1);
+  agent(1).setServeReadWindow(std::chrono::microseconds(0));
+  std::this_thread::sleep_for(20ms);  // the serving worker's 2 ms window passes
+  for (int i = 0; i < 20; ++i) EXPECT_EQ(agent(0).rpcSync("worker1", kEcho, std::string("x")), "x from worker1 to worker0");
+  shutdownAll();
+  const TraceFile w1 = readTrace(dir.path() + "/worker1.trace.jsonl");
+  std::map<int64_t, std::string> threadNames;
+  for (const auto& thread : w1.threads) threadNames[*thread.integer("tid")] = thread.string("name").value_or("");
+  auto readByWorkers = [&](const std::string& function) {
+    int onWorkers = 0, all = 0;
+    for (const FlatObject* ev : named(w1, "rpc.server.deserialize")) {
+      if (ev->string("detail") != function) continue;
+      ++all;
+      if (threadNames[*ev->integer("tid")].rfind("dg-agent", 0) == 0) ++onWorkers;
+    }
+    EXPECT_EQ(all, 20) << function;
+    return onWorkers;
+  };
+  if (GetParam() == "tcp") {
+    EXPECT_GE(readByWorkers("add_int"), 15) << "one call at a time: the answering worker reads the next";
+  } else {
+    EXPECT_EQ(readByWorkers("add_int"), 0);
+  }
+  EXPECT_EQ(readByWorkers("echo"), 0) << "serveReadWindow 0: the loop reads every call";
+}
+
 TEST_P(AgentTraceTest, WithoutATraceDirectoryNothingIsRecorded) {
   start();
   EXPECT_FALSE(trace::enabled());

@@ -129,6 +129,93 @@ TEST(Executor, DeferredPostsRunOnceWokenAndAnAwakeWorkerTakesThemWithoutAWakeUp)
   EXPECT_EQ(ex.tasksRun(), 21u);
 }
 
+// Note [Waiting outside the queue]: a worker waiting for work that comes another way (the agent's serving
+// reader) registers an interrupt. Work nobody else can take interrupts it; what it posts itself wakes
+// nobody; shutdown interrupts it; it cannot register with work queued or off the executor's workers.
+TEST(Executor, AnOutsideWaiterIsInterruptedByWorkNoSleepingWorkerCanTake) {
+  Executor ex(1);
+  Event waiting, interrupted, ran;
+  std::atomic<bool> registered{false}, sawWork{false};
+  ASSERT_TRUE(ex.post([&] {
+    registered = ex.beginOutsideWait([&] { interrupted.set(); });
+    waiting.set();
+    if (!registered) return;
+    sawWork = interrupted.waitFor() && ex.outsideWaitOver();
+    ex.endOutsideWait();
+  }));
+  ASSERT_TRUE(waiting.waitFor());
+  ASSERT_TRUE(registered);
+  ASSERT_TRUE(ex.post([&] { ran.set(); }));  // the only worker waits outside: interrupted, then runs it
+  EXPECT_TRUE(ran.waitFor());
+  EXPECT_TRUE(sawWork);
+  // Ended: a later post finds the worker asleep on the queue (no interrupt needed, none left registered).
+  Event again;
+  ASSERT_TRUE(ex.post([&] { again.set(); }));
+  EXPECT_TRUE(again.waitFor());
+}
+
+TEST(Executor, WhatAnOutsideWaiterPostsItselfWakesNobodyAndItComesBackForIt) {
+  Executor ex(2);
+  ASSERT_TRUE(eventually([&] { return ex.queueDepth() == 0; }));
+  std::atomic<bool> interruptedBySelf{false};
+  std::thread::id waiter, runner;
+  Event done;
+  ASSERT_TRUE(ex.post([&] {
+    waiter = std::this_thread::get_id();
+    ASSERT_TRUE(ex.beginOutsideWait([&] { interruptedBySelf = true; }));
+    ASSERT_TRUE(ex.post([&] {
+      runner = std::this_thread::get_id();
+      done.set();
+    }));
+    EXPECT_TRUE(ex.outsideWaitOver());  // work is queued: its wait would end here
+    ex.endOutsideWait();
+  }));
+  ASSERT_TRUE(done.waitFor());
+  EXPECT_FALSE(interruptedBySelf);
+  EXPECT_EQ(runner, waiter) << "the other worker was woken for work the waiter posted itself";
+}
+
+TEST(Executor, ShutdownInterruptsOutsideWaiters) {
+  Executor ex(2);
+  std::atomic<int> interrupts{0};
+  for (int i = 0; i < 2; ++i) {
+    Event registered;  // one at a time: the second is posted once the first waits outside
+    ASSERT_TRUE(ex.post([&] {
+      Event interrupted;
+      ASSERT_TRUE(ex.beginOutsideWait([&interrupts, &interrupted] {
+        interrupts.fetch_add(1);
+        interrupted.set();
+      }));
+      registered.set();
+      interrupted.waitFor();
+      ex.endOutsideWait();
+    }));
+    ASSERT_TRUE(registered.waitFor());
+  }
+  const auto begin = std::chrono::steady_clock::now();
+  ex.shutdown();  // both workers wait outside: shutdown ends their waits, not the test's timeout
+  EXPECT_LT(std::chrono::steady_clock::now() - begin, std::chrono::seconds(5));
+  // Each waiter was interrupted by shutdown (a second post that found the other worker not yet asleep may
+  // have interrupted the first waiter once more before it, which then waited again).
+  EXPECT_GE(interrupts.load(), 2);
+}
+
+TEST(Executor, BeginOutsideWaitRefusesWithWorkQueuedOrOffTheWorkers) {
+  Executor ex(1);
+  EXPECT_THROW(ex.beginOutsideWait([] {}), ValueError);  // not a worker of this executor
+  Event release, done;
+  std::atomic<bool> refused{false};
+  ASSERT_TRUE(ex.post([&] {
+    release.waitFor();
+    refused = !ex.beginOutsideWait([] {});  // the task below is queued
+    done.set();
+  }));
+  ASSERT_TRUE(ex.post([] {}));
+  release.set();
+  ASSERT_TRUE(done.waitFor());
+  EXPECT_TRUE(refused);
+}
+
 TEST(Executor, ShutdownDrainsQueuedWorkAndRefusesNewWork) {
   Executor ex(1);
   Event started, release;

@@ -356,10 +356,11 @@ void TcpConnection::onWrite(uv_write_t* req, int status) {
 //    path, tReading) and handed to closeFromLoop once the reader let go. closeFromLoop marks the connection
 //    closing, wakes a waiting reader through kickFd_ and takes readerMutex_ before it closes the socket, so
 //    no thread polls or reads an fd that was closed (and maybe reused). The loop blocks there only while a
-//    waiter finishes the frame it is handing over: a reader never waits for the loop (frame handlers post).
+//    waiter finishes the frame it is handing over: a reader never waits for the loop (frame handlers post,
+//    and an inline handler run there must not block).
 //  - What a frame handler sees: it may run on the waiting thread. The agent's handlers are thread-agnostic
-//    (calls read there are posted to the executor, and an inline handler's call too: Note [Inline handlers]
-//    runs inline on the loop thread only).
+//    (calls read there are posted to the executor; an inline handler's call runs right there, as on the
+//    loop: Note [Inline handlers] in rpc/agent.cpp).
 // A thread that already reads some connection (a handler's continuation calling rpcSync) does not read
 // another (tReading). inproc and ucx do not do this (the default readWhileWaiting returns at once).
 namespace {
@@ -440,9 +441,22 @@ void TcpConnection::readWhileWaiting(const std::function<bool()>& done, std::chr
     pollfd fds[2] = {{readFd_, POLLIN, 0}, {kickFd_, POLLIN, 0}};
     const int ready = ::ppoll(fds, 2, &timeout, nullptr);
     if (ready < 0 && errno == EINTR) continue;
-    if (ready <= 0) break;           // the window passed (or ppoll failed: wait as usual)
-    if (fds[1].revents != 0) break;  // closeFromLoop waits for this thread to let go
+    if (ready <= 0) break;  // the window passed (or ppoll failed: wait as usual)
+    if (fds[1].revents != 0) {
+      // closeFromLoop (which set closing_ first, so the loop ends) or interruptWaitingRead: check again.
+      uint64_t count = 0;
+      while (::read(kickFd_, &count, sizeof(count)) < 0 && errno == EINTR) {
+      }
+      continue;
+    }
     readSocket(32);
+  }
+}
+
+void TcpConnection::interruptWaitingRead() {
+  if (!readable_.load(std::memory_order_acquire)) return;  // nobody can be reading yet
+  const uint64_t one = 1;
+  while (::write(kickFd_, &one, sizeof(one)) < 0 && errno == EINTR) {
   }
 }
 

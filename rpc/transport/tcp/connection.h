@@ -51,6 +51,7 @@ class TcpConnection final : public LoopConnection<TcpConnection, TcpLoop> {
   bool beginWaitingRead() override;
   void readWhileWaiting(const std::function<bool()>& done, std::chrono::microseconds window) override;
   void endWaitingRead() override;
+  void interruptWaitingRead() override;
 
   // Loop thread only.
   void initFromLoop();  // uv_tcp_init, registration with the loop, self reference
@@ -124,7 +125,7 @@ class TcpConnection final : public LoopConnection<TcpConnection, TcpLoop> {
   std::mutex readerMutex_;
   std::atomic<bool> readable_{false};  // reading began: readFd_ and kickFd_ are set
   int readFd_ = -1;   // the socket (the handle's fd), for reading
-  int kickFd_ = -1;   // eventfd: closeFromLoop wakes a waiting reader through it
+  int kickFd_ = -1;   // eventfd: closeFromLoop and interruptWaitingRead wake a waiting reader through it
   bool readFailed_ = false;
   std::optional<Error> readError_;  // failReading's error, until the reader hands it to closeFromLoop
   // Read state machine.
