@@ -208,6 +208,10 @@ enum class HandshakeStep {
   kDone,
 };
 
+// Note [Serving reader]: a worker reads a caller's connection for its next call once this many of its calls
+// in a row arrived while no other call was being served (the call being answered included).
+constexpr uint32_t kServeAfterCallsAlone = 3;
+
 // True while this thread reads a connection for some agent (SyncWait::read: a caller waiting for its reply,
 // a worker serving the next call): the frames it hands on are decoded on a read path, as on the loop.
 thread_local bool tReadsConnection = false;
@@ -254,6 +258,9 @@ struct Agent::Peer {
   std::atomic<uint64_t> bytesReceived{0};
   std::atomic<uint64_t> errors{0};
   uint64_t pending = 0;  // GUARDED_BY(Agent::mutex_)
+  // Note [Serving reader], GUARDED_BY(Agent::mutex_): this peer's calls in a row that arrived while no other
+  // call was being served.
+  uint32_t callsAlone = 0;
   // Note [Clock offsets], GUARDED_BY(Agent::mutex_): the last kClockWindow samples (offset, rtt), how many
   // were taken, and the last heartbeat received from the peer (its sentNs, our arrival time) to echo.
   std::deque<std::pair<int64_t, int64_t>> clockSamples;
@@ -1217,15 +1224,17 @@ void Agent::readWhileWaiting(const std::string& worker, const std::function<bool
 // an executor worker, which ran it: a wake-up and a context switch more than a raw socket ping-pong's on
 // one core (a sixth of a no-op rpcSync's round trip here), a wake-up of a sleeping CPU more across idle
 // ones. So the worker that wrote the reply to the only call this agent was serving, a call that also
-// arrived alone (the latency-bound case: one call at a time), becomes that connection's reader for
-// serveReadWindow, waiting outside the executor's queue (Executor::beginOutsideWait, Note [Waiting outside
+// arrived alone, as did the caller's kServeAfterCallsAlone calls before it (the latency-bound case: one
+// call at a time), becomes that connection's reader for serveReadWindow, waiting outside the executor's queue (Executor::beginOutsideWait, Note [Waiting outside
 // the queue] in rpc/executor.cpp): the next call wakes it, the call it reads is queued without waking
 // anyone (an inline function's runs right there: Note [Inline handlers]), and it returns to its task loop
 // and runs that call at once. It takes the reader role before it writes the reply, as rpcSync's caller does
 // before its send: on one core the caller, woken by the reply, preempts the worker and sends its next call
 // before the worker could begin reading. Other work ends the wait: anything queued (posted by it or, with
 // no other worker asleep, by another thread, which interrupts it), a closing connection, shutdown. A flood
-// of calls leaves it out (its calls arrive while others are served), so the loop keeps batching them.
+// of calls leaves it out, so the loop keeps batching them: its calls arrive while others are served, and
+// the few that arrive alone do not come in a row (serving those cost a flood of 64 no-op calls in flight
+// 10% of its throughput on one core: the worker reading took the batches from the loop).
 // inproc and ucx refuse the read (beginWaitingRead), so nothing changes there.
 void Agent::serveNextCall(SyncWait& serving) {
   DG_ASSERT(serving.connection != nullptr, "Agent::serveNextCall without the connection's reader role");
@@ -1569,7 +1578,7 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
   CancellationToken token;
   std::optional<Error> refusal;
   bool duplicateId = false;
-  bool arrivedAlone = false;  // no other call was being served: Note [Serving reader]
+  bool arrivedAlone = false;  // Note [Serving reader]: one call at a time from this caller, for a while
   {
     std::lock_guard<std::mutex> lock(mutex_);
     Peer* caller = peerLocked(peerName);
@@ -1584,7 +1593,8 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
       // a protocol violation, answered by closing the link.
       duplicateId = !incoming_.emplace(std::make_pair(peerName, id), std::move(incoming)).second;
       incomingCount_.store(incoming_.size(), std::memory_order_relaxed);
-      arrivedAlone = incoming_.size() == 1;
+      caller->callsAlone = incoming_.size() == 1 ? caller->callsAlone + 1 : 0;
+      arrivedAlone = caller->callsAlone >= kServeAfterCallsAlone;
       const int64_t timeoutMicros = message.fields().timeoutMicros;
       if (!duplicateId && timeoutMicros > 0 && link) {
         // The callee's own deadline, from the call's arrival: if the caller's cancel message never comes
