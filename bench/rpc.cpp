@@ -291,7 +291,7 @@ int main(int argc, char** argv) {
     {
       AgentPair pair(pinned, pairOptions, pairRegistry);
       measureRpcSync(pair.agent(), kPing, "rpcsync_rtt_noop", config.rounds, rawRtt, pinned);
-    measureRpcSync(pair.agent(), kPingInline, "rpcsync_rtt_noop_inline", config.rounds, rawRtt, pinned);
+      measureRpcSync(pair.agent(), kPingInline, "rpcsync_rtt_noop_inline", config.rounds, rawRtt, pinned);
       measureRpcAsync(pair, config.calls, config.windows, pinned);
     }
     restoreAffinity(freeAffinity);

@@ -1220,22 +1220,22 @@ void Agent::readWhileWaiting(const std::string& worker, const std::function<bool
 }
 
 // Note [Serving reader]: Note [Waiting reader] (rpc/transport/tcp/connection.cpp) let a caller blocked in
-// rpcSync read its reply itself; on the callee the call still went from the loop thread, which read it, to
-// an executor worker, which ran it: a wake-up and a context switch more than a raw socket ping-pong's on
-// one core (a sixth of a no-op rpcSync's round trip here), a wake-up of a sleeping CPU more across idle
-// ones. So the worker that wrote the reply to the only call this agent was serving, a call that also
-// arrived alone, as did the caller's kServeAfterCallsAlone calls before it (the latency-bound case: one
-// call at a time), becomes that connection's reader for serveReadWindow, waiting outside the executor's queue (Executor::beginOutsideWait, Note [Waiting outside
-// the queue] in rpc/executor.cpp): the next call wakes it, the call it reads is queued without waking
-// anyone (an inline function's runs right there: Note [Inline handlers]), and it returns to its task loop
-// and runs that call at once. It takes the reader role before it writes the reply, as rpcSync's caller does
-// before its send: on one core the caller, woken by the reply, preempts the worker and sends its next call
-// before the worker could begin reading. Other work ends the wait: anything queued (posted by it or, with
-// no other worker asleep, by another thread, which interrupts it), a closing connection, shutdown. A flood
-// of calls leaves it out, so the loop keeps batching them: its calls arrive while others are served, and
-// the few that arrive alone do not come in a row (serving those cost a flood of 64 no-op calls in flight
-// 10% of its throughput on one core: the worker reading took the batches from the loop).
-// inproc and ucx refuse the read (beginWaitingRead), so nothing changes there.
+// rpcSync read its reply itself; on the callee the call still went from the loop thread, which read it, to an
+// executor worker, which ran it: a wake-up and a context switch more than a raw socket ping-pong's on one
+// core (a sixth of a no-op rpcSync's round trip here), a wake-up of a sleeping CPU more across idle ones. So
+// the worker that wrote the reply to the only call this agent was serving, a call that arrived while no other
+// call was being served, like the caller's calls before it (kServeAfterCallsAlone in a row: the latency-bound
+// case, one call at a time), becomes that connection's reader for serveReadWindow, waiting outside the
+// executor's queue (Executor::beginOutsideWait, Note [Waiting outside the queue] in rpc/executor.cpp): the
+// next call wakes it, the call it reads is queued without waking anyone (an inline function's runs right
+// there: Note [Inline handlers]), and it returns to its task loop and runs that call at once. It takes the
+// reader role before it writes the reply, as rpcSync's caller does before its send: on one core the caller,
+// woken by the reply, preempts the worker and sends its next call before the worker could begin reading.
+// Other work ends the wait: anything queued (posted by it or, with no other worker asleep, by another thread,
+// which interrupts it), a closing connection, shutdown. A flood of calls leaves it out, so the loop keeps
+// batching them: its calls arrive while others are served, and the few that arrive alone do not come in a row
+// (measured: serving after any lone call cost a flood of 64 no-op calls in flight 10% of its throughput on
+// one core). inproc and ucx refuse the read (beginWaitingRead), so nothing changes there.
 void Agent::serveNextCall(SyncWait& serving) {
   DG_ASSERT(serving.connection != nullptr, "Agent::serveNextCall without the connection's reader role");
   const auto connection = serving.connection;
@@ -1621,8 +1621,8 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
   // no map when the call carried none: a CUDA result is then refused naming the device).
   std::shared_ptr<const DeviceMap> replyMap =
       message.fields().deviceMap.empty() ? nullptr : std::make_shared<const DeviceMap>(message.fields().deviceMap.inverse());
-  auto reply = [this, link, arrivedAlone, peerName, id, autogradContext, fn = message.fields().functionName, traceName, callerRank,
-                replyMap = std::move(replyMap)](Result<EncodeValueFn>&& result, int64_t startedNs = 0) {
+  auto reply = [this, link, arrivedAlone, peerName, id, autogradContext, fn = message.fields().functionName, traceName,
+                callerRank, replyMap = std::move(replyMap)](Result<EncodeValueFn>&& result, int64_t startedNs = 0) {
     // `startedNs`: the caller just read the clock (a handler that returned); saves a read.
     const int64_t serializeBeginNs = traceName == nullptr ? 0 : startedNs != 0 ? startedNs : trace::nowNs();
     EnvelopeFields fields;

@@ -106,7 +106,7 @@ void Executor::wakeDeferred() {
 //    usual (Note [Wake-up chaining]).
 // An outside waiter is a running task to the pool: it is neither counted as sleeping nor woken by notify.
 std::function<void()> Executor::interruptOneLocked() {
-  if (waking_ || tOutsideWait == this) return {};
+  if (waking_) return {};
   for (auto& waiter : outside_) {
     if (!waiter.interrupted) {
       waiter.interrupted = true;

@@ -94,9 +94,9 @@ class Executor {
   void workerLoop(size_t index);
   // True when the caller must notify one sleeping worker (Note [Wake-up chaining]). Caller holds mutex_.
   bool wakeOneLocked();
-  // Note [Waiting outside the queue]: a queued task found no sleeping worker to wake (or must not wake
-  // one: posted by the outside waiter itself). Returns the `interrupt` to call after unlocking, or an empty
-  // function. Caller holds mutex_.
+  // Note [Waiting outside the queue]: queued work found no sleeping worker to wake (and was not posted by an
+  // outside waiter itself). Returns the `interrupt` to call after unlocking, or an empty function. Caller
+  // holds mutex_.
   std::function<void()> interruptOneLocked();
 
   const size_t numThreads_;

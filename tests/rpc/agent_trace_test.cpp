@@ -345,7 +345,9 @@ TEST_P(AgentTraceTest, OneCallAtATimeIsReadByTheWorkerThatAnsweredThePreviousOne
   for (int64_t i = 0; i < 20; ++i) EXPECT_EQ(agent(0).rpcSync("worker1", kAddInt, i, int64_t{1}), i + 1);
   agent(1).setServeReadWindow(std::chrono::microseconds(0));
   std::this_thread::sleep_for(20ms);  // the serving worker's 2 ms window passes
-  for (int i = 0; i < 20; ++i) EXPECT_EQ(agent(0).rpcSync("worker1", kEcho, std::string("x")), "x from worker1 to worker0");
+  for (int i = 0; i < 20; ++i) {
+    EXPECT_EQ(agent(0).rpcSync("worker1", kEcho, std::string("x")), "x from worker1 to worker0");
+  }
   shutdownAll();
   const TraceFile w1 = readTrace(dir.path() + "/worker1.trace.jsonl");
   std::map<int64_t, std::string> threadNames;
