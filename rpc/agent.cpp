@@ -209,7 +209,8 @@ enum class HandshakeStep {
 };
 
 // Note [Serving reader]: a worker reads a caller's connection for its next call once this many of its calls
-// in a row arrived while no other call was being served (the call being answered included).
+// in a row arrived while no other call was being served (the call being answered included; inline calls,
+// such as the RRef layer's control messages, are not counted either way).
 constexpr uint32_t kServeAfterCallsAlone = 3;
 
 // True while this thread reads a connection for some agent (SyncWait::read: a caller waiting for its reply,
@@ -1579,6 +1580,8 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
   std::optional<Error> refusal;
   bool duplicateId = false;
   bool arrivedAlone = false;  // Note [Serving reader]: one call at a time from this caller, for a while
+  std::shared_ptr<const BoundFunction> entry = registry_.find(message.fields().functionName);
+  const bool inlineCall = entry && entry->dispatch == Dispatch::kInline;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     Peer* caller = peerLocked(peerName);
@@ -1593,7 +1596,12 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
       // a protocol violation, answered by closing the link.
       duplicateId = !incoming_.emplace(std::make_pair(peerName, id), std::move(incoming)).second;
       incomingCount_.store(incoming_.size(), std::memory_order_relaxed);
-      caller->callsAlone = incoming_.size() == 1 ? caller->callsAlone + 1 : 0;
+      // An inline call (a control message) arriving beside a running call says nothing of a flood, and its
+      // reply never leaves from a worker: it leaves the count alone.
+      // A call whose predecessor's reply is still being written counts as alone: the caller sent it on
+      // that reply (two cores: before the worker that wrote it took its entry out).
+      const bool alone = incoming_.size() - replying_.load(std::memory_order_relaxed) == 1;
+      if (!inlineCall) caller->callsAlone = alone ? caller->callsAlone + 1 : 0;
       arrivedAlone = caller->callsAlone >= kServeAfterCallsAlone;
       const int64_t timeoutMicros = message.fields().timeoutMicros;
       if (!duplicateId && timeoutMicros > 0 && link) {
@@ -1653,6 +1661,7 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
         link->connection->beginWaitingRead()) {
       serving.connection = link->connection;
     }
+    if (onlyCall) replying_.fetch_add(1, std::memory_order_relaxed);
     const int64_t bytes = frame.ok() ? static_cast<int64_t>(frameBytes(frame.value())) : 0;
     const bool queued = frame.ok() && sendFrame(peerName, std::move(frame).value(), id, /*traceSend=*/traceName == nullptr);
     if (traceName != nullptr) {
@@ -1678,6 +1687,7 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
         incoming_.erase(it);
         incomingCount_.store(incoming_.size(), std::memory_order_relaxed);
       }
+      if (onlyCall) replying_.fetch_sub(1, std::memory_order_relaxed);
       if (incoming_.empty()) changed_.notify_all();
       serveNext = serving.connection && queued && incoming_.empty() && accepting_ && !closed_;
     }
@@ -1695,7 +1705,6 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
     reply(Result<EncodeValueFn>(std::move(*refusal)));
     return;
   }
-  std::shared_ptr<const BoundFunction> entry = registry_.find(message.fields().functionName);
   auto task = [this, peerName, token, reply, entry, message = std::move(message), traceName, callerRank,
                queuedNs]() mutable {
     const int64_t startNs = traceName != nullptr ? trace::nowNs() : 0;
@@ -1770,7 +1779,7 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
   };
   // Note [Batched hand-offs]: on the loop thread the worker is woken once per batch of frames.
   const bool onLoop = context_ && context_->inLoop();
-  if ((onLoop || tReadsConnection) && entry && entry->dispatch == Dispatch::kInline) {
+  if ((onLoop || tReadsConnection) && inlineCall) {
     // Note [Inline handlers].
     detail::ForbidBlockingScope noBlocking;
     task();

@@ -483,6 +483,9 @@ class Agent {
   // incoming_.size(), written where incoming_ changes (under mutex_), read without it by a reply deciding
   // whether it answers the only call running (Note [Sender writes]).
   std::atomic<size_t> incomingCount_{0};
+  // Note [Serving reader], written under mutex_ or before the write it precedes: calls counted in incoming_
+  // whose reply, the only call's, is being written (its caller may already be sending its next call).
+  std::atomic<size_t> replying_{0};
   std::optional<Error> startError_;                             // GUARDED_BY(mutex_)
   bool accepting_ = false;   // GUARDED_BY(mutex_): incoming calls are served
   bool callsOpen_ = false;   // GUARDED_BY(mutex_): new outgoing calls from non-executor threads allowed
