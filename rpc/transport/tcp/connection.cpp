@@ -341,15 +341,15 @@ void TcpConnection::onWrite(uv_write_t* req, int status) {
 // connection itself for a while (Connection::beginWaitingRead, used by Agent::rpcSync):
 //  - The loop does not read sockets through uv_read_start but through its read set (TcpLoop::watchReads), an
 //    epoll set of its own, level-triggered, on which the loop thread blocks (libuv is embedded in it:
-//    TcpLoop::run). The waiting thread takes its socket out of that set (epoll_ctl is thread-safe; no libuv
-//    call is made off the loop thread), so the reply wakes only the waiting thread, blocked in ppoll on the
-//    socket. It does so before it sends its call: on one core the callee's answer can come back before the
+//    TcpLoop::run). The waiting thread pauses its socket in that set (TcpLoop::pauseReads; epoll_ctl is
+//    thread-safe; no libuv call is made off the loop thread), so the reply wakes only the waiting thread, blocked in
+//    ppoll on the socket. It does so before it sends its call: on one core the callee's answer can come back before the
 //    sender runs again.
 //  - Whoever reads holds readerMutex_: the loop try-locks it per readable socket and skips one a waiting
 //    thread holds; a waiting thread try-locks it and, when the loop or another waiter reads, just waits as
 //    usual. So frames are read and handed to onFrame in order, one reader at a time, whichever thread.
 //  - The waiter reads everything that arrives (replies of other calls, calls, heartbeats), until its own
-//    reply is in (`done`), the window passed, or the connection closes; then it puts the socket back into the
+//    reply is in (`done`), the window passed, or the connection closes; then it resumes the socket in the
 //    read set, where anything still unread wakes the loop at once (level-triggered).
 //  - Closing stays the loop's: a failure the reader meets (end of stream, read error, malformed frame, a
 //    throwing handler) is recorded (failReading, also what closeFromLoop does when called inside the read
@@ -425,7 +425,7 @@ bool TcpConnection::beginWaitingRead() {
     readerMutex_.unlock();
     return false;
   }
-  loop_->unwatchReads(readFd_);  // the loop is no longer woken by this socket
+  loop_->pauseReads(this, readFd_);  // the loop is no longer woken by this socket
   tReading = this;
   return true;
 }
@@ -464,7 +464,7 @@ void TcpConnection::endWaitingRead() {
   DG_ASSERT(tReading == this, "TcpConnection::endWaitingRead without beginWaitingRead");
   tReading = nullptr;
   // Level-triggered: bytes that came in since the last read wake the loop at once.
-  if (!readingStopped()) loop_->watchReads(this, readFd_);
+  if (!readingStopped()) loop_->resumeReads(this, readFd_);
   std::optional<Error> failure = std::exchange(readError_, std::nullopt);
   readerMutex_.unlock();
   if (failure) {

@@ -212,6 +212,26 @@ void TcpLoop::watchReads(TcpConnection* connection, int fd) {
   DG_CHECK(rc == 0 || errno == EEXIST, "tcp transport: epoll_ctl(ADD) of a socket failed: ", std::strerror(errno));
 }
 
+namespace {
+void modifyReads(int readSetFd, TcpConnection* connection, int fd, uint32_t events) {
+  epoll_event event{};
+  event.events = events;
+  event.data.ptr = connection;
+  // Fails only for an fd that is not in the set (a bug: a connection pauses and resumes its socket only
+  // between watchReads and unwatchReads, under its reader lock).
+  int rc = ::epoll_ctl(readSetFd, EPOLL_CTL_MOD, fd, &event);
+  DG_CHECK(rc == 0, "tcp transport: epoll_ctl(MOD) of a socket failed: ", std::strerror(errno));
+}
+}  // namespace
+
+void TcpLoop::pauseReads(TcpConnection* connection, int fd) {
+  // No EPOLLIN; the kernel always adds EPOLLHUP and EPOLLERR, which EPOLLONESHOT reports once (the loop
+  // skips the socket while its reader holds it, and resumeReads re-arms what is still pending).
+  modifyReads(readSetFd_, connection, fd, EPOLLONESHOT);
+}
+
+void TcpLoop::resumeReads(TcpConnection* connection, int fd) { modifyReads(readSetFd_, connection, fd, EPOLLIN); }
+
 void TcpLoop::unwatchReads(int fd) {
   // ENOENT: not in the set (a waiting reader took it out).
   (void)::epoll_ctl(readSetFd_, EPOLL_CTL_DEL, fd, nullptr);

@@ -67,10 +67,13 @@ class TcpLoop {
   void markDirtyFromLoop(std::shared_ptr<TcpConnection> connection);
   // Note [Waiting reader] (connection.cpp): the loop learns that a socket is readable from its read set, an
   // epoll set of its own on which it blocks (libuv's backend fd is in it too), not from uv_read_start: a
-  // thread that waits for a reply can then take its socket out of the set while it reads the socket
-  // itself, which no libuv call may do off the loop thread. Any thread (epoll_ctl is thread-safe);
-  // level-triggered.
+  // thread that waits for a reply can then pause its socket in the set while it reads the socket itself,
+  // which no libuv call may do off the loop thread. Any thread (epoll_ctl is thread-safe); level-triggered.
+  // Pausing is EPOLL_CTL_MOD, not DEL and ADD: a pause and resume cost about 0.8 us here against 1.7-2.0 us,
+  // twice per round trip. A paused socket wakes the loop at most once, for a hang-up or an error.
   void watchReads(TcpConnection* connection, int fd);
+  void pauseReads(TcpConnection* connection, int fd);
+  void resumeReads(TcpConnection* connection, int fd);
   void unwatchReads(int fd);
 
  private:
