@@ -342,9 +342,9 @@ void TcpConnection::onWrite(uv_write_t* req, int status) {
 //  - The loop does not read sockets through uv_read_start but through its read set (TcpLoop::watchReads), an
 //    epoll set of its own, level-triggered, on which the loop thread blocks (libuv is embedded in it:
 //    TcpLoop::run). The waiting thread pauses its socket in that set (TcpLoop::pauseReads; epoll_ctl is
-//    thread-safe; no libuv call is made off the loop thread), so the reply wakes only the waiting thread, blocked in
-//    ppoll on the socket. It does so before it sends its call: on one core the callee's answer can come back before the
-//    sender runs again.
+//    thread-safe; no libuv call is made off the loop thread), so the reply wakes only the waiting thread,
+//    blocked in ppoll on the socket. It does so before it sends its call: on one core the callee's answer can
+//    come back before the sender runs again.
 //  - Whoever reads holds readerMutex_: the loop try-locks it per readable socket and skips one a waiting
 //    thread holds; a waiting thread try-locks it and, when the loop or another waiter reads, just waits as
 //    usual. So frames are read and handed to onFrame in order, one reader at a time, whichever thread.

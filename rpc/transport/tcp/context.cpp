@@ -233,7 +233,7 @@ void TcpLoop::pauseReads(TcpConnection* connection, int fd) {
 void TcpLoop::resumeReads(TcpConnection* connection, int fd) { modifyReads(readSetFd_, connection, fd, EPOLLIN); }
 
 void TcpLoop::unwatchReads(int fd) {
-  // ENOENT: not in the set (a waiting reader took it out).
+  // Closing: nothing to do about a failure (the fd is closed next, which drops it from the set anyway).
   (void)::epoll_ctl(readSetFd_, EPOLL_CTL_DEL, fd, nullptr);
 }
 
