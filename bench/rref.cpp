@@ -87,11 +87,12 @@ rpc::Registry makeRegistry() {
 // the store.
 class AgentTrio {
  public:
-  AgentTrio() {
+  // Pin this process first when `pinned` (its agent's threads inherit the mask); the children pin themselves.
+  explicit AgentTrio(bool pinned) {
     for (int rank = 1; rank < kWorldSize; ++rank) {
       int commands[2];
       check(pipe(commands) == 0, "pipe");
-      children_.push_back(forkChild(false, [&] {
+      children_.push_back(forkChild(pinned, [&] {
         ::close(commands[1]);
         runChild(rank, commands[0]);
       }));
@@ -202,55 +203,52 @@ Figure measure(AgentTrio& trio, rref::RRefContext& rrefs, int rounds, F&& op, si
 
 // One rref line: ratio_vs_rpc = ours / (round trips on the critical path x the rpc round trip measured
 // beside it).
-void emitRRef(const std::string& metric, const Figure& f, int roundTrips, std::map<std::string, std::string> extra = {}) {
+void emitRRef(const std::string& metric, const Figure& f, int roundTrips, bool pinned,
+              std::map<std::string, std::string> extra = {}) {
   extra["round_trips"] = std::to_string(roundTrips);
   extra["rpc_rtt_median"] = number(f.rtt.stats.median);
   extra["rpc_rtt_p99"] = number(f.rtt.p99);
   extra["ratio_vs_rpc"] = number(f.op.stats.median / (roundTrips * f.rtt.stats.median));
   extra["p99_ratio_vs_rpc"] = number(f.op.p99 / (roundTrips * f.rtt.p99));
   extra["calls_per_op"] = number(f.callsPerOp);
-  emitMeasurement("rref", metric, "us", f.op, /*pinned=*/false, std::move(extra));
+  emitMeasurement("rref", metric, "us", f.op, pinned, std::move(extra));
 }
 
-}  // namespace
-}  // namespace distgrad::bench
-
-int main(int argc, char** argv) {
-  using namespace distgrad::bench;
-  using namespace distgrad;
-  int rounds = 5000;
-  if (argc > 1) rounds = std::max(std::atoi(argv[1]), 10);
-  if (argc > 2) gTraceDir = argv[2];  // set before the children are forked: they trace too
-  std::signal(SIGPIPE, SIG_IGN);
-
-  AgentTrio trio;
+// Every figure, with the three processes free to run anywhere or all pinned to CPU 0.
+void measureAll(int rounds, bool pinned) {
+  AgentTrio trio(pinned);
   rpc::Agent& agent = trio.agent();
   auto rrefs = rref::RRefContext::of(agent);
-
   {
     // The reference alone (each figure below also carries the one measured beside it).
     Figure f = measure(trio, *rrefs, rounds, [&](int i) {
       check(agent.rpcSync("worker1", kPing, int64_t{i}) == i, "ping result");
     });
-    emitMeasurement("rpc", "rpcsync_rtt_noop", "us", f.op, false);
+    emitMeasurement("rpc", "rpcsync_rtt_noop", "us", f.op, pinned);
   }
-  emitRRef("remote_tohere", measure(trio, *rrefs, rounds, [&](int i) {
-             RRef<int64_t> r = rrefs->remote("worker1", kInc, int64_t{i});
-             check(r.toHere() == i + 1, "remote result");
-           }), 1);
+  emitRRef("remote_tohere",
+           measure(trio, *rrefs, rounds,
+                   [&](int i) {
+                     RRef<int64_t> r = rrefs->remote("worker1", kInc, int64_t{i});
+                     check(r.toHere() == i + 1, "remote result");
+                   }),
+           1, pinned);
   {
     RRef<int64_t> r = rrefs->remote("worker1", kInc, int64_t{41});
     check(r.toHere() == 42, "remote result");
-    emitRRef("fork_third_fetch", measure(trio, *rrefs, rounds, [&](int) {
-               check(agent.rpcSync("worker2", kReadRef, r) == 42, "third worker result");
-             }, /*kept=*/1), 2);
+    emitRRef("fork_third_fetch",
+             measure(
+                 trio, *rrefs, rounds,
+                 [&](int) { check(agent.rpcSync("worker2", kReadRef, r) == 42, "third worker result"); }, /*kept=*/1),
+             2, pinned);
   }
   {
     RRef<Box> box = rrefs->remote<Box>("worker1", int64_t{7});
     check(box.rpcSync(&Box::get) == 7, "method result");
-    emitRRef("method_rpcsync", measure(trio, *rrefs, rounds, [&](int) {
-               check(box.rpcSync(&Box::get) == 7, "method result");
-             }, /*kept=*/1), 1);
+    emitRRef("method_rpcsync",
+             measure(
+                 trio, *rrefs, rounds, [&](int) { check(box.rpcSync(&Box::get) == 7, "method result"); }, /*kept=*/1),
+             1, pinned);
   }
   {
     Figure seq = measure(trio, *rrefs, rounds, [&](int i) {
@@ -267,12 +265,33 @@ int main(int argc, char** argv) {
       RRef<int64_t> c = rrefs->remote("worker1", kIncRef, b);
       check(c.toHere() == i + 3, "pipelined chain result");
     });
-    emitRRef("chain3_sequential", seq, 3);
-    emitRRef("chain3_pipelined", pipe, 1,
+    emitRRef("chain3_sequential", seq, 3, pinned);
+    emitRRef("chain3_pipelined", pipe, 1, pinned,
              {{"round_trips_saved", "2"},
               {"sequential_median", number(seq.op.stats.median)},
               {"speedup_vs_sequential", number(seq.op.stats.median / pipe.op.stats.median)}});
   }
   settle(*rrefs);
+}
+
+}  // namespace
+}  // namespace distgrad::bench
+
+int main(int argc, char** argv) {
+  using namespace distgrad::bench;
+  using namespace distgrad;
+  int rounds = 5000;
+  if (argc > 1) rounds = std::max(std::atoi(argv[1]), 10);
+  if (argc > 2) gTraceDir = argv[2];  // set before the children are forked: they trace too
+  std::signal(SIGPIPE, SIG_IGN);
+
+  // Free placement first; then all three processes on CPU 0, where the figures do not move with where
+  // the scheduler puts the threads (on this 2-vCPU machine a no-op round trip measured 31-90 us free,
+  // within one run). The agents of the first trio have stopped (threads joined) before the second forks.
+  const cpu_set_t freeAffinity = currentAffinity();
+  measureAll(rounds, /*pinned=*/false);
+  pinToCpu0();
+  measureAll(rounds, /*pinned=*/true);
+  restoreAffinity(freeAffinity);
   return 0;
 }
