@@ -137,6 +137,10 @@ struct PeerMetrics {
   uint64_t bytesSent = 0;
   uint64_t bytesReceived = 0;
   uint64_t errors = 0;   // calls to this peer that ended in an error
+  // Of the frames sent to this peer, those the sending thread wrote itself instead of the transport's loop
+  // thread (tcp: an rpcSync's call, calls made one at a time, a lone call's reply: Note [Lone calls] in
+  // rpc/agent.cpp), over the current connection.
+  uint64_t framesWrittenBySender = 0;
   uint64_t pending = 0;  // calls to this peer awaiting a response
   bool connected = false;
 };

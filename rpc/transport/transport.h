@@ -120,6 +120,9 @@ class Connection {
   // Any thread: makes a readWhileWaiting in progress (or the next one, if none is) check `done()` again now,
   // e.g. because what it waits for came from elsewhere. A spurious call costs that one check.
   virtual void interruptWaitingRead() {}
+  // Diagnostics: how many frames so far a sending thread wrote itself (the fromSender hint taken; tcp: Note
+  // [Sender writes]) instead of the loop thread.
+  virtual uint64_t framesWrittenBySender() const { return 0; }
 };
 
 class Listener {

@@ -183,6 +183,41 @@ TEST_P(AgentTest, AWorkerReadingForTheNextCallLetsEveryOtherWorkThrough) {
   EXPECT_LT(SteadyTime::now() - shutdownBegin, 10s) << "shutdown waited for a serving reader's window";
 }
 
+// Note [Lone calls]: rpcAsync calls made one at a time are written by the calling thread (tcp), like an
+// rpcSync's, instead of by the loop thread, whose wake-up would cost a context switch; the calls of a burst
+// are left to the loop, which writes them together.
+TEST_P(AgentTest, CallsMadeOneAtATimeAreWrittenByTheirSenderAndBurstsByTheLoop) {
+  start();
+  auto written = [&] { return agent(0).metrics("worker1").framesWrittenBySender; };
+  for (int64_t i = 0; i < 10; ++i) EXPECT_EQ(agent(0).rpcAsync("worker1", kAddInt, i, int64_t{1}).get(), i + 1);
+  const uint64_t before = written();
+  constexpr int64_t kCalls = 200;
+  for (int64_t i = 0; i < kCalls; ++i) EXPECT_EQ(agent(0).rpcAsync("worker1", kAddInt, i, int64_t{1}).get(), i + 1);
+  const uint64_t lone = written() - before;
+  if (GetParam() != "tcp") {
+    EXPECT_EQ(written(), 0u) << "only tcp writes from the sending thread";
+    return;
+  }
+  // A frame is left to the loop when the connection has something queued (a heartbeat being written).
+  EXPECT_GE(lone, static_cast<uint64_t>(kCalls * 9 / 10));
+  // A burst issued while a call is pending (a hanging one, so that no reply can empty the count between
+  // two calls of the burst however the threads are scheduled): none of its calls is lone.
+  Future<int64_t> hanging = agent(0).rpcAsync("worker1", kHang, 1);
+  ASSERT_TRUE(world_.hangStarted.waitFor());
+  const uint64_t beforeBurst = written();
+  std::vector<Future<int64_t>> burst;
+  for (int64_t i = 0; i < 256; ++i) burst.push_back(agent(0).rpcAsync("worker1", kAddInt, i, int64_t{2}));
+  for (int64_t i = 0; i < 256; ++i) EXPECT_EQ(burst[static_cast<size_t>(i)].get(), i + 2);
+  EXPECT_EQ(written(), beforeBurst) << "calls of a burst were written by their sender";
+  std::shared_ptr<Promise<int64_t>> promise;
+  {
+    std::lock_guard<std::mutex> lock(world_.mutex);
+    promise = world_.hanging.at(0);
+  }
+  promise->setValue(7);
+  EXPECT_EQ(hanging.get(), 7);
+}
+
 TEST_P(AgentTest, UnknownFunctionAndSignatureMismatchAreUnimplemented) {
   start();
   Error missing = errorOf([&] { agent(0).rpcSync("worker1", kMissing); });

@@ -187,6 +187,7 @@ bool TcpConnection::writeFromSender(OutgoingFrame& frame, SendCallback& done) {
     n = ::sendmsg(fd_, &message, MSG_NOSIGNAL | MSG_DONTWAIT);
   } while (n < 0 && errno == EINTR);
   if (n <= 0) return false;  // nothing written: the loop writes it (and reports an error it meets)
+  senderWrites_.fetch_add(1, std::memory_order_relaxed);
   if (static_cast<size_t>(n) == total) {
     lock.unlock();
     if (done) done(Result<void>());

@@ -52,6 +52,7 @@ class TcpConnection final : public LoopConnection<TcpConnection, TcpLoop> {
   void readWhileWaiting(const std::function<bool()>& done, std::chrono::microseconds window) override;
   void endWaitingRead() override;
   void interruptWaitingRead() override;
+  uint64_t framesWrittenBySender() const override { return senderWrites_.load(std::memory_order_relaxed); }
 
   // Loop thread only.
   void initFromLoop();  // uv_tcp_init, registration with the loop, self reference
@@ -117,6 +118,7 @@ class TcpConnection final : public LoopConnection<TcpConnection, TcpLoop> {
   size_t partialWritten_ = 0;           // GUARDED_BY(writeMutex_): how much of it
   std::atomic<bool> partialPending_{false};
   std::atomic<size_t> unwritten_{0};  // frames send() took that are not yet all in the socket
+  std::atomic<uint64_t> senderWrites_{0};  // frames writeFromSender took
   std::vector<uint8_t> senderBytes_;    // GUARDED_BY(writeMutex_): writeFromSender's storage
   std::vector<WritePiece> senderPieces_;
   std::vector<iovec> senderIov_;
