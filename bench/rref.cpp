@@ -15,6 +15,8 @@
 // (the pings alternating with that figure's operations, in chunks of 50) and ratio_vs_rpc = ours / (round_trips x rpc rtt) (above 1: time beyond the network round trips), and
 // calls_per_op (calls worker0 sent per operation, including the asynchronous fork/accept/delete control
 // calls). chain3_pipelined adds round_trips_saved and speedup_vs_sequential (sequential / pipelined).
+// Every figure is taken twice: the three processes free to run anywhere ("placement":"free"), then all
+// pinned to CPU 0 ("one_core"), where the ratios do not move with where the scheduler puts the threads.
 // JSON lines (bench/bench_util.h). Usage: bench_rref [rounds=5000] [trace_dir] (trace_dir: every worker
 // writes a trace there, for distgrad-trace; the figures then include the tracing cost).
 #include <csignal>

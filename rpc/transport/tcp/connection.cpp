@@ -368,6 +368,10 @@ void TcpConnection::onWrite(uv_write_t* req, int status) {
 namespace {
 thread_local const TcpConnection* tReading = nullptr;  // the connection this thread reads, if any
 
+timespec timespecOf(std::chrono::nanoseconds ns) {
+  return timespec{static_cast<time_t>(ns.count() / 1'000'000'000), static_cast<long>(ns.count() % 1'000'000'000)};
+}
+
 // Note [Lazy window timer]: readWhileWaiting's window is not ppoll's timeout. A ppoll with a timeout arms a
 // kernel timer each time it sleeps and cancels it when woken, on both sides of every round trip; in a VM
 // programming the timer is a VM exit: measured on the one-core ping-pong (a C program, both sides in ppoll),
@@ -390,9 +394,8 @@ class WindowTimer {
   int armBy(Clock::time_point end, Clock::time_point now) {
     if (fd_ < 0) return -1;
     if (armedUntil_ > now && armedUntil_ <= end) return fd_;  // it will fire in time, and has not yet
-    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(end.time_since_epoch()).count();
     itimerspec spec{};
-    spec.it_value = timespec{static_cast<time_t>(ns / 1'000'000'000), static_cast<long>(ns % 1'000'000'000)};
+    spec.it_value = timespecOf(end.time_since_epoch());
     // Setting it also clears an expiry not read yet.
     if (::timerfd_settime(fd_, TFD_TIMER_ABSTIME, &spec, nullptr) != 0) return -1;
     armedUntil_ = end;
@@ -476,10 +479,14 @@ void TcpConnection::readWhileWaiting(const std::function<bool()>& done, std::chr
     const auto now = WindowTimer::Clock::now();
     if (now >= deadline) break;
     const int timer = tWindowTimer.armBy(deadline, now);
-    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now).count();
-    const timespec timeout{static_cast<time_t>(ns / 1'000'000'000), static_cast<long>(ns % 1'000'000'000)};
     pollfd fds[3] = {{readFd_, POLLIN, 0}, {kickFd_, POLLIN, 0}, {timer, POLLIN, 0}};
-    const int ready = ::ppoll(fds, timer >= 0 ? 3 : 2, timer >= 0 ? nullptr : &timeout, nullptr);
+    int ready;
+    if (timer >= 0) {
+      ready = ::ppoll(fds, 3, nullptr, nullptr);
+    } else {
+      const timespec timeout = timespecOf(deadline - now);
+      ready = ::ppoll(fds, 2, &timeout, nullptr);
+    }
     if (ready < 0 && errno == EINTR) continue;
     if (ready <= 0) break;  // the window passed (or ppoll failed: wait as usual)
     if (timer >= 0 && fds[2].revents != 0 && fds[0].revents == 0) continue;  // the clock says whether it ended
