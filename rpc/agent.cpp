@@ -220,6 +220,16 @@ constexpr uint32_t kSenderWritesAfterLoneCalls = 3;
 // a worker serving the next call): the frames it hands on are decoded on a read path, as on the loop.
 thread_local bool tReadsConnection = false;
 
+// Note [Reading for the answer]: the calls the handler running on this executor worker sent (startCall
+// counts them while one is set), the last one's id and connection.
+struct HandlerCalls {
+  const void* agent = nullptr;
+  int count = 0;
+  uint64_t id = 0;
+  std::shared_ptr<transport::Connection> connection;  // null: a call to the agent itself
+};
+thread_local HandlerCalls* tHandlerCalls = nullptr;
+
 }  // namespace
 
 // Fields marked "loop" are read and written only on the transport's loop thread.
@@ -1246,11 +1256,35 @@ void Agent::serveNextCall(SyncWait& serving) {
   DG_ASSERT(serving.connection != nullptr, "Agent::serveNextCall without the connection's reader role");
   const auto connection = serving.connection;
   if (!executor_->beginOutsideWait([connection] { connection->interruptWaitingRead(); })) return;
-  struct OutsideWait {
-    Executor& executor;
-    ~OutsideWait() { executor.endOutsideWait(); }
-  } outside{*executor_};
+  OutsideWait outside{*executor_};
   serving.read(serveReadWindow(), [this] { return executor_->outsideWaitOver(); });
+}
+
+// Note [Reading for the answer]: Note [Serving reader] took the loop -> worker hand-off out of a call that
+// is answered at once. A handler that forwards (an RRef's value fetched from its owner, a call passed on to
+// a third worker) returns a future that a call it sent completes; the answer was read by the loop thread,
+// which posted the reply's continuation to a worker: a wake-up of the loop and a hand-off to a worker more
+// than an rpcSync chain has (bench_rref's fork_third_fetch). So the worker whose handler returned pending
+// after sending exactly one call (to another worker) reads that call's connection for serveReadWindow,
+// waiting outside the executor's queue as the serving reader does: the answer completes the call on this
+// thread, the continuation it posts wakes nobody and ends the wait, and this worker runs it (the reply,
+// written by itself). The read also ends once the call is no longer pending (the answer completed it
+// without posting) and on anything else the serving reader stops for. It starts after the handler
+// returned, not before the send as rpcSync's: a handler is user code that may go on computing, or block,
+// after its send, and the connection must not go unread meanwhile.
+void Agent::readForAnswer(std::shared_ptr<transport::Connection> connection, uint64_t id) {
+  const auto window = serveReadWindow();
+  if (window.count() <= 0) return;
+  if (!executor_->beginOutsideWait([connection] { connection->interruptWaitingRead(); })) return;
+  OutsideWait outside{*executor_};
+  SyncWait wait;
+  if (!connection->beginWaitingRead()) return;
+  wait.connection = std::move(connection);
+  wait.read(window, [this, id] {
+    if (executor_->outsideWaitOver()) return true;
+    std::lock_guard<std::mutex> lock(mutex_);
+    return closed_ || !pending_.contains(id);
+  });
 }
 
 void Agent::SyncWait::read(std::chrono::microseconds window, const std::function<bool()>& ready) {
@@ -1307,6 +1341,11 @@ void Agent::startCall(const CallOptions& callOptions, const std::string& worker,
       pending->waitBeginNs = timing.serializeEndNs;  // until the frame is queued (below)
       peerRank = peer.rank;
       pending_.emplace(id, std::move(pending));
+      if (tHandlerCalls != nullptr && tHandlerCalls->agent == this) {  // Note [Reading for the answer]
+        ++tHandlerCalls->count;
+        tHandlerCalls->id = id;
+        tHandlerCalls->connection = toSelf ? nullptr : link->connection;
+      }
       peer.loneCallsSent = peer.pending == 0 ? peer.loneCallsSent + 1 : 0;
       senderWrites = peer.loneCallsSent >= kSenderWritesAfterLoneCalls;
       ++peer.pending;
@@ -1761,9 +1800,18 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
     ctx.token = token;
     ctx.timeout = std::chrono::microseconds(fields.timeoutMicros);
     ctx.autogradContext = fields.autograd ? fields.autograd->contextId : 0;
+    // Note [Reading for the answer]: a task on a worker (not an inline call run where it was read).
+    HandlerCalls calls;
+    const bool onWorker = executor_->isCurrentThread() && !tReadsConnection;
     Future<EncodeValueFn> result = [&] {
       // The handler's synchronous part runs inside the call's autograd context (nested calls carry it on).
       AutogradContextScope active(ctx.autogradContext);
+      struct Counting {
+        HandlerCalls* previous;
+        explicit Counting(HandlerCalls* calls) : previous(tHandlerCalls) { tHandlerCalls = calls; }
+        ~Counting() { tHandlerCalls = previous; }
+      } counting(onWorker ? &calls : nullptr);
+      calls.agent = this;
       return entry->invoke(message, ctx, *executor_);
     }();
     const int64_t invokedNs = traceName != nullptr ? trace::nowNs() : 0;
@@ -1796,6 +1844,7 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
       }
       reply(std::move(r));
     });
+    if (calls.count == 1 && calls.connection) readForAnswer(std::move(calls.connection), calls.id);
   };
   // Note [Batched hand-offs]: on the loop thread the worker is woken once per batch of frames.
   const bool onLoop = context_ && context_->inLoop();

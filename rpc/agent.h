@@ -263,6 +263,11 @@ class Agent {
   // rpcSync(With)'s hold on the connection its call goes out on, when startCall made this thread its reader
   // (transport::Connection::beginWaitingRead, before the send): read() reads until `ready` holds or the
   // window passed, then lets go; the destructor lets go if read() was never reached (an exception).
+  // Executor::beginOutsideWait's registration, ended on scope exit.
+  struct OutsideWait {
+    Executor& executor;
+    ~OutsideWait() { executor.endOutsideWait(); }
+  };
   struct SyncWait {
     std::shared_ptr<transport::Connection> connection;  // null: this thread does not read (the usual wait)
     void read(std::chrono::microseconds window, const std::function<bool()>& ready);
@@ -430,6 +435,10 @@ class Agent {
   // `serving`'s reader, reads that connection for the next call (serveReadWindow), waiting outside the
   // executor's queue meanwhile; then lets go.
   void serveNextCall(SyncWait& serving);
+  // Note [Reading for the answer] in agent.cpp: an executor worker whose handler returned pending after
+  // sending one call (`id`, on `connection`) reads that connection for the answer, waiting outside the
+  // executor's queue.
+  void readForAnswer(std::shared_ptr<transport::Connection> connection, uint64_t id);
   void onReply(const std::string& peer, DecodedMessage message, Arrival arrival);
   void onCancel(const std::string& peer, const DecodedMessage& message);
   // `callId`: the call the frame belongs to (a self call fails it if its loopback frame does not decode).

@@ -183,6 +183,36 @@ TEST_P(AgentTest, AWorkerReadingForTheNextCallLetsEveryOtherWorkThrough) {
   EXPECT_LT(SteadyTime::now() - shutdownBegin, 10s) << "shutdown waited for a serving reader's window";
 }
 
+// Note [Reading for the answer]: worker1's only worker, whose handler awaits the answer of a call it sent
+// to worker0 (one that hangs), reads that connection meanwhile (tcp; a 30 s window): calls arriving there
+// and on other connections, and a reply to worker1's own caller on that connection, all go through; the
+// answer, once given, completes the forwarded call.
+TEST_P(AgentTest, AWorkerReadingForItsHandlersAnswerLetsEveryOtherWorkThrough) {
+  ClusterSpec spec;
+  spec.size = 3;
+  spec.executorThreads = 1;
+  start(spec);
+  for (int rank = 0; rank < 3; ++rank) agent(rank).setServeReadWindow(std::chrono::seconds(30));
+  Future<int64_t> forwarded = agent(0).rpcAsync("worker1", kForwardHang, 5);
+  ASSERT_TRUE(world_.hangStarted.waitFor());
+  const auto begin = SteadyTime::now();
+  for (int64_t i = 0; i < 20; ++i) {
+    EXPECT_EQ(agent(0).rpcSync("worker1", kAddInt, i, int64_t{1}), i + 1);
+    EXPECT_EQ(agent(2).rpcSync("worker1", kAddInt, i, int64_t{2}), i + 2);
+    EXPECT_EQ(agent(1).rpcSync("worker0", kAddInt, i, int64_t{3}), i + 3);
+    EXPECT_EQ(agent(1).rpcAsync("worker2", kAddInt, i, int64_t{4}).get(), i + 4);
+  }
+  EXPECT_LT(SteadyTime::now() - begin, 10s) << "a call waited for a worker reading for its handler's answer";
+  EXPECT_FALSE(forwarded.isReady()) << "answered before the hanging call was";
+  std::shared_ptr<Promise<int64_t>> promise;
+  {
+    std::lock_guard<std::mutex> lock(world_.mutex);
+    promise = world_.hanging.at(0);
+  }
+  promise->setValue(7);
+  EXPECT_EQ(forwarded.get(), 7);
+}
+
 // Note [Lone calls]: rpcAsync calls made one at a time are written by the calling thread (tcp), like an
 // rpcSync's, instead of by the loop thread, whose wake-up would cost a context switch; the calls of a burst
 // are left to the loop, which writes them together.

@@ -79,6 +79,7 @@ inline const Function<int64_t(int64_t)> kThrow{"throw"};
 inline const Function<int64_t(int64_t)> kNested{"nested"};
 inline const Function<bool(int64_t)> kWaitCancel{"wait_cancel"};
 inline const Function<int64_t(int64_t)> kHang{"hang"};
+inline const Function<int64_t(int64_t)> kForwardHang{"forward_hang"};        // awaits kHang on its caller
 inline const Function<std::string(std::string)> kWrongSignature{"add_int"};  // same name, other types
 inline const Function<int64_t()> kMissing{"missing"};
 // Bound with Dispatch::kInline (Note [Inline handlers] in rpc/agent.cpp).
@@ -118,6 +119,9 @@ inline Registry makeRegistry(World& world) {
   // Calls back into the caller and returns a Future: no executor thread waits meanwhile.
   reg.bind(kNested, [&world](const CallContext& ctx, int64_t n) -> Future<int64_t> {
     return world.agent(ctx.callee).rpcAsync(ctx.caller, kAddInt, n, int64_t{1}).then([](int64_t v) { return v * 10; });
+  });
+  reg.bind(kForwardHang, [&world](const CallContext& ctx, int64_t n) -> Future<int64_t> {
+    return world.agent(ctx.callee).rpcAsync(ctx.caller, kHang, n);
   });
   reg.bind(kInlineOnExecutor, [](int64_t) { return Executor::current() != nullptr; }, Dispatch::kInline);
   reg.bind(

@@ -370,6 +370,42 @@ TEST_P(AgentTraceTest, OneCallAtATimeIsReadByTheWorkerThatAnsweredThePreviousOne
   EXPECT_EQ(readByWorkers("echo"), 0) << "serveReadWindow 0: the loop reads every call";
 }
 
+// Note [Reading for the answer] (tcp): kNested's handler on worker1 calls worker0 back and returns that
+// call's future; the answer (its rpc.client.deserialize on worker1) is read by the executor worker that
+// ran the handler, not by the loop; with serveReadWindow 0 the loop reads them all. inproc and ucx refuse.
+TEST_P(AgentTraceTest, AHandlersForwardedCallIsAnsweredToTheWorkerThatRanIt) {
+  TempDir dir;
+  ClusterSpec spec;
+  spec.traceDir = dir.path();
+  start(spec);
+  for (int64_t i = 0; i < 20; ++i) EXPECT_EQ(agent(0).rpcSync("worker1", kNested, i), (i + 1) * 10);
+  agent(1).setServeReadWindow(std::chrono::microseconds(0));
+  std::this_thread::sleep_for(20ms);  // the reading worker's 2 ms window passes
+  for (int64_t i = 0; i < 20; ++i) EXPECT_EQ(agent(0).rpcSync("worker1", kNested, i + 100), (i + 101) * 10);
+  shutdownAll();
+  const TraceFile w1 = readTrace(dir.path() + "/worker1.trace.jsonl");
+  std::map<int64_t, std::string> threadNames;
+  for (const auto& thread : w1.threads) threadNames[*thread.integer("tid")] = thread.string("name").value_or("");
+  // Per round of 20 (in time: the file is written thread by thread), the answers to worker1's add_int
+  // calls read on its executor workers.
+  std::vector<const FlatObject*> answers;
+  for (const FlatObject* ev : named(w1, "rpc.client.deserialize")) {
+    if (ev->string("detail") == "add_int") answers.push_back(ev);
+  }
+  ASSERT_EQ(answers.size(), 40u);
+  std::sort(answers.begin(), answers.end(), [](const FlatObject* x, const FlatObject* y) { return b(*x) < b(*y); });
+  int onWorkers[2] = {0, 0};
+  for (size_t i = 0; i < answers.size(); ++i) {
+    if (threadNames[*answers[i]->integer("tid")].rfind("dg-agent", 0) == 0) ++onWorkers[i / 20];
+  }
+  if (GetParam() == "tcp") {
+    EXPECT_GE(onWorkers[0], 15) << "the worker that ran the handler reads the answer it awaits";
+  } else {
+    EXPECT_EQ(onWorkers[0], 0);
+  }
+  EXPECT_EQ(onWorkers[1], 0) << "serveReadWindow 0: the loop reads every answer";
+}
+
 TEST_P(AgentTraceTest, WithoutATraceDirectoryNothingIsRecorded) {
   start();
   EXPECT_FALSE(trace::enabled());
