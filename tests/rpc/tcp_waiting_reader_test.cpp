@@ -155,6 +155,35 @@ TEST_F(TcpWaitingReaderTest, BytesThatCameAfterTheWaitEndedWakeTheLoop) {
   for (uint64_t i = 0; i < 50; ++i) EXPECT_EQ(fromServer_.state->frames[i].first, i);
 }
 
+// Note [Resume after letting go]: a reader resumes the socket in the loop's read set after it let go, unless
+// a new reader paused it meanwhile (which then resumes it). Threads taking the reader role in turn while the
+// peer sends must leave the socket to the loop in the end: every frame arrives, in order.
+TEST_F(TcpWaitingReaderTest, ReadersTakingTurnsLeaveTheSocketToTheLoop) {
+  ASSERT_TRUE(beginOnceReading());
+  atClient_->endWaitingRead();
+  constexpr uint64_t kFrames = 3000;
+  auto sender = std::async(std::launch::async, [&] {
+    for (uint64_t i = 0; i < kFrames; ++i) sendIndex(*atServer_, i);
+  });
+  std::vector<std::thread> readers;
+  for (int t = 0; t < 4; ++t) {
+    readers.emplace_back([&] {
+      for (int i = 0; i < 1000; ++i) {
+        if (!atClient_->beginWaitingRead()) continue;
+        atClient_->readWhileWaiting([] { return false; }, std::chrono::microseconds(20));
+        atClient_->endWaitingRead();
+      }
+    });
+  }
+  for (auto& reader : readers) reader.join();
+  sender.get();
+  // Readers are gone: what comes now is the loop's to read.
+  for (uint64_t i = kFrames; i < kFrames + 10; ++i) sendIndex(*atServer_, i);
+  ASSERT_TRUE(fromServer_.waitFrames(kFrames + 10)) << "frames left in a socket nobody resumed";
+  std::lock_guard lock(fromServer_.state->mutex);
+  for (uint64_t i = 0; i < kFrames + 10; ++i) ASSERT_EQ(fromServer_.state->frames[i].first, i);
+}
+
 TEST_F(TcpWaitingReaderTest, OneReaderAtATimeAndNeverTheLoopThread) {
   ASSERT_TRUE(beginOnceReading());
   std::async(std::launch::async, [&] { EXPECT_FALSE(atClient_->beginWaitingRead()) << "a second reader"; }).get();

@@ -129,6 +129,12 @@ class TcpConnection final : public LoopConnection<TcpConnection, TcpLoop> {
   int readFd_ = -1;   // the socket (the handle's fd), for reading
   int kickFd_ = -1;   // eventfd: closeFromLoop and interruptWaitingRead wake a waiting reader through it
   bool readFailed_ = false;
+  uint64_t readerRole_ = 0;  // the current (or last) waiting reader's number, counted from 1
+  // Note [Resume after letting go]: armMutex_ orders the socket's pauses and resumes in the loop's read
+  // set and its removal from it.
+  std::mutex armMutex_;
+  uint64_t pausedBy_ = 0;           // GUARDED_BY(armMutex_): the waiting reader that paused the socket (0: none)
+  bool inReadSet_ = false;          // GUARDED_BY(armMutex_)
   std::optional<Error> readError_;  // failReading's error, until the reader hands it to closeFromLoop
   // Read state machine.
   std::vector<uint8_t> scratch_;
