@@ -12,21 +12,25 @@
 //                                 the owner (promise pipelining), so 1 round trip
 //   rref chain3_sequential        the same chain with toHere() after each remote: 3 round trips
 // Each rref line carries round_trips (the round trips on the operation's critical path), rpc_rtt_median
-// (the pings alternating with that figure's operations, in chunks of 50) and ratio_vs_rpc = ours / (round_trips x rpc rtt) (above 1: time beyond the network round trips), and
-// calls_per_op (calls worker0 sent per operation, including the asynchronous fork/accept/delete control
-// calls). chain3_pipelined adds round_trips_saved and speedup_vs_sequential (sequential / pipelined).
-// Every figure is taken twice: the three processes free to run anywhere ("placement":"free"), then all
-// pinned to CPU 0 ("one_core"), where the ratios do not move with where the scheduler puts the threads.
-// JSON lines (bench/bench_util.h). Usage: bench_rref [rounds=5000] [trace_dir] (trace_dir: every worker
-// writes a trace there, for distgrad-trace; the figures then include the tracing cost).
+// (the pings alternating with that figure's operations, in chunks of 50) and ratio_vs_rpc = ours / (round_trips x rpc
+// rtt) (above 1: time beyond the network round trips), and calls_per_op (calls worker0 sent per operation, including
+// the asynchronous fork/accept/delete control calls); mean, rpc_rtt_mean and mean_ratio_vs_rpc: the same from the
+// means, which a loop of operations costs (the tails and the batched deletions running beside them included).
+// chain3_pipelined adds round_trips_saved and speedup_vs_sequential (sequential / pipelined). Every figure is taken
+// twice: the three processes free to run anywhere ("placement":"free"), then all pinned to CPU 0 ("one_core"), where
+// the ratios do not move with where the scheduler puts the threads. JSON lines (bench/bench_util.h). Usage: bench_rref
+// [rounds=5000] [trace_dir] (trace_dir: every worker writes a trace there, for distgrad-trace; the figures then include
+// the tracing cost).
+#include "rref/rref.h"
+
 #include <csignal>
 #include <cstdlib>
+#include <numeric>
 #include <thread>
 
 #include "bench/socket_bench_util.h"
 #include "rpc/agent.h"
 #include "rref/context.h"
-#include "rref/rref.h"
 
 namespace distgrad::bench {
 
@@ -167,6 +171,7 @@ constexpr int kChunk = 50;
 struct Figure {
   Measurement op;
   Measurement rtt;
+  double opMean = 0, rttMean = 0;  // µs: what a loop of them costs, the tails and deferred work included
   double callsPerOp = 0;  // calls worker0 sent per operation (the reference pings not counted)
 };
 
@@ -196,6 +201,9 @@ Figure measure(AgentTrio& trio, rref::RRefContext& rrefs, int rounds, F&& op, si
   // Deferred deletions and accepts are part of an operation's cost: count them before reading the calls.
   settle(rrefs, kept);
   Figure f;
+  auto mean = [](const std::vector<double>& us) { return std::accumulate(us.begin(), us.end(), 0.0) / us.size(); };
+  f.opMean = mean(opUs);
+  f.rttMean = mean(rttUs);
   f.op = measurementOf(std::move(opUs));
   f.rtt = measurementOf(std::move(rttUs));
   const auto total = static_cast<double>(trio.callsSent() - calls0) - rounds;
@@ -204,7 +212,7 @@ Figure measure(AgentTrio& trio, rref::RRefContext& rrefs, int rounds, F&& op, si
 }
 
 // One rref line: ratio_vs_rpc = ours / (round trips on the critical path x the rpc round trip measured
-// beside it).
+// beside it); mean_ratio_vs_rpc the same from the means.
 void emitRRef(const std::string& metric, const Figure& f, int roundTrips, bool pinned,
               std::map<std::string, std::string> extra = {}) {
   extra["round_trips"] = std::to_string(roundTrips);
@@ -212,6 +220,9 @@ void emitRRef(const std::string& metric, const Figure& f, int roundTrips, bool p
   extra["rpc_rtt_p99"] = number(f.rtt.p99);
   extra["ratio_vs_rpc"] = number(f.op.stats.median / (roundTrips * f.rtt.stats.median));
   extra["p99_ratio_vs_rpc"] = number(f.op.p99 / (roundTrips * f.rtt.p99));
+  extra["mean"] = number(f.opMean);
+  extra["rpc_rtt_mean"] = number(f.rttMean);
+  extra["mean_ratio_vs_rpc"] = number(f.opMean / (roundTrips * f.rttMean));
   extra["calls_per_op"] = number(f.callsPerOp);
   emitMeasurement("rref", metric, "us", f.op, pinned, std::move(extra));
 }
