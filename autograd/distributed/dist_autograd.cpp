@@ -17,9 +17,13 @@ void install(rpc::Registry& registry) {
   registry.bind(kPlan, [](const rpc::CallContext& call, const DiscoverRequest& request) {
     DistAutogradState::of(*call.agent)->onPlan(request, call);
   });
-  registry.bind(kControl, [](const rpc::CallContext& call, const ControlRequest& request) {
-    DistAutogradState::of(*call.agent)->onControl(request, call.caller);
-  });
+  // Note [Control in order]: run where the message is read, in order with the calls behind it.
+  registry.bind(
+      kControl,
+      [](const rpc::CallContext& call, const ControlRequest& request) {
+        DistAutogradState::of(*call.agent)->onControl(request, call.caller);
+      },
+      rpc::Dispatch::kInline);
   registry.setAutogradHook([](rpc::Agent& agent) -> std::shared_ptr<rpc::AutogradHook> {
     auto extension = agent.extension("dg.dist_autograd", [](rpc::Agent& a) -> std::shared_ptr<rpc::AgentExtension> {
       return std::make_shared<DistAutogradState>(a);

@@ -132,7 +132,10 @@ class DistAutogradState final : public rpc::AgentExtension,
   rpc::Executor& executor() const { return *executor_; }
   uint64_t createContext();
   // Drops the context here and (forward) tells every worker it exchanged messages with, except `from`.
-  void releaseContext(uint64_t contextId, const std::string& from, std::optional<rpc::Error> reason, bool forward);
+  // `freeOnExecutor`: the graphs and gradients are freed by a task on the executor, not here (Note [Control
+  // in order] in state.cpp).
+  void releaseContext(uint64_t contextId, const std::string& from, std::optional<rpc::Error> reason, bool forward,
+                      bool freeOnExecutor = false);
   Gradients gradients(uint64_t contextId);
   // Note [Gradient folding] in the .cpp.
   void foldGradients(uint64_t from, uint64_t into);
