@@ -1801,7 +1801,7 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
     ctx.timeout = std::chrono::microseconds(fields.timeoutMicros);
     ctx.autogradContext = fields.autograd ? fields.autograd->contextId : 0;
     // Note [Reading for the answer]: a task on a worker (not an inline call run where it was read).
-    HandlerCalls calls;
+    HandlerCalls calls{this};
     const bool onWorker = executor_->isCurrentThread() && !tReadsConnection;
     Future<EncodeValueFn> result = [&] {
       // The handler's synchronous part runs inside the call's autograd context (nested calls carry it on).
@@ -1811,7 +1811,6 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
         explicit Counting(HandlerCalls* calls) : previous(tHandlerCalls) { tHandlerCalls = calls; }
         ~Counting() { tHandlerCalls = previous; }
       } counting(onWorker ? &calls : nullptr);
-      calls.agent = this;
       return entry->invoke(message, ctx, *executor_);
     }();
     const int64_t invokedNs = traceName != nullptr ? trace::nowNs() : 0;

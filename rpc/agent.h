@@ -260,14 +260,14 @@ class Agent {
   trace::WorkerSlot traceWorker() const { return traceSlot_; }
 
  private:
-  // rpcSync(With)'s hold on the connection its call goes out on, when startCall made this thread its reader
-  // (transport::Connection::beginWaitingRead, before the send): read() reads until `ready` holds or the
-  // window passed, then lets go; the destructor lets go if read() was never reached (an exception).
   // Executor::beginOutsideWait's registration, ended on scope exit.
   struct OutsideWait {
     Executor& executor;
     ~OutsideWait() { executor.endOutsideWait(); }
   };
+  // rpcSync(With)'s hold on the connection its call goes out on, when startCall made this thread its reader
+  // (transport::Connection::beginWaitingRead, before the send): read() reads until `ready` holds or the
+  // window passed, then lets go; the destructor lets go if read() was never reached (an exception).
   struct SyncWait {
     std::shared_ptr<transport::Connection> connection;  // null: this thread does not read (the usual wait)
     void read(std::chrono::microseconds window, const std::function<bool()>& ready);

@@ -370,36 +370,53 @@ TEST_P(AgentTraceTest, OneCallAtATimeIsReadByTheWorkerThatAnsweredThePreviousOne
   EXPECT_EQ(readByWorkers("echo"), 0) << "serveReadWindow 0: the loop reads every call";
 }
 
-// Note [Reading for the answer] (tcp): kNested's handler on worker1 calls worker0 back and returns that
-// call's future; the answer (its rpc.client.deserialize on worker1) is read by the executor worker that
-// ran the handler, not by the loop; with serveReadWindow 0 the loop reads them all. inproc and ucx refuse.
+// Note [Reading for the answer] (tcp): kForwardHang's handler on worker1 calls kHang on worker0 and returns
+// that call's future; the test answers each hanging call 20 ms after it started, by which time worker1's
+// worker is reading for it: the answer (its rpc.client.deserialize on worker1) is read by that executor
+// worker, not by the loop. With serveReadWindow 0 the loop reads them all; inproc and ucx refuse the read.
 TEST_P(AgentTraceTest, AHandlersForwardedCallIsAnsweredToTheWorkerThatRanIt) {
   TempDir dir;
   ClusterSpec spec;
   spec.traceDir = dir.path();
   start(spec);
-  for (int64_t i = 0; i < 20; ++i) EXPECT_EQ(agent(0).rpcSync("worker1", kNested, i), (i + 1) * 10);
+  constexpr int kRound = 10;
+  auto forwardAndAnswer = [&](int64_t k) {
+    Future<int64_t> forwarded = agent(0).rpcAsync("worker1", kForwardHang, k);
+    ASSERT_TRUE(eventually([&] {
+      std::lock_guard<std::mutex> lock(world_.mutex);
+      return world_.hanging.size() == static_cast<size_t>(k + 1);
+    }));
+    std::this_thread::sleep_for(20ms);
+    std::shared_ptr<Promise<int64_t>> promise;
+    {
+      std::lock_guard<std::mutex> lock(world_.mutex);
+      promise = world_.hanging.at(static_cast<size_t>(k));
+    }
+    promise->setValue(k * 3);
+    EXPECT_EQ(forwarded.get(), k * 3);
+  };
+  agent(1).setServeReadWindow(std::chrono::seconds(30));
+  for (int64_t k = 0; k < kRound; ++k) forwardAndAnswer(k);
   agent(1).setServeReadWindow(std::chrono::microseconds(0));
-  std::this_thread::sleep_for(20ms);  // the reading worker's 2 ms window passes
-  for (int64_t i = 0; i < 20; ++i) EXPECT_EQ(agent(0).rpcSync("worker1", kNested, i + 100), (i + 101) * 10);
+  std::this_thread::sleep_for(20ms);  // no worker reads any more: each read ended with its answer
+  for (int64_t k = kRound; k < 2 * kRound; ++k) forwardAndAnswer(k);
   shutdownAll();
   const TraceFile w1 = readTrace(dir.path() + "/worker1.trace.jsonl");
   std::map<int64_t, std::string> threadNames;
   for (const auto& thread : w1.threads) threadNames[*thread.integer("tid")] = thread.string("name").value_or("");
-  // Per round of 20 (in time: the file is written thread by thread), the answers to worker1's add_int
-  // calls read on its executor workers.
+  // Per round (in time: the file is written thread by thread), the answers read on worker1's executor workers.
   std::vector<const FlatObject*> answers;
   for (const FlatObject* ev : named(w1, "rpc.client.deserialize")) {
-    if (ev->string("detail") == "add_int") answers.push_back(ev);
+    if (ev->string("detail") == "hang") answers.push_back(ev);
   }
-  ASSERT_EQ(answers.size(), 40u);
+  ASSERT_EQ(answers.size(), 2u * kRound);
   std::sort(answers.begin(), answers.end(), [](const FlatObject* x, const FlatObject* y) { return b(*x) < b(*y); });
   int onWorkers[2] = {0, 0};
   for (size_t i = 0; i < answers.size(); ++i) {
-    if (threadNames[*answers[i]->integer("tid")].rfind("dg-agent", 0) == 0) ++onWorkers[i / 20];
+    if (threadNames[*answers[i]->integer("tid")].rfind("dg-agent", 0) == 0) ++onWorkers[i / kRound];
   }
   if (GetParam() == "tcp") {
-    EXPECT_GE(onWorkers[0], 15) << "the worker that ran the handler reads the answer it awaits";
+    EXPECT_GE(onWorkers[0], kRound - 2) << "the worker that ran the handler reads the answer it awaits";
   } else {
     EXPECT_EQ(onWorkers[0], 0);
   }

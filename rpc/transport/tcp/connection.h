@@ -129,7 +129,7 @@ class TcpConnection final : public LoopConnection<TcpConnection, TcpLoop> {
   int readFd_ = -1;   // the socket (the handle's fd), for reading
   int kickFd_ = -1;   // eventfd: closeFromLoop and interruptWaitingRead wake a waiting reader through it
   bool readFailed_ = false;
-  uint64_t readerRole_ = 0;  // the current (or last) waiting reader's number, counted from 1
+  uint64_t readerRole_ = 0;  // GUARDED_BY(readerMutex_): the current (or last) waiting reader, counted from 1
   // Note [Resume after letting go]: armMutex_ orders the socket's pauses and resumes in the loop's read
   // set and its removal from it.
   std::mutex armMutex_;
