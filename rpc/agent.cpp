@@ -223,7 +223,8 @@ thread_local bool tReadsConnection = false;
 // Note [Reading for the answer]: the calls the handler running on this executor worker sent (startCall
 // counts them while one is set), the last one's id and connection.
 struct HandlerCalls {
-  const void* agent = nullptr;
+  explicit HandlerCalls(const void* of) : agent(of) {}
+  const void* agent;
   int count = 0;
   uint64_t id = 0;
   std::shared_ptr<transport::Connection> connection;  // null: a call to the agent itself
@@ -1801,7 +1802,7 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
     ctx.timeout = std::chrono::microseconds(fields.timeoutMicros);
     ctx.autogradContext = fields.autograd ? fields.autograd->contextId : 0;
     // Note [Reading for the answer]: a task on a worker (not an inline call run where it was read).
-    HandlerCalls calls{this};
+    HandlerCalls calls(this);
     const bool onWorker = executor_->isCurrentThread() && !tReadsConnection;
     Future<EncodeValueFn> result = [&] {
       // The handler's synchronous part runs inside the call's autograd context (nested calls carry it on).
