@@ -31,7 +31,18 @@ namespace {
 
 using namespace testing;  // the shared agent test setup (agent_test_util.h)
 
-class AgentTest : public AgentFixture {};
+class AgentTest : public AgentFixture {
+ protected:
+  // Three workers with one executor thread each, whose workers read for a call or an answer for up to 30 s
+  // (Note [Serving reader], Note [Reading for the answer]).
+  void startThreeReadingFor30s() {
+    ClusterSpec spec;
+    spec.size = 3;
+    spec.executorThreads = 1;
+    start(spec);
+    for (int rank = 0; rank < 3; ++rank) agent(rank).setServeReadWindow(std::chrono::seconds(30));
+  }
+};
 
 TEST_P(AgentTest, ValuesRoundTrip) {
   start();
@@ -164,11 +175,7 @@ TEST_P(AgentTest, SyncCallersReadingTheirRepliesServeAllOtherTrafficToo) {
 // a handler calling back its caller (the worker lets go of the connection before it runs a call), replies
 // of the callee's own calls, and shutdown.
 TEST_P(AgentTest, AWorkerReadingForTheNextCallLetsEveryOtherWorkThrough) {
-  ClusterSpec spec;
-  spec.size = 3;
-  spec.executorThreads = 1;
-  start(spec);
-  for (int rank = 0; rank < 3; ++rank) agent(rank).setServeReadWindow(std::chrono::seconds(30));
+  startThreeReadingFor30s();
   const auto begin = SteadyTime::now();
   for (int64_t i = 0; i < 50; ++i) {
     EXPECT_EQ(agent(0).rpcSync("worker1", kAddInt, i, int64_t{1}), i + 1);
@@ -188,11 +195,7 @@ TEST_P(AgentTest, AWorkerReadingForTheNextCallLetsEveryOtherWorkThrough) {
 // and on other connections, and a reply to worker1's own caller on that connection, all go through; the
 // answer, once given, completes the forwarded call.
 TEST_P(AgentTest, AWorkerReadingForItsHandlersAnswerLetsEveryOtherWorkThrough) {
-  ClusterSpec spec;
-  spec.size = 3;
-  spec.executorThreads = 1;
-  start(spec);
-  for (int rank = 0; rank < 3; ++rank) agent(rank).setServeReadWindow(std::chrono::seconds(30));
+  startThreeReadingFor30s();
   Future<int64_t> forwarded = agent(0).rpcAsync("worker1", kForwardHang, 5);
   ASSERT_TRUE(world_.hangStarted.waitFor());
   const auto begin = SteadyTime::now();
