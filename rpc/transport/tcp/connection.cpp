@@ -522,7 +522,7 @@ void TcpConnection::interruptWaitingRead() {
 // let go of readerMutex_, not before. Resumed first, bytes already waiting woke the loop at once, which
 // found the reader mutex still held, skipped the socket and was woken again by it (level-triggered): a
 // busy loop until the reader let go, and on one core, where the loop had preempted the reader, for the rest
-// of its time slice (measured: 14 epoll_wait calls per remote()+toHere() on one core, against none per
+// of its time slice (measured: 9-14 epoll_wait calls per remote()+toHere() on one core, against none per
 // rpcSync; +10 us of system time per operation). Resumed after, the socket may already have a new reader
 // that paused it again: pausedBy_, under armMutex_, says whether the pause is still this reader's (else the
 // new one resumes it when it lets go); and it may be closing: closeFromLoop takes it out of the read set
