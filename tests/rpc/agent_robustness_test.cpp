@@ -45,15 +45,6 @@ class AgentRobustnessTest : public AgentFixture {
       }
     }
   }
-
-  void completeHanging(size_t index, int64_t value) {
-    std::shared_ptr<Promise<int64_t>> promise;
-    {
-      std::lock_guard<std::mutex> lock(world_.mutex);
-      promise = world_.hanging.at(index);
-    }
-    promise->setValue(value);
-  }
 };
 
 // (d) A shutdown() that arrives while another is tearing down must not return before the teardown is
@@ -109,7 +100,7 @@ TEST_P(AgentRobustnessTest, ShutdownOnTheLoopOrTimerThreadIsRefusedWithoutTearin
     }
     loopDone.set();
   });
-  completeHanging(0, 5);
+  world_.completeHanging(0, 5);
   ASSERT_TRUE(loopDone.waitFor());
   ASSERT_FALSE(loopOnTestThread);
   EXPECT_NE(loopError.find("transport loop"), std::string::npos) << loopError;
@@ -234,7 +225,7 @@ TEST_P(AgentRobustnessTest, ReplyContinuationOnAShutDownUserExecutorStillRuns) {
     ran.set();
   });
   user->shutdown();
-  completeHanging(0, 7);
+  world_.completeHanging(0, 7);
   ASSERT_TRUE(ran.waitFor(10s)) << "the continuation was dropped";
   EXPECT_EQ(seen.load(), 7);
   EXPECT_TRUE(after.result().ok());

@@ -207,12 +207,7 @@ TEST_P(AgentTest, AWorkerReadingForItsHandlersAnswerLetsEveryOtherWorkThrough) {
   }
   EXPECT_LT(SteadyTime::now() - begin, 10s) << "a call waited for a worker reading for its handler's answer";
   EXPECT_FALSE(forwarded.isReady()) << "answered before the hanging call was";
-  std::shared_ptr<Promise<int64_t>> promise;
-  {
-    std::lock_guard<std::mutex> lock(world_.mutex);
-    promise = world_.hanging.at(0);
-  }
-  promise->setValue(7);
+  world_.completeHanging(0, 7);
   EXPECT_EQ(forwarded.get(), 7);
 }
 
@@ -242,12 +237,7 @@ TEST_P(AgentTest, CallsMadeOneAtATimeAreWrittenByTheirSenderAndBurstsByTheLoop) 
   for (int64_t i = 0; i < 256; ++i) burst.push_back(agent(0).rpcAsync("worker1", kAddInt, i, int64_t{2}));
   for (int64_t i = 0; i < 256; ++i) EXPECT_EQ(burst[static_cast<size_t>(i)].get(), i + 2);
   EXPECT_EQ(written(), beforeBurst) << "calls of a burst were written by their sender";
-  std::shared_ptr<Promise<int64_t>> promise;
-  {
-    std::lock_guard<std::mutex> lock(world_.mutex);
-    promise = world_.hanging.at(0);
-  }
-  promise->setValue(7);
+  world_.completeHanging(0, 7);
   EXPECT_EQ(hanging.get(), 7);
 }
 

@@ -102,6 +102,15 @@ struct World {
     std::lock_guard<std::mutex> lock(mutex);
     return *agents.at(name);
   }
+  // Answers the index-th kHang call (outside the lock: its continuations may run here).
+  void completeHanging(size_t index, int64_t value) {
+    std::shared_ptr<Promise<int64_t>> promise;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      promise = hanging.at(index);
+    }
+    promise->setValue(value);
+  }
 };
 
 inline Registry makeRegistry(World& world) {

@@ -387,12 +387,7 @@ TEST_P(AgentTraceTest, AHandlersForwardedCallIsAnsweredToTheWorkerThatRanIt) {
       return world_.hanging.size() == static_cast<size_t>(k + 1);
     }));
     std::this_thread::sleep_for(20ms);
-    std::shared_ptr<Promise<int64_t>> promise;
-    {
-      std::lock_guard<std::mutex> lock(world_.mutex);
-      promise = world_.hanging.at(static_cast<size_t>(k));
-    }
-    promise->setValue(k * 3);
+    world_.completeHanging(static_cast<size_t>(k), k * 3);
     EXPECT_EQ(forwarded.get(), k * 3);
   };
   agent(1).setServeReadWindow(std::chrono::seconds(30));
