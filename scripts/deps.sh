@@ -13,7 +13,9 @@
 # headers; cairo for `distgrad-trace plot`), so a machine is set up once.
 DG_DEPS_PACKAGES=(
   build-essential cmake ninja-build pkg-config
-  libdnnl-dev zlib1g-dev
+  # Debian's oneDNN is built with its OpenCL GPU runtime: its CMake config (find_package(dnnl)) fails without
+  # the OpenCL headers and library, which libdnnl-dev only recommends (and we install without recommends).
+  libdnnl-dev ocl-icd-opencl-dev zlib1g-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   dataset-fashion-mnist
   capnproto libcapnp-dev libuv1-dev libssl-dev libboost-dev libucx-dev
