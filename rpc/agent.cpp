@@ -1293,6 +1293,7 @@ void Agent::SyncWait::read(std::chrono::microseconds window, const std::function
   // The reply may be in already (a fast peer, or the send failed). Should the read throw, the destructor
   // still lets go.
   if (window.count() > 0 && !ready()) {
+    Executor::wakeOwed();  // Note [Following the task] (rpc/executor.cpp): this thread may read for a while
     struct Reading {
       Reading() { tReadsConnection = true; }
       ~Reading() { tReadsConnection = false; }

@@ -58,6 +58,14 @@ class Executor {
   // Wakes one sleeping worker if tasks are queued and none is awake or being woken: ends a run of
   // postDeferred() calls.
   void wakeDeferred();
+  // Note [Following the task] (executor.cpp): post() from one of this executor's workers, inside a task,
+  // that wakes no other worker: this worker runs it once its task ends, unless another worker, awake for
+  // other work, takes it first. Should the task block in a library wait first (a Future's get/wait, an
+  // rpcSync), wakeOwed() wakes one worker for it. From any other thread: post().
+  bool postAfterTask(Task task);
+  // Wakes a worker for what this thread posted with postAfterTask() during its current task, if anything:
+  // called before the thread blocks. Harmless on any thread.
+  static void wakeOwed();
 
   // Note [Waiting outside the queue] (executor.cpp): a worker, inside a task, that waits for work arriving
   // some other way (the agent: the next call on the connection it just answered, which it reads itself)

@@ -25,6 +25,8 @@ thread_local int tInlineDepth = 0;
 thread_local bool tForbidBlocking = false;
 // Set while a ContinuationsHere scope lives on this thread.
 thread_local bool tContinuationsHere = false;
+// Note [Following the task] (rpc/executor.cpp).
+thread_local bool tTaskTail = false;
 // The shallowest stack address at which a coroutine started on this thread (stacks grow down).
 thread_local const char* tStackAnchor = nullptr;
 
@@ -60,6 +62,10 @@ namespace detail {
 
 bool continuationsHere() { return tContinuationsHere; }
 
+bool inTaskTail() { return tTaskTail; }
+TaskTailScope::TaskTailScope(bool tail) : previous_(tTaskTail) { tTaskTail = tail; }
+TaskTailScope::~TaskTailScope() { tTaskTail = previous_; }
+
 bool enterInline() {
   if (tInlineDepth >= kMaxInlineDepth) return false;
   ++tInlineDepth;
@@ -72,6 +78,7 @@ ForbidBlockingScope::ForbidBlockingScope() : previous_(tForbidBlocking) { tForbi
 ForbidBlockingScope::~ForbidBlockingScope() { tForbidBlocking = previous_; }
 
 void checkMayBlock() {
+  Executor::wakeOwed();  // Note [Following the task] (rpc/executor.cpp)
   if (!tForbidBlocking) return;
   throw RpcError(Error::failed("a blocking wait for a future inside an inline handler: the handler runs on the "
                                "transport's loop thread, which may be the one to complete the future; return the "

@@ -19,6 +19,9 @@
 // a promise while holding its own locks, and then() on a ready future returns before f runs. The one
 // exception is then(kInlineSafe, f): f is trusted to be short and thread-agnostic (forwarding a result,
 // bumping a counter) and runs on whichever thread completes the state, or inside then() if it already has.
+// then() on a ready future, called on a worker of its executor, and a completion in the tail of a posted
+// continuation (after its function returned) queue f to run after the current task on that worker, without
+// waking another (Note [Following the task] in rpc/executor.cpp).
 // Even inline-safe callbacks are posted once kMaxInlineDepth of them are nested on one thread, so long
 // forwarding chains cannot overflow the stack.
 //
@@ -133,6 +136,21 @@ class ForbidBlockingScope {
 };
 // Throws the RpcError above when blocking is forbidden on this thread.
 void checkMayBlock();
+// Note [Following the task] (rpc/executor.cpp): true while this thread runs a posted continuation past
+// its user function's return (completing then()'s future, and the inline-safe callbacks that runs): the
+// task ends right after, so continuations dispatched now may follow it on this worker.
+bool inTaskTail();
+// Sets inTaskTail() to `tail` for its lifetime (restored after).
+class TaskTailScope {
+ public:
+  explicit TaskTailScope(bool tail);
+  ~TaskTailScope();
+  TaskTailScope(const TaskTailScope&) = delete;
+  TaskTailScope& operator=(const TaskTailScope&) = delete;
+
+ private:
+  bool previous_;
+};
 // Note [Eager coroutine start].
 inline constexpr size_t kEagerStackBudget = 256 * 1024;
 bool eagerStartAllowed();
@@ -167,7 +185,7 @@ class FutureState : public std::enable_shared_from_this<FutureState<T>> {
     }
     // Notified after unlocking so a blocked get() does not wake into our held mutex (keepAlive holds it).
     completed_.notify_all();
-    if (callback) dispatch(std::move(callback), inlineSafe, executor);
+    if (callback) dispatch(std::move(callback), inlineSafe, executor, /*followTask=*/inTaskTail());
     return true;
   }
 
@@ -186,7 +204,7 @@ class FutureState : public std::enable_shared_from_this<FutureState<T>> {
       }
       executor = executor_;
     }
-    dispatch(std::move(callback), inlineSafe, executor);
+    dispatch(std::move(callback), inlineSafe, executor, /*followTask=*/true);
   }
 
   bool isReady() const { return ready_.load(std::memory_order_acquire); }
@@ -223,7 +241,9 @@ class FutureState : public std::enable_shared_from_this<FutureState<T>> {
   }
 
  private:
-  void dispatch(Callback callback, bool inlineSafe, Executor* executor) {
+  // followTask: then() on a ready future, or a completion in a task's tail: the continuation follows the
+  // current task on this worker (Note [Following the task] in rpc/executor.cpp).
+  void dispatch(Callback callback, bool inlineSafe, Executor* executor, bool followTask = false) {
     const bool here = inlineSafe || (continuationsHere() && executor != nullptr && executor->isCurrentThread());
     if (here && enterInline()) {
       struct Leave {
@@ -238,7 +258,11 @@ class FutureState : public std::enable_shared_from_this<FutureState<T>> {
       std::lock_guard<std::mutex> lock(mutex_);
       callback_ = std::move(callback);
     }
-    if (!executor->post([self = this->shared_from_this()] { self->runPostedCallback(); })) {
+    Task task([self = this->shared_from_this()] {
+      TaskTailScope top(true);  // the top of a task: runContinuation clears it while the user's function runs
+      self->runPostedCallback();
+    });
+    if (!(followTask ? executor->postAfterTask(std::move(task)) : executor->post(std::move(task)))) {
       // Refused (the executor shut down): run it here rather than drop it (Note [Refused continuations]).
       // `this` is alive: the caller (a Promise completing it, or then()) holds a reference.
       reportRefusedContinuation();
@@ -319,35 +343,44 @@ template <typename U>
 void forwardInto(Future<U>&& inner, Promise<U>&& promise);
 
 // Calls `call` and completes `promise` with what it returns (a value, a Result, a Future to forward).
+// `call`, the user's function, is not a task's tail unless it is inline-safe (short by contract); what
+// follows its return is, if the caller was (Note [Following the task] in rpc/executor.cpp).
 template <typename U, typename Call>
-void deliver(Promise<U>& promise, Call&& call) {
+void deliver(Promise<U>& promise, Call&& call, bool inlineSafe) {
   using R = std::invoke_result_t<Call&>;
+  auto user = [&] {
+    TaskTailScope body(inlineSafe && inTaskTail());
+    return call();
+  };
   if constexpr (std::is_void_v<R>) {
-    call();
+    user();
     promise.setValue();
   } else if constexpr (IsFuture<R>::value) {
-    forwardInto(call(), std::move(promise));
+    forwardInto(user(), std::move(promise));
   } else if constexpr (IsResult<R>::value) {
-    promise.setResult(call());
+    promise.setResult(user());
   } else {
-    promise.setValue(call());
+    promise.setValue(user());
   }
 }
 
 template <typename T, typename F, typename U>
-void runContinuation(F& f, Result<T>&& result, Promise<U>& promise) {
+void runContinuation(F& f, Result<T>&& result, Promise<U>& promise, bool inlineSafe) {
   try {
     if constexpr (std::is_invocable_v<F&, Result<T>&&>) {
-      deliver(promise, [&] { return f(std::move(result)); });
+      deliver(
+          promise, [&] { return f(std::move(result)); }, inlineSafe);
     } else {
       if (!result.ok()) {
         promise.setError(result.error());
         return;
       }
       if constexpr (std::is_void_v<T>) {
-        deliver(promise, [&] { return f(); });
+        deliver(
+            promise, [&] { return f(); }, inlineSafe);
       } else {
-        deliver(promise, [&] { return f(std::move(result).value()); });
+        deliver(
+            promise, [&] { return f(std::move(result).value()); }, inlineSafe);
       }
     }
   } catch (...) {
@@ -603,8 +636,8 @@ class Future {
     Promise<U> promise(*state->executor());
     Future<U> next = promise.getFuture();
     state->setCallback(
-        [fn = Fn(std::forward<F>(f)), promise = std::move(promise)](Result<T>&& result) mutable {
-          detail::runContinuation<T>(fn, std::move(result), promise);
+        [fn = Fn(std::forward<F>(f)), promise = std::move(promise), inlineSafe](Result<T>&& result) mutable {
+          detail::runContinuation<T>(fn, std::move(result), promise, inlineSafe);
         },
         inlineSafe);
     return next;

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "rpc/async_test_util.h"
+#include "rpc/future.h"
 
 namespace distgrad::rpc {
 namespace {
@@ -173,6 +174,52 @@ TEST(Executor, WhatAnOutsideWaiterPostsItselfWakesNobodyAndItComesBackForIt) {
   ASSERT_TRUE(done.waitFor());
   EXPECT_FALSE(interruptedBySelf);
   EXPECT_EQ(runner, waiter) << "the other worker was woken for work the waiter posted itself";
+}
+
+// Note [Following the task]: postAfterTask from a worker wakes nobody; that worker runs the task once its
+// current task ended. A library wait inside the task wakes a worker for it first (wakeOwed), so a task
+// waiting for what it queued does not hang. Off the workers it is post().
+TEST(Executor, WorkPostedAfterTheTaskRunsOnThatWorkerOnceTheTaskEnds) {
+  Executor ex(2);
+  std::atomic<bool> taskEnded{false}, ranAfterTheTask{false};
+  std::thread::id poster, runner;
+  Event done;
+  ASSERT_TRUE(ex.post([&] {
+    poster = std::this_thread::get_id();
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the other worker is asleep by now
+    ASSERT_TRUE(ex.postAfterTask([&] {
+      runner = std::this_thread::get_id();
+      ranAfterTheTask = taskEnded.load();
+      done.set();
+    }));
+    // Had the other worker been woken, it would have run the task by now.
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    taskEnded = true;
+  }));
+  ASSERT_TRUE(done.waitFor());
+  EXPECT_EQ(runner, poster);
+  EXPECT_TRUE(ranAfterTheTask);
+  // Off the workers it is a plain post.
+  Event offWorkers;
+  ASSERT_TRUE(ex.postAfterTask([&] { offWorkers.set(); }));
+  EXPECT_TRUE(offWorkers.waitFor());
+}
+
+TEST(Executor, ATaskWaitingForWhatItPostedAfterItselfWakesAWorkerForIt) {
+  Executor ex(2);
+  Event done;
+  std::atomic<bool> completed{false};
+  ASSERT_TRUE(ex.post([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the other worker is asleep by now
+    Promise<void> promise(ex);
+    Future<void> future = promise.getFuture();
+    ASSERT_TRUE(ex.postAfterTask([promise = std::move(promise)]() mutable { promise.setValue(); }));
+    completed = future.wait(std::chrono::seconds(5));  // a library wait: wakeOwed() first
+    done.set();
+  }));
+  ASSERT_TRUE(done.waitFor());
+  EXPECT_TRUE(completed);
+  Executor::wakeOwed();  // harmless off the workers
 }
 
 TEST(Executor, ShutdownInterruptsOutsideWaiters) {

@@ -261,6 +261,69 @@ TEST(Future, ContinuationsHereRunTheChainOnTheCompletingWorker) {
   EXPECT_FALSE(otherRanHere.load());
 }
 
+// Note [Following the task] (rpc/executor.cpp): then() on a ready future, called on a worker of its
+// executor, runs after the current task on that worker (never inside then(), and the other worker is not
+// woken for it).
+TEST(Future, ThenOnAReadyFutureOnAWorkerRunsAfterTheTaskOnThatWorker) {
+  Executor ex(2);
+  std::atomic<bool> taskEnded{false}, ranAfterTheTask{false};
+  std::thread::id worker, ranOn;
+  Event done;
+  ASSERT_TRUE(ex.post([&] {
+    worker = std::this_thread::get_id();
+    std::this_thread::sleep_for(20ms);  // the other worker is asleep by now
+    (void)makeReadyFuture(1, ex).then([&](int) {
+      ranOn = std::this_thread::get_id();
+      ranAfterTheTask = taskEnded.load();
+      done.set();
+    });
+    std::this_thread::sleep_for(50ms);
+    taskEnded = true;
+  }));
+  ASSERT_TRUE(done.waitFor());
+  EXPECT_EQ(ranOn, worker);
+  EXPECT_TRUE(ranAfterTheTask);
+}
+
+// A continuation completed once a posted continuation's function returned (the task's tail) follows it on
+// the same worker; one completed inside the function's body is posted at once, so it runs beside the body.
+TEST(Future, TheTailOfAContinuationKeepsTheNextOnItsWorkerAndItsBodyDoesNot) {
+  Executor ex(2);
+  int elsewhere = 0;  // a posted second continuation often lands on the first's worker too: repeat
+  for (int round = 0; round < 20; ++round) {
+    std::this_thread::sleep_for(5ms);  // both workers asleep
+    Promise<int> start(ex);
+    std::thread::id first, second;
+    auto chain = start.getFuture()
+                     .then([&](int v) {
+                       first = std::this_thread::get_id();
+                       return v + 1;
+                     })
+                     .then([&](int v) {
+                       second = std::this_thread::get_id();
+                       return v + 1;
+                     });
+    start.setValue(1);
+    ASSERT_TRUE(chain.wait(kTestTimeout));
+    EXPECT_EQ(chain.get(), 3);
+    elsewhere += second != first;
+  }
+  EXPECT_EQ(elsewhere, 0);
+
+  Promise<int> outer(ex);
+  std::atomic<bool> innerRanDuringBody{false};
+  Event innerRan;
+  auto body = outer.getFuture().then([&](int) {
+    Promise<int> inner(ex);
+    auto innerDone = inner.getFuture().then([&](int) { innerRan.set(); });
+    inner.setValue(0);
+    innerRanDuringBody = innerRan.waitFor();  // runs on the other worker while this body waits
+  });
+  outer.setValue(0);
+  ASSERT_TRUE(body.wait(kTestTimeout));
+  EXPECT_TRUE(innerRanDuringBody);
+}
+
 // The scope changes nothing on a thread that is no worker of the continuation's executor.
 TEST(Future, ContinuationsHereOffTheExecutorStillPost) {
   Executor ex(1);
