@@ -572,8 +572,9 @@ class FieldDecoder {
   template <typename F>
   void operator()(const char* name, F& value) {
     auto field = fields_[index_++];
-    if (std::string_view(field.getName().cStr(), field.getName().size()) != name) {
-      throw CodecError(std::string("expected field '") + name + "', got '" + field.getName().cStr() + "'");
+    const auto got = field.getName();  // one read: each is a bounds-checked pointer walk
+    if (std::string_view(got.cStr(), got.size()) != name) {
+      throw CodecError(std::string("expected field '") + name + "', got '" + got.cStr() + "'");
     }
     try {
       value = Codec<F>::decode(field.getValue(), ctx_);
