@@ -279,6 +279,7 @@ Result<transport::OutgoingFrame> encodeMessage(const EnvelopeFields& fields, con
 }
 
 struct DecodedMessage::State {
+  EnvelopeFields fields;
   std::vector<uint8_t> envelopeBytes;
   EnvelopeReader envelope;
   std::vector<transport::PayloadBuffer> payloads;
@@ -289,7 +290,7 @@ struct DecodedMessage::State {
   std::shared_ptr<const std::vector<int32_t>> gradIndexOfPayload;
 };
 
-DecodedMessage::DecodedMessage(std::shared_ptr<State> state) : state_(std::move(state)) {}
+DecodedMessage::DecodedMessage(std::shared_ptr<State> state) : state_(std::move(state)), fields_(&state_->fields) {}
 DecodedMessage::DecodedMessage(DecodedMessage&&) noexcept = default;
 DecodedMessage& DecodedMessage::operator=(DecodedMessage&&) noexcept = default;
 DecodedMessage::~DecodedMessage() = default;
@@ -313,7 +314,6 @@ wire::Value::Reader DecodedMessage::selectValue(wire::Value::Reader root) const 
 
 DecodedMessage DecodedMessage::fieldView(uint32_t index) const {
   DecodedMessage view(state_);
-  view.fields_ = fields_;
   view.fieldPath_ = fieldPath_;
   view.fieldPath_.push_back(index);
   view.scope_ = scope_;
@@ -364,7 +364,7 @@ Result<DecodedMessage> decodeMessage(transport::IncomingFrame frame, const Decod
       state->gradIndexOfPayload = std::move(index);
     }
 
-    EnvelopeFields fields;
+    EnvelopeFields& fields = state->fields;
     fields.messageId = env.getMessageId();
     fields.kind = static_cast<MessageKind>(env.getKind());
     fields.functionName = stringOf(env.getFunctionName());
@@ -396,12 +396,12 @@ Result<DecodedMessage> decodeMessage(transport::IncomingFrame frame, const Decod
       }
       references = std::make_shared<CarriedReferences>(std::move(refs));
     }
+    const bool call = fields.kind == MessageKind::kCall;
     DecodedMessage message(std::move(state));
-    message.fields_ = std::move(fields);
     message.scope_.references = std::move(references);
     // Note [Received CUDA tensors] (rpc/codec.cpp): a call's arguments are decoded on the thread that runs
     // its handler, which then waits for their copies in stream order; anything else waits on the host.
-    message.scope_.cudaWaitOnHost = message.fields_.kind != MessageKind::kCall;
+    message.scope_.cudaWaitOnHost = !call;
     return message;
   });
 }

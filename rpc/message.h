@@ -129,8 +129,8 @@ class DecodedMessage {
   DecodedMessage& operator=(DecodedMessage&&) noexcept;
   ~DecodedMessage();
 
-  const EnvelopeFields& fields() const { return fields_; }
-  MessageKind kind() const { return fields_.kind; }
+  const EnvelopeFields& fields() const { return *fields_; }
+  MessageKind kind() const { return fields_->kind; }
   // The raw value tree (valid while this object lives). Reads through it count against this message's
   // Cap'n Proto traversal budget and may throw kj::Exception; prefer decodeValue, which cannot.
   wire::Value::Reader value() const;
@@ -194,7 +194,9 @@ class DecodedMessage {
   // CodecError when a field of the path is missing.
   wire::Value::Reader selectValue(wire::Value::Reader root) const;
   std::shared_ptr<State> state_;  // shared with field views (immutable once decoded)
-  EnvelopeFields fields_;
+  // The state's fields (decoded once; a pointer, not a copy: a message is moved several times on its way
+  // to its handler, and field views share them).
+  const EnvelopeFields* fields_;
   std::vector<uint32_t> fieldPath_;
   CodecScope scope_;
 };
