@@ -263,6 +263,48 @@ TEST_P(RRefOrder, ToHereOfAnObjectWithoutACodecIsAClearError) {
   EXPECT_TRUE(allSettled()) << tables();
 }
 
+// Note [Positional call header]: a "dg.rref.call" whose header is not the nine positional values (the
+// named struct of earlier builds, a short list, a value of the wrong kind) is answered with an error that
+// says so; nothing is stored, and the owner goes on serving.
+TEST_P(RRefOrder, MalformedCallHeadersAreAnsweredWithAClearError) {
+  start();
+  using Build = std::function<void(rpc::wire::Value::Builder)>;
+  const std::vector<std::pair<Build, std::string>> malformed = {
+      {[](rpc::wire::Value::Builder h) { h.initStruct(9); }, "expected rref_call_header"},
+      {[](rpc::wire::Value::Builder h) { h.initList(8); }, "has 9 values, got 8"},
+      {[](rpc::wire::Value::Builder h) {
+         auto list = h.initList(9);
+         for (uint32_t i = 0; i < 9; ++i) list[i].setUint64(0);
+         list[0].setText("function");
+       },
+       "expected i64"},
+  };
+  for (const auto& [build, says] : malformed) {
+    auto promise = std::make_shared<rpc::Promise<void>>(agent(0).executor());
+    auto future = promise->getFuture();
+    auto encode = [&build](rpc::wire::Value::Builder out, rpc::EncodeContext&) {
+      auto fields = out.initStruct(2);
+      build(fields[0].initValue());
+      fields[1].initValue().setNull();
+    };
+    agent(0).rpcRaw(rpc::CallOptions{}, name(1), detail::kCallFunction, detail::kCallHash, encode,
+                    [promise](rpc::Result<rpc::DecodedMessage>&& reply) {
+                      if (!reply.ok()) return promise->setError(reply.error());
+                      if (reply.value().kind() == rpc::MessageKind::kError) {
+                        return promise->setError(*reply.value().fields().error);
+                      }
+                      promise->setValue();
+                    });
+    auto error = rpc::testing::errorOf([&] { future.get(); });
+    EXPECT_EQ(error.kind, rpc::ErrorKind::kFailed) << error.describe();
+    EXPECT_NE(error.message.find("malformed rref call header"), std::string::npos) << error.describe();
+    EXPECT_NE(error.message.find(says), std::string::npos) << error.describe();
+    EXPECT_EQ(error.worker, name(1));
+  }
+  EXPECT_EQ(rrefs(0)->remote(name(1), kAddInt, int64_t{2}, int64_t{3}).toHere(), 5);
+  EXPECT_TRUE(allSettled()) << tables();
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, RRefOrder, ::testing::Values("inproc", "tcp"));
 
 }  // namespace
