@@ -8,12 +8,17 @@
 #include <mutex>
 #include <utility>
 
+#include "rpc/executor.h"
+
 namespace distgrad::models::pipeline {
 
 class ComputeToken {
  public:
   // Blocks until the token is this caller's.
   void acquireBlocking() {
+    // An executor worker may block here: what it queued to follow its task must not wait on it (Note
+    // [Following the task] in rpc/executor.cpp).
+    rpc::Executor::wakeOwed();
     std::unique_lock<std::mutex> lock(mutex_);
     ++blocked_;
     freed_.wait(lock, [&] { return !held_ && !reserved_; });
