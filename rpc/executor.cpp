@@ -106,9 +106,9 @@ void Executor::wakeDeferred() {
 // A task that blocks in a library wait (a Future's get/wait, rpcSync's read, a pipeline stage's compute
 // token) after queueing wakes a worker first (wakeOwed), so waiting for what it queued does not hang;
 // other blocking (a user's own mutex or condition variable) on work it queued is the pool-exhaustion case
-// the header warns about. The queue's other users are unaffected: a worker that takes a task and leaves more queued wakes the next as always
-// (Note [Wake-up chaining]). bench_rref, one core, inc_ref loop: 21.5 -> 18.7 us per call, 3.2 -> 0.2 futex
-// calls per call (as many as a call of a plain function).
+// the header warns about. The queue's other users are unaffected: a worker that takes a task and leaves
+// more queued wakes the next as always (Note [Wake-up chaining]). bench_rref, one core, inc_ref loop: 21.5
+// -> 18.7 us per call, 3.2 -> 0.2 futex calls per call (as many as a call of a plain function).
 bool Executor::postAfterTask(Task task) {
   if (tCurrentExecutor != this) return post(std::move(task));
   DG_CHECK(static_cast<bool>(task), "Executor::postAfterTask: the task must not be empty");
