@@ -628,6 +628,56 @@ T Codec<T>::decode(wire::Value::Reader in, DecodeContext& ctx) {
   return out;
 }
 
+// Note [Positional structs]: Codec<T> for a visitFields struct that travels as the list of its field values
+// in declaration order, without names: for internal messages decoded on every call (the RRef call header,
+// Note [Positional call header] in rref/context.h), where a named field's decode reads its name (a
+// bounds-checked text read, and the envelope check reads it again) and a field record around the value.
+// The count and every value (its field's codec) are still checked; an error names the field. Use:
+//   template <> struct rpc::Codec<Header> : rpc::PositionalCodec<Header> {};
+template <typename T>
+struct PositionalCodec {
+  static std::string signature() {
+    T probe{};
+    detail::FieldSignature visitor;
+    probe.visitFields(visitor);
+    return "positional{" + visitor.out + "}";
+  }
+  static void encode(wire::Value::Builder out, const T& value, EncodeContext& ctx) {
+    detail::DepthScope scope(ctx);
+    T& readable = const_cast<T&>(value);  // the visitor only reads (as Codec<T>::encode)
+    detail::FieldCounter counter;
+    readable.visitFields(counter);
+    auto list = out.initList(counter.count);
+    uint32_t index = 0;
+    auto write = [&](const char*, const auto& field) {
+      Codec<std::decay_t<decltype(field)>>::encode(list[index++], field, ctx);
+    };
+    readable.visitFields(write);
+  }
+  static T decode(wire::Value::Reader in, DecodeContext& ctx) {
+    if (!in.isList()) detail::throwKindMismatch(signature(), in);
+    detail::DepthScope scope(ctx);
+    T out{};
+    detail::FieldCounter counter;
+    out.visitFields(counter);
+    auto list = in.getList();
+    if (list.size() != counter.count) {
+      throw CodecError("expected " + std::to_string(counter.count) + " positional fields, got " +
+                       std::to_string(list.size()));
+    }
+    uint32_t index = 0;
+    auto read = [&](const char* name, auto& field) {
+      try {
+        field = Codec<std::decay_t<decltype(field)>>::decode(list[index++], ctx);
+      } catch (const CodecError& e) {
+        throw CodecError(std::string("field '") + name + "': " + e.what());
+      }
+    };
+    out.visitFields(read);
+    return out;
+  }
+};
+
 // ---- signatures ----
 
 template <typename T>

@@ -116,7 +116,7 @@ class RRefState {
 };
 
 // The header of a "dg.rref.call" message; its value is the struct (header, arguments tuple). On the wire
-// it is positional (rpc::Codec<CallHeader> below), not a named struct.
+// it is positional (Note [Positional call header] below), not a named struct.
 struct CallHeader {
   int64_t kind = 0;  // CallKind
   std::string target;  // function name, or class name (constructor)
@@ -129,6 +129,18 @@ struct CallHeader {
   // number in it, from 1; 0: unordered.
   uint64_t stream = 0;
   uint64_t seq = 0;
+  template <class V>
+  void visitFields(V& v) {
+    v("kind", kind);
+    v("target", target);
+    v("method", method);
+    v("hash", hash);
+    v("receiver", receiver);
+    v("result", result);
+    v("resultFork", resultFork);
+    v("stream", stream);
+    v("seq", seq);
+  }
 };
 
 enum class CallKind : int64_t {
@@ -162,47 +174,11 @@ inline constexpr uint64_t kFetchHash = rpc::detail::fnv1a64("dg.rref.fetch(rref)
 namespace distgrad::rpc {
 
 // Note [Positional call header]: the header of every RRef call (remote, method calls, toHere of objects)
-// is a list of nine values in the field order of CallHeader, not a struct of named fields. A named
-// struct's decode reads each field's name (a bounds-checked text read, and the envelope check reads it
-// again) and a field record around each value; the owner's decode of the nine named fields cost ~6,000
-// instructions per call (callgrind), a tenth of a remote()+toHere()'s user-space work on the owner. Every
-// element is still checked: the count, each value's kind (the element's codec), the kind range (serveCall).
+// travels positionally (Note [Positional structs] in rpc/codec.h): the owner's decode of the nine named
+// fields cost ~6,000 instructions per call (callgrind), a tenth of a remote()+toHere()'s user-space work on
+// the owner. The kind's range is checked by serveCall.
 template <>
-struct Codec<rref::detail::CallHeader> {
-  static constexpr uint32_t kElements = 9;
-  static std::string signature() { return "rref_call_header"; }
-  static void encode(wire::Value::Builder out, const rref::detail::CallHeader& h, EncodeContext& ctx) {
-    auto list = out.initList(kElements);
-    Codec<int64_t>::encode(list[0], h.kind, ctx);
-    Codec<std::string>::encode(list[1], h.target, ctx);
-    Codec<std::string>::encode(list[2], h.method, ctx);
-    Codec<uint64_t>::encode(list[3], h.hash, ctx);
-    Codec<RRefId>::encode(list[4], h.receiver, ctx);
-    Codec<RRefId>::encode(list[5], h.result, ctx);
-    Codec<uint64_t>::encode(list[6], h.resultFork, ctx);
-    Codec<uint64_t>::encode(list[7], h.stream, ctx);
-    Codec<uint64_t>::encode(list[8], h.seq, ctx);
-  }
-  static rref::detail::CallHeader decode(wire::Value::Reader in, DecodeContext& ctx) {
-    if (!in.isList()) detail::throwKindMismatch(signature(), in);
-    auto list = in.getList();
-    if (list.size() != kElements) {
-      throw CodecError("an rref call header has " + std::to_string(kElements) + " values, got " +
-                       std::to_string(list.size()));
-    }
-    rref::detail::CallHeader h;
-    h.kind = Codec<int64_t>::decode(list[0], ctx);
-    h.target = Codec<std::string>::decode(list[1], ctx);
-    h.method = Codec<std::string>::decode(list[2], ctx);
-    h.hash = Codec<uint64_t>::decode(list[3], ctx);
-    h.receiver = Codec<RRefId>::decode(list[4], ctx);
-    h.result = Codec<RRefId>::decode(list[5], ctx);
-    h.resultFork = Codec<uint64_t>::decode(list[6], ctx);
-    h.stream = Codec<uint64_t>::decode(list[7], ctx);
-    h.seq = Codec<uint64_t>::decode(list[8], ctx);
-    return h;
-  }
-};
+struct Codec<rref::detail::CallHeader> : PositionalCodec<rref::detail::CallHeader> {};
 
 }  // namespace distgrad::rpc
 

@@ -270,14 +270,14 @@ TEST_P(RRefOrder, MalformedCallHeadersAreAnsweredWithAClearError) {
   start();
   using Build = std::function<void(rpc::wire::Value::Builder)>;
   const std::vector<std::pair<Build, std::string>> malformed = {
-      {[](rpc::wire::Value::Builder h) { h.initStruct(9); }, "expected rref_call_header"},
-      {[](rpc::wire::Value::Builder h) { h.initList(8); }, "has 9 values, got 8"},
+      {[](rpc::wire::Value::Builder h) { h.initStruct(9); }, "expected positional{kind:i64"},
+      {[](rpc::wire::Value::Builder h) { h.initList(8); }, "expected 9 positional fields, got 8"},
       {[](rpc::wire::Value::Builder h) {
          auto list = h.initList(9);
          for (uint32_t i = 0; i < 9; ++i) list[i].setUint64(0);
          list[0].setText("function");
        },
-       "expected i64"},
+       "field 'kind': expected i64"},
   };
   for (const auto& [build, says] : malformed) {
     auto promise = std::make_shared<rpc::Promise<void>>(agent(0).executor());
