@@ -290,10 +290,14 @@ struct DecodedMessage::State {
   std::shared_ptr<const std::vector<int32_t>> gradIndexOfPayload;
 };
 
-DecodedMessage::DecodedMessage(std::shared_ptr<State> state) : state_(std::move(state)), fields_(&state_->fields) {}
+DecodedMessage::DecodedMessage(std::shared_ptr<State> state) : state_(std::move(state)) {}
 DecodedMessage::DecodedMessage(DecodedMessage&&) noexcept = default;
 DecodedMessage& DecodedMessage::operator=(DecodedMessage&&) noexcept = default;
 DecodedMessage::~DecodedMessage() = default;
+
+// In the shared state, not a member: a message is moved several times on its way to its handler, and every
+// move moved every field (strings, the error, the autograd ids); field views copied them.
+const EnvelopeFields& DecodedMessage::fields() const { return state_->fields; }
 
 wire::Value::Reader DecodedMessage::value() const {
   return selectValue(state_->envelope.reader->getRoot<wire::Envelope>().getValue());

@@ -129,8 +129,8 @@ class DecodedMessage {
   DecodedMessage& operator=(DecodedMessage&&) noexcept;
   ~DecodedMessage();
 
-  const EnvelopeFields& fields() const { return *fields_; }
-  MessageKind kind() const { return fields_->kind; }
+  const EnvelopeFields& fields() const;  // decoded once, shared with field views
+  MessageKind kind() const { return fields().kind; }
   // The raw value tree (valid while this object lives). Reads through it count against this message's
   // Cap'n Proto traversal budget and may throw kj::Exception; prefer decodeValue, which cannot.
   wire::Value::Reader value() const;
@@ -193,10 +193,7 @@ class DecodedMessage {
   // The value this message stands for inside the envelope's value (itself, or the fieldView path). Throws
   // CodecError when a field of the path is missing.
   wire::Value::Reader selectValue(wire::Value::Reader root) const;
-  std::shared_ptr<State> state_;  // shared with field views (immutable once decoded)
-  // The state's fields (decoded once; a pointer, not a copy: a message is moved several times on its way
-  // to its handler, and field views share them).
-  const EnvelopeFields* fields_;
+  std::shared_ptr<State> state_;  // shared with field views (immutable once decoded), the fields included
   std::vector<uint32_t> fieldPath_;
   CodecScope scope_;
 };
