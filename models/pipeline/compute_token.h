@@ -3,10 +3,12 @@
 // A pipeline stage's compute token (Note [Stage compute token] and Note [1F1B alternation] in
 // models/pipeline/rpc_pipeline.cpp): the stage's forwards and backwards compute one at a time.
 
+#include <algorithm>
 #include <condition_variable>
 #include <functional>
 #include <mutex>
 #include <utility>
+#include <vector>
 
 #include "rpc/executor.h"
 
@@ -19,10 +21,16 @@ class ComputeToken {
     // An executor worker may block here: what it queued to follow its task must not wait on it (Note
     // [Following the task] in rpc/executor.cpp).
     rpc::Executor::wakeOwed();
+    rpc::Executor* const executor = rpc::Executor::current();
     std::unique_lock<std::mutex> lock(mutex_);
     ++blocked_;
-    freed_.wait(lock, [&] { return !held_ && !reserved_; });
+    if (executor != nullptr) blockedWorkers_.push_back(executor);
+    freed_.wait(lock, [&] {
+      if (reserved_ && starvedLocked()) reserved_ = false;  // Note [Starved reservation]
+      return !held_ && !reserved_;
+    });
     --blocked_;
+    if (executor != nullptr) blockedWorkers_.erase(std::find(blockedWorkers_.begin(), blockedWorkers_.end(), executor));
     held_ = true;
   }
   // The forward runner's acquire: takes the token if it is free and reserved for the runner or nobody is
@@ -44,7 +52,7 @@ class ComputeToken {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       held_ = false;
-      reserved_ = forwardNext;
+      reserved_ = forwardNext && !starvedLocked();  // Note [Starved reservation]
       if (blocked_ > 0 && !reserved_) {
         freed_.notify_one();
         return;
@@ -66,11 +74,28 @@ class ComputeToken {
   }
 
  private:
+  // Note [Starved reservation]: a reservation waits for the forward runner, which a wake-up posts to an
+  // executor. When every worker of an executor is blocked here, none is left to run it: the reservation
+  // would never be taken and the blocked backwards would wait for it for ever (a stage whose agent has one
+  // executor thread deadlocked this way under 1F1B: the next backward's task was queued before the runner
+  // and blocked the only worker). So no reservation is made, or one is dropped, while some executor has all
+  // its workers blocked on this token; the runner then takes the token after those backwards, as without
+  // 1F1B's alternation. Not exact for a runner on another executor (a stage's runner and backwards use
+  // its agent's), where it only costs the alternation.
+  bool starvedLocked() const {
+    return std::any_of(blockedWorkers_.begin(), blockedWorkers_.end(), [&](rpc::Executor* executor) {
+      return static_cast<size_t>(std::count(blockedWorkers_.begin(), blockedWorkers_.end(), executor)) >=
+             executor->numThreads();
+    });
+  }
+
   mutable std::mutex mutex_;
   std::condition_variable freed_;
   bool held_ = false;           // GUARDED_BY(mutex_)
   bool reserved_ = false;       // GUARDED_BY(mutex_): free, but only for the forward runner
   int blocked_ = 0;             // GUARDED_BY(mutex_)
+  // The executor of each blocked caller that is an executor worker (one entry per caller).
+  std::vector<rpc::Executor*> blockedWorkers_;  // GUARDED_BY(mutex_)
   std::function<void()> wake_;  // GUARDED_BY(mutex_)
 };
 

@@ -4,7 +4,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <future>
 #include <thread>
+
+#include "rpc/executor.h"
 
 namespace distgrad::models::pipeline {
 namespace {
@@ -87,6 +90,46 @@ TEST(ComputeToken, ADroppedReservationLetsBlockedAcquirersGoOn) {
   EXPECT_FALSE(token.tryAcquireOrNotify([] {}));
   token.release();
   EXPECT_TRUE(token.tryAcquireOrNotify([] {}));
+}
+
+// Note [Starved reservation]: a stage's backward, the only worker of its executor, blocks for the token
+// while the forward runner it would be reserved for is queued behind it on that executor. Both orders:
+// the release that would reserve comes after the worker blocked (no reservation is made), or before it
+// (the reservation is dropped as it blocks). Without the rule each deadlocks.
+TEST(ComputeToken, NoReservationWaitsForARunnerThatHasNoWorkerLeft) {
+  for (const bool reserveFirst : {false, true}) {
+    SCOPED_TRACE(reserveFirst ? "reserved before the worker blocked" : "released after the worker blocked");
+    rpc::Executor executor(1, "token-test");
+    ComputeToken token;
+    token.acquireBlocking();  // the ending backward (not a worker) holds it
+    std::promise<void> ran;
+    // The runner, waiting for the token: its wake-up posts it to the executor, where it takes the token.
+    auto runner = [&] {
+      ASSERT_TRUE(token.tryAcquireOrNotify([] {}));
+      token.release();
+      ran.set_value();
+    };
+    ASSERT_FALSE(token.tryAcquireOrNotify([&] { ASSERT_TRUE(executor.post(runner)); }));
+    std::promise<void> go;
+    std::atomic<bool> acquired{false};
+    // The next backward occupies the only worker, then blocks for the token.
+    ASSERT_TRUE(executor.post([&, started = go.get_future().share()] {
+      started.wait();
+      token.acquireBlocking();
+      acquired = true;
+      token.release();
+    }));
+    if (reserveFirst) {
+      token.release(/*forwardNext=*/true);  // the runner is queued behind the backward
+      go.set_value();
+    } else {
+      go.set_value();
+      waitUntilBlocked(token);
+      token.release(/*forwardNext=*/true);
+    }
+    ASSERT_EQ(ran.get_future().wait_for(10s), std::future_status::ready) << "deadlocked";
+    EXPECT_TRUE(acquired.load());
+  }
 }
 
 }  // namespace

@@ -112,7 +112,7 @@ class RpcPipelineTest : public ::testing::TestWithParam<std::string> {
     rpc::testing::ClusterSpec spec;
     spec.transport = GetParam();
     spec.size = 4;  // a driver and up to three stage workers
-    spec.executorThreads = 3;
+    spec.executorThreads = executorThreads_;
     spec.traceDir = traceDir_;
     rpc::testing::startCluster(cluster_, spec, world_, registry_);
     for (size_t i = 0; i < cluster_.errors.size(); ++i) ASSERT_FALSE(cluster_.errors[i]) << "rank " << i;
@@ -133,6 +133,7 @@ class RpcPipelineTest : public ::testing::TestWithParam<std::string> {
   std::string rrefTables() { return rref::testing::rrefTables(cluster_.agents); }
 
   std::string traceDir_;  // Options::traceDir of every worker (a derived fixture's)
+  size_t executorThreads_ = 3;  // every worker's (a derived fixture's)
   rpc::testing::World world_;
   rpc::Registry registry_;
   rpc::testing::Cluster cluster_;
@@ -703,6 +704,35 @@ TEST_F(StageWorkerDeathTest, KilledStageWorkerFailsTheStepNamingItWithinTheHeart
         << liveContexts(*agent0_) << " " << liveContexts(*agent1_);
   }
 }
+
+// One executor thread per worker (DISTGRAD_EXECUTOR_THREADS=1): a stage's backwards, blocked for its compute
+// token, must never wait for a forward that has no thread left to run it (Note [Starved reservation] in
+// models/pipeline/compute_token.h; rpc_pipeline deadlocked this way under 1F1B). Both schedules train
+// several steps, with more micro-batches than stages, to the local pipeline's losses.
+class RpcPipelineOneThreadTest : public RpcPipelineTest {
+ protected:
+  RpcPipelineOneThreadTest() { executorThreads_ = 1; }
+};
+
+TEST_P(RpcPipelineOneThreadTest, BothSchedulesTrainLikeTheLocalPipeline) {
+  const ModelSpec model = mlpSpec();
+  for (const Schedule schedule : {Schedule::k1F1B, Schedule::kGPipe}) {
+    SCOPED_TRACE(scheduleName(schedule));
+    const PipelineOptions options{.microBatches = 8, .schedule = schedule, .optimizer = OptimizerSpec::sgd({})};
+    const std::vector<StageSpec> specs = stageSpecs(model, uniformPartition(numUnits(model), 2));
+    RpcPipeline rpcPipe(agent(0), {{"worker1", specs[0]}, {"worker2", specs[1]}}, options);
+    LocalPipeline localPipe({buildStage(specs[0]), buildStage(specs[1])}, options);
+    for (int step = 0; step < 6; ++step) {
+      const Tensor x = images(32, model, 500 + step);
+      const Tensor y = classes(32, 5, 600 + step);
+      EXPECT_NEAR(rpcPipe.step(x, y).loss, localPipe.step(x, y).loss, 1e-6) << "step " << step;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, RpcPipelineOneThreadTest,
+                         ::testing::ValuesIn(distgrad::testing::endToEndTransports()),
+                         [](const auto& info) { return info.param; });
 
 // ---------------------------------------------------------------- tracing
 
