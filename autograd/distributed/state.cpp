@@ -221,8 +221,10 @@ struct DistAutogradState::Context {
         !sum.device().isCpu() || !grad.device().isCpu()) {
       return false;
     }
-    auto run = [&](auto* out, const auto* in) {
-      const int64_t n = sum.numel();
+    // Distinct buffers (sum's storage is its own, checked above): said so, the loop vectorises. Without it
+    // GCC left it scalar, 1.6% of rpc_pipeline's CPU (a ResNet-18 stage accumulates every micro-batch here).
+    auto run = [n = sum.numel()](auto* __restrict out, const auto* __restrict in) {
+#pragma omp simd
       for (int64_t i = 0; i < n; ++i) out[i] += in[i];
     };
     if (sum.dtype() == DType::kFloat32) {
