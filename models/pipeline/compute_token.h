@@ -81,7 +81,9 @@ class ComputeToken {
   // and blocked the only worker). So no reservation is made, or one is dropped, while some executor has all
   // its workers blocked on this token; the runner then takes the token after those backwards, as without
   // 1F1B's alternation. Not exact for a runner on another executor (a stage's runner and backwards use
-  // its agent's), where it only costs the alternation.
+  // its agent's), where it only costs the alternation. It counts this token's waiters only: two stages on
+  // one worker, each with a backward blocked while a reservation waits, can still take every thread of a
+  // pool of two (not handled).
   bool starvedLocked() const {
     return std::any_of(blockedWorkers_.begin(), blockedWorkers_.end(), [&](rpc::Executor* executor) {
       return static_cast<size_t>(std::count(blockedWorkers_.begin(), blockedWorkers_.end(), executor)) >=
