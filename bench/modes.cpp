@@ -3,18 +3,21 @@
 // K epochs, RPC overhead share) — the table reference benchmark suites publish for DP / MP / PMP / RPC-PMP.
 //
 //   bench_modes [--epochs K] [--limit N] [--batch-size B] [--model M] [--width W] [--micro-batches M]
-//               [--modes a,b,...] [--out docs/modes.md] [--no-write] [--dry-run]
+//               [--modes a,b,...] [--rounds R] [--out docs/modes.md] [--no-write] [--dry-run]
 //
 // Each mode is one example program, run as a user runs it (the distributed ones through distgrad-run, one
 // thread per process); the example's final JSON line is the measurement (nothing here is timed itself).
 // Every row prints as a JSON line {"bench":"modes","mode":...} on stdout; the examples' own output goes to
 // stderr so a failure can be read. The modes run one after another in one invocation, so their figures
-// share the machine's state: compare them with each other, not with another run.
+// share the machine's state: compare them with each other, not with another run. With --rounds R every
+// round runs every mode once, in order (so a drift of the machine's load reaches all modes alike), and the
+// table shows each mode's median round (images/s: the median and the range over the rounds).
 #include <sched.h>
 #include <sys/utsname.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
@@ -48,6 +51,7 @@ struct Settings {
   int64_t width = 16;
   uint64_t seed = 0;
   std::string modes;
+  int64_t rounds = 1;
   std::string out = "docs/modes.md";
   bool noWrite = false;
   bool dryRun = false;
@@ -128,12 +132,43 @@ struct Row {
   Mode mode;
   FlatObject result;
   std::string error;
+  // With several rounds: the lowest and highest images/s of the mode's successful runs, and how many failed.
+  std::optional<double> minRate, maxRate;
+  int failedRuns = 0;
 };
+
+// A mode's row over its rounds: the successful run with the median images/s (its other figures with it), the
+// range beside it; a failed run is counted, and a mode whose every run failed shows the first failure.
+Row medianRun(std::vector<Row> runs) {
+  std::vector<Row> ok;
+  int failed = 0;
+  for (Row& r : runs) {
+    if (r.error.empty() && number(r.result, "images_per_s")) {
+      ok.push_back(std::move(r));
+    } else {
+      ++failed;
+    }
+  }
+  if (ok.empty()) {
+    Row first = std::move(runs.front());
+    first.failedRuns = failed;
+    return first;
+  }
+  std::sort(ok.begin(), ok.end(), [](const Row& a, const Row& b) {
+    return *number(a.result, "images_per_s") < *number(b.result, "images_per_s");
+  });
+  Row median = ok[(ok.size() - 1) / 2];
+  median.minRate = number(ok.front().result, "images_per_s");
+  median.maxRate = number(ok.back().result, "images_per_s");
+  median.failedRuns = failed;
+  return median;
+}
 
 // Runs `command` in `dir` with stdout and stderr copied to our stderr; returns the last JSON object line
 // that names an example (distgrad-run prefixes lines with "[rank] ").
 Row runMode(const Mode& mode, const fs::path& dir) {
-  Row row{mode, {}, {}};
+  Row row;
+  row.mode = mode;
   const std::string command = "cd '" + dir.string() + "' && " + mode.command + " 2>&1";
   std::cerr << "bench_modes: " << mode.name << ": " << mode.command << "\n";
   FILE* pipe = popen(command.c_str(), "r");
@@ -197,8 +232,12 @@ void writeTable(const Settings& s, const std::vector<Row>& rows, const std::stri
   out << "# Training modes compared\n\n"
       << "Written by `build/bench/bench_modes` (bench/modes.cpp); do not edit by hand. Every mode trains the same\n"
       << "model on the same Fashion-MNIST images with the same batch size, one thread per process, one mode\n"
-      << "after another in one run on " << where << ", " << when << ".\n\n"
-      << "Settings: " << s.model << " (width " << s.width << "), " << s.epochs << " epoch(s) over the first " << s.limit
+      << "after another in one run on " << where << ", " << when << ".\n\n";
+  if (s.rounds > 1) {
+    out << s.rounds << " rounds, each running every mode once in this order; each row is the mode's median round\n"
+        << "(images/s: the median, and the range over the rounds).\n\n";
+  }
+  out << "Settings: " << s.model << " (width " << s.width << "), " << s.epochs << " epoch(s) over the first " << s.limit
       << " training images, batch " << s.batchSize << ", " << s.microBatches
       << " micro-batches in the pipelines; test accuracy on the first " << s.limit << " test images.\n\n"
       << "| mode | processes | images/s | × single | peak RSS per process (MiB, max) | test accuracy | overhead "
@@ -215,8 +254,12 @@ void writeTable(const Settings& s, const std::vector<Row>& rows, const std::stri
     if (!rss) rss = number(r.result, "peak_rss_mib");
     auto overhead = number(r.result, "rpc_overhead_share");
     if (!overhead) overhead = number(r.result, "overhead_share");
-    out << fixed(rate, 0) << " | " << (rate && single ? fixed(*rate / *single, 2) : "—") << " | " << fixed(rss, 0)
-        << " | " << fixed(number(r.result, "test_accuracy"), 1, 100.0) << "% | "
+    std::string rateText = fixed(rate, 0);
+    if (r.minRate && r.maxRate && s.rounds > 1)
+      rateText += " (" + fixed(r.minRate, 0) + "–" + fixed(r.maxRate, 0) + ")";
+    if (r.failedRuns > 0) rateText += ", " + std::to_string(r.failedRuns) + " run(s) failed";
+    out << rateText << " | " << (rate && single ? fixed(*rate / *single, 2) : "—") << " | " << fixed(rss, 0) << " | "
+        << fixed(number(r.result, "test_accuracy"), 1, 100.0) << "% | "
         << (overhead ? fixed(overhead, 1, 100.0) + "%" : "—") << " | " << r.mode.description << " |\n";
   }
   out << "\nOverhead share: the fraction of the step's wall time that is neither compute nor the schedule's own\n"
@@ -248,12 +291,14 @@ int main(int argc, char** argv) {
       .add("--width", s.width, "ResNet base width")
       .add("--seed", s.seed, "initialisation and shuffling seed")
       .add("--modes", s.modes, "comma-separated subset of the modes (default all)")
+      .add("--rounds", s.rounds, "times every mode runs, round by round (the table shows each mode's median)")
       .add("--out", s.out, "table to write (relative to the source tree)")
       .add("--no-write", s.noWrite, "print the JSON lines only")
       .add("--dry-run", s.dryRun, "print the commands, run nothing");
   flags.parse(argc, argv);
-  flags.require(s.epochs >= 1 && s.limit >= 0 && s.batchSize >= 2 && s.microBatches >= 1 && s.width >= 1,
-                "--epochs, --micro-batches, --width must be >= 1, --batch-size >= 2, --limit >= 0");
+  flags.require(
+      s.epochs >= 1 && s.limit >= 0 && s.batchSize >= 2 && s.microBatches >= 1 && s.width >= 1 && s.rounds >= 1,
+      "--epochs, --micro-batches, --width, --rounds must be >= 1, --batch-size >= 2, --limit >= 0");
 
   // The build directory is the one this binary lives in (build/bench/bench_modes -> build/).
   const fs::path buildDir = fs::canonical("/proc/self/exe").parent_path().parent_path();
@@ -268,31 +313,37 @@ int main(int argc, char** argv) {
   std::strftime(when, sizeof(when), "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
   const double loadBefore = loadAverage();
   const std::string where = machine(loadBefore);
-  std::vector<Row> rows;
+  std::vector<std::vector<Row>> runs(selected.size());
   bool failed = false;
-  for (const Mode& m : selected) {
-    if (s.dryRun) {
-      std::cout << m.name << ": (cd " << buildDir.string() << " && " << m.command << ")\n";
-      continue;
+  for (int64_t round = 0; round < (s.dryRun ? 1 : s.rounds); ++round) {
+    for (size_t i = 0; i < selected.size(); ++i) {
+      const Mode& m = selected[i];
+      if (s.dryRun) {
+        std::cout << m.name << ": (cd " << buildDir.string() << " && " << m.command << ")\n";
+        continue;
+      }
+      Row row = runMode(m, buildDir);
+      distgrad::examples::JsonLine line;
+      line.add("bench", "modes").add("mode", m.name).add("processes", m.processes);
+      if (s.rounds > 1) line.add("round", round);
+      if (!row.error.empty()) {
+        failed = true;
+        line.add("error", row.error);
+      }
+      // The example's own fields, renamed where they would repeat the row's ("mode" is the row's name here).
+      for (const auto& [key, value] : row.result.values) {
+        const std::string name = key == "mode" || key == "example" ? "example_" + key : key;
+        if (const double* d = std::get_if<double>(&value)) line.add(name, *d);
+        if (const int64_t* n = std::get_if<int64_t>(&value)) line.add(name, *n);
+        if (const std::string* str = std::get_if<std::string>(&value)) line.add(name, *str);
+      }
+      std::cout << line.str() << std::endl;
+      runs[i].push_back(std::move(row));
     }
-    Row row = runMode(m, buildDir);
-    distgrad::examples::JsonLine line;
-    line.add("bench", "modes").add("mode", m.name).add("processes", m.processes);
-    if (!row.error.empty()) {
-      failed = true;
-      line.add("error", row.error);
-    }
-    // The example's own fields, renamed where they would repeat the row's ("mode" is the row's name here).
-    for (const auto& [key, value] : row.result.values) {
-      const std::string name = key == "mode" || key == "example" ? "example_" + key : key;
-      if (const double* d = std::get_if<double>(&value)) line.add(name, *d);
-      if (const int64_t* i = std::get_if<int64_t>(&value)) line.add(name, *i);
-      if (const std::string* str = std::get_if<std::string>(&value)) line.add(name, *str);
-    }
-    std::cout << line.str() << std::endl;
-    rows.push_back(std::move(row));
   }
   if (!s.dryRun && !s.noWrite) {
+    std::vector<Row> rows;
+    for (auto& modeRuns : runs) rows.push_back(medianRun(std::move(modeRuns)));
     // --out is relative to the source tree (bench_modes runs from anywhere).
     fs::path out = s.out;
     if (out.is_relative()) out = fs::path(DG_SOURCE_DIR) / out;
