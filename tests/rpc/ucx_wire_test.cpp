@@ -1,10 +1,16 @@
 // The ucx transport's wire validation: a raw ucp client (a client-server endpoint of its own on the
 // process's worker) sends hand-made active messages to a ucx listener, and each malformed one must close that
-// connection with a `malformed frame:` Error naming the problem, without touching the process.
+// connection with a `malformed frame:` Error naming the problem, without touching the process. Also: the
+// process's one ucp worker shared by its Contexts, and the lanes ucp picks on one host.
 #ifdef DG_HAVE_UCX
 
+#include <sys/uio.h>
 #include <ucp/api/ucp.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 
 #include <atomic>
 #include <chrono>
@@ -381,6 +387,98 @@ TEST(UcxWorker, ABusyPollingContextJoiningAndLeavingASleepingWorker) {
   std::promise<void> ran;
   sleeping->defer([&ran] { ran.set_value(); });
   EXPECT_EQ(ran.get_future().wait_for(kWait), std::future_status::ready) << "the loop slept through a post";
+}
+
+// Why cross-memory attach cannot serve one-host rendezvous here ("" when it can): UCX uses it only where
+// process_vm_readv works and Yama does not restrict ptrace, and only when the user left UCX_TLS alone.
+std::string crossMemoryAttachUnavailable() {
+  if (std::getenv("UCX_TLS") != nullptr) return "UCX_TLS is set, so the lanes are the user's choice";
+  if (FILE* yama = std::fopen("/proc/sys/kernel/yama/ptrace_scope", "r")) {
+    int scope = -1;
+    const bool read = std::fscanf(yama, "%d", &scope) == 1;
+    std::fclose(yama);
+    if (!read || scope != 0) return "Yama's ptrace_scope is not 0";
+  }
+  char source[16] = "attach";
+  char target[16] = {};
+  iovec local{target, sizeof(target)};
+  iovec remote{source, sizeof(source)};
+  if (::process_vm_readv(::getpid(), &local, 1, &remote, 1, 0) != static_cast<ssize_t>(sizeof(source))) {
+    return std::string("process_vm_readv fails here: ") + std::strerror(errno);
+  }
+  return "";
+}
+
+// Note [Cross-memory attach] (rpc/transport/ucx/context.cpp): on one host the rendezvous lane is CMA, not
+// UCX's tcp, and a payload far above the rendezvous threshold arrives intact.
+TEST(UcxLanes, OneHostRendezvousGoesByCrossMemoryAttach) {
+  if (!ucxUnavailableReason().empty()) GTEST_SKIP() << "ucx is not viable here: " << ucxUnavailableReason();
+  if (std::string why = crossMemoryAttachUnavailable(); !why.empty()) GTEST_SKIP() << why;
+  auto server = createContext("ucx").value();
+  auto client = createContext("ucx").value();
+  std::promise<std::shared_ptr<Connection>> accepted;
+  auto listener = server->listen("127.0.0.1:0", [&](std::shared_ptr<Connection> c) { accepted.set_value(std::move(c)); });
+  ASSERT_TRUE(listener.ok()) << listener.error().message;
+  Collector atClient, atServer;
+  auto connection = connectPair(*client, listener.value()->address(), atClient, atServer, accepted);
+  ASSERT_TRUE(connection);
+  const std::string lanes = ucxTransportsOf(*connection);
+  EXPECT_NE(lanes.find("cma/memory (rma_bw"), std::string::npos) << lanes;
+  EXPECT_EQ(lanes.find("tcp/lo (rma_bw"), std::string::npos) << lanes;
+  Bytes payload = patternBytes(8u << 20, 3);
+  OutgoingFrame frame;
+  frame.envelope = envelopeWithIndex(0);
+  frame.payloads = {payload.buffer()};
+  SendTracker sends(1);
+  connection->send(std::move(frame), sends.callback(0));
+  ASSERT_TRUE(atServer.waitFrames(1));
+  ASSERT_TRUE(sends.waitDone(1));
+  EXPECT_EQ(sends.ok, 1u);
+  std::lock_guard lock(atServer.mutex);
+  ASSERT_EQ(atServer.frames[0].payloads.size(), 1u);
+  ASSERT_EQ(atServer.frames[0].payloads[0].size, payload.data->size());
+  EXPECT_EQ(std::memcmp(atServer.frames[0].payloads[0].data, payload.data->data(), payload.data->size()), 0);
+}
+
+// A send that fails while its payload waits to be read by the peer (here: a peer connection never started,
+// so the rendezvous is never answered, then our close gives up on it) keeps the payload allocated after it
+// reported the failure (UcxConnection::kFailedSendLinger), and the Context's close releases it.
+TEST(UcxLanes, APayloadOfAFailedSendStaysAllocatedUntilTheLingerOrTheContextsClose) {
+  if (!ucxUnavailableReason().empty()) GTEST_SKIP() << "ucx is not viable here: " << ucxUnavailableReason();
+  auto server = createContext("ucx").value();
+  auto client = createContext("ucx").value();
+  std::promise<std::shared_ptr<Connection>> accepted;
+  auto listener = server->listen("127.0.0.1:0", [&](std::shared_ptr<Connection> c) { accepted.set_value(std::move(c)); });
+  ASSERT_TRUE(listener.ok()) << listener.error().message;
+  std::promise<Result<std::shared_ptr<Connection>>> connected;
+  client->connect(listener.value()->address(),
+                  [&](Result<std::shared_ptr<Connection>> r) { connected.set_value(std::move(r)); });
+  auto connection = connected.get_future().get().value();
+  auto unstarted = accepted.get_future().get();  // holds what arrives, answers nothing
+  Collector atClient;
+  atClient.start(connection);
+  auto released = std::make_shared<std::promise<void>>();
+  auto releasedFuture = released->get_future();
+  SendTracker sends(1);
+  {
+    Bytes payload = patternBytes(4u << 20, 5);
+    OutgoingFrame frame;
+    frame.envelope = envelopeWithIndex(0);
+    frame.payloads = {payload.buffer()};
+    // The owner signals when the transport lets go of the bytes.
+    frame.payloads[0].owner = std::shared_ptr<const void>(
+        payload.data->data(), [bytes = payload.data, released](const void*) { released->set_value(); });
+    connection->send(std::move(frame), sends.callback(0));
+  }
+  connection->close();
+  ASSERT_TRUE(sends.waitDone(1));
+  EXPECT_EQ(sends.failed, 1u) << "the send was never answered, so it must fail when its connection closes";
+  EXPECT_EQ(releasedFuture.wait_for(std::chrono::milliseconds(100)), std::future_status::timeout)
+      << "a peer may still read the failed send's bytes in place";
+  client->close();
+  EXPECT_EQ(releasedFuture.wait_for(kWait), std::future_status::ready) << "the Context's close releases what lingered";
+  unstarted->close();
+  server->close();
 }
 
 }  // namespace

@@ -203,7 +203,13 @@ void UcxConnection::partDoneFromLoop(SendRequest* request, ucs_status_t status) 
   auto self = std::move(owned->connection);
   ucs_status_t result = owned->status;
   auto done = std::move(owned->done);
-  owned.reset();  // the payload owners go now: the bytes have left or the send failed
+  if (result != UCS_OK && !owned->iov.empty()) {
+    // Note [Cross-memory attach] (context.cpp): a peer may still read these bytes in place after the send
+    // failed here, so they are not freed (and reused) at once.
+    loop_->addTimerFromLoop(std::chrono::steady_clock::now() + kFailedSendLinger,
+                            [payloads = std::move(owned->frame.payloads)] {});
+  }
+  owned.reset();  // the payload owners go now: the bytes have left (or linger above)
   loop_->deferFromLoop([self, result, done = std::move(done)]() mutable {
     --self->pendingSends_;
     if (result == UCS_OK) {

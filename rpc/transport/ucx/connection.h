@@ -37,6 +37,10 @@ namespace distgrad::rpc::transport::ucx {
 class UcxConnection final : public LoopConnection<UcxConnection, UcxLoop> {
  public:
   static constexpr auto kCloseFlushTimeout = std::chrono::milliseconds(1000);
+  // How long the payloads of a failed send stay allocated (Note [Cross-memory attach], context.cpp): a
+  // peer reading them by cross-memory attach after we gave up on it reads the bytes we sent, not memory
+  // reused meanwhile. A Context's close releases them sooner (its timers run once its connections are gone).
+  static constexpr auto kFailedSendLinger = std::chrono::seconds(10);
 
   UcxConnection(std::shared_ptr<UcxLoop> loop, std::string peerAddress);
   ~UcxConnection() override;

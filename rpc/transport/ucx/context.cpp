@@ -29,9 +29,11 @@ std::string ucsError(ucs_status_t status) {
 namespace {
 
 // UCX settings this transport needs, applied with ucp_config_modify unless the user set the variable
-// (UCX_<NAME>) in the environment, which always wins.
+// (UCX_<variable>) in the environment, which always wins. `name` is what ucp_config_modify matches against
+// the transports' own tables: a component's field name, under its table's prefix where it has one.
 struct Setting {
   const char* name;
+  const char* variable;
   const char* value;
   const char* why;
 };
@@ -39,7 +41,15 @@ constexpr Setting kSettings[] = {
     // UCX 1.13 leaves the shared-memory transports (sysv, posix, cma) out of endpoints that ask for peer
     // error handling unless this is set (openucx/ucx#8477); without it one-host traffic goes over tcp.
     // What UCX cannot tell about a dead peer on shared memory, the Agent's heartbeats do.
-    {"MM_ERROR_HANDLING", "y", "shared memory for client-server endpoints with peer error handling"},
+    {"MM_ERROR_HANDLING", "MM_ERROR_HANDLING", "y", "shared memory for client-server endpoints with peer error handling"},
+    // Note [Cross-memory attach]: UCX 1.13 gives endpoints with peer error handling rendezvous lanes only
+    // on memory domains that declare memory invalidation (select.c, ucp_wireup_add_rma_bw_lanes); CMA's
+    // does not unless told to, so large payloads crossed the loopback over tcp. With it, one-host
+    // rendezvous is a single process_vm_readv by the receiver straight from the sender's tensor storage.
+    // What invalidation would have guarded (a peer reading a send buffer after the send failed here) the
+    // connection guards itself: the payloads of a failed send are kept for kFailedSendLinger
+    // (UcxConnection::partDoneFromLoop).
+    {"MEMORY_INVALIDATE", "CMA_MEMORY_INVALIDATE", "y", "cross-memory attach (one copy) for one-host rendezvous"},
 };
 
 bool userSet(const char* name) { return std::getenv((std::string("UCX_") + name).c_str()) != nullptr; }
@@ -127,7 +137,7 @@ Result<void> UcxWorker::init() {
   ucs_status_t status = ucp_config_read(nullptr, nullptr, &config);
   if (status != UCS_OK) return fail("ucp_config_read", status);
   for (const auto& setting : kSettings) {
-    if (userSet(setting.name)) continue;
+    if (userSet(setting.variable)) continue;
     status = ucp_config_modify(config, setting.name, setting.value);
     if (status != UCS_OK) {
       std::fprintf(stderr, "distgrad ucx: cannot set %s=%s (%s): %s\n", setting.name, setting.value, setting.why,
