@@ -27,8 +27,14 @@
 // rpcSync and rpcAsync figures again with both processes pinned to CPU 0 ("placement":"one_core"), where
 // every wake-up of the other side is a context switch. Ratios: ratio_vs_raw = ours / raw (time: above 1 is
 // our overhead; bandwidth: below 1 is).
+// Transports: every agent figure is taken for each transport of --transport (default tcp; issue 8 compares
+// tcp,ucx,ucx-poll in one run): tcp, ucx (event mode) or ucx-poll (ucx with both processes' loops spinning:
+// DISTGRAD_UCX_BUSY_POLL=1). Each rpc line has "transport", and a non-tcp line ratio_vs_tcp (its median
+// over tcp's of the same metric and placement, when tcp ran first in the same run); ucx lines also carry
+// ucx_transports (the lanes ucp chose, e.g. sysv/memory for messages, cma/memory for rendezvous).
 // JSON lines (bench/bench_util.h). Usage:
-//   bench_rpc [rounds=5000] [calls=20000] [echo_mb=512] [idle_s=2] [sections=all] [windows=1,8,64]
+//   bench_rpc [--transport tcp[,ucx[,ucx-poll]]] [rounds=5000] [calls=20000] [echo_mb=512] [idle_s=2]
+//             [sections=all] [windows=1,8,64]
 // rounds: ping-pong and rpcSync round trips; calls: rpcAsync calls per window size (5 reps); echo_mb: MB
 // sent per echo size (1 KB and 64 KB stop at 2000 round trips, large sizes do at least 5); idle_s: seconds
 // of each idle stretch. sections: "all", or "pinned" (only the one-core ping-pong, rpcSync and rpcAsync
@@ -38,12 +44,15 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <map>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "bench/agent_pair.h"
 #include "bench/socket_bench_util.h"
 #include "rpc/agent.h"
+#include "rpc/transport/transport.h"
 
 namespace distgrad::bench {
 namespace {
@@ -77,8 +86,53 @@ int echoRounds(const Config& config, size_t bytes) {
   return static_cast<int>(std::clamp(rounds, 5.0, 2000.0));
 }
 
+// The transport the agent figures are taken over now, and tcp's medians of this run for ratio_vs_tcp.
+struct TransportRun {
+  std::string name = "tcp";
+  std::string lanes;  // ucx: what ucp chose for the pair's connection
+  std::map<std::string, double> tcpMedians;  // "metric placement" -> median
+};
+TransportRun currentTransport;
+
+// One agent figure: emitted with its transport, remembered when it is tcp's, compared with tcp's otherwise.
+void emitRpc(const std::string& metric, const std::string& unit, const Measurement& m, bool pinned,
+             std::map<std::string, std::string> extra = {}) {
+  TransportRun& run = currentTransport;
+  std::string key = metric + (pinned ? " one_core" : " free");
+  for (const char* distinguishing : {"agent", "phase"}) {
+    if (auto it = extra.find(distinguishing); it != extra.end()) key += " " + it->second;
+  }
+  extra["transport"] = quoted(run.name);
+  if (run.name == "tcp") {
+    run.tcpMedians[key] = m.stats.median;
+  } else if (auto tcp = run.tcpMedians.find(key); tcp != run.tcpMedians.end() && tcp->second > 0) {
+    extra["ratio_vs_tcp"] = number(m.stats.median / tcp->second);
+  }
+  if (!run.lanes.empty()) extra["ucx_transports"] = quoted(run.lanes);
+  emitMeasurement("rpc", metric, unit, m, pinned, std::move(extra));
+}
+
+// Makes `name` the transport of the next AgentPair (ucx-poll: busy polling in both processes, which the
+// child inherits through the environment); false, with a skipped line, when it cannot run here.
+bool useTransport(const std::string& name) {
+  currentTransport.name = name;
+  currentTransport.lanes.clear();
+  if (name == "ucx-poll") {
+    ::setenv("DISTGRAD_UCX_BUSY_POLL", "1", 1);
+  } else {
+    ::unsetenv("DISTGRAD_UCX_BUSY_POLL");
+  }
+  if (name == "tcp") return true;
+  std::string reason = rpc::transport::ucxUnavailableReason();
+  if (reason.empty()) return true;
+  std::printf("{\"bench\":\"rpc\",\"transport\":%s,\"skipped\":%s}\n", quoted(name).c_str(), quoted(reason).c_str());
+  return false;
+}
+
 rpc::Options pairOptions(int rank, const std::string& storeAddress) {
-  return AgentPair::tcpOptions(rank, storeAddress, /*executorThreads=*/2);
+  rpc::Options options = AgentPair::tcpOptions(rank, storeAddress, /*executorThreads=*/2);
+  options.transport = currentTransport.name == "ucx-poll" ? "ucx" : currentTransport.name;
+  return options;
 }
 
 // worker1 (the child) serves ping and echo; worker0 only calls.
@@ -115,10 +169,10 @@ void measureIdle(AgentPair& pair, double seconds, const char* phase, bool pinned
   double parent1 = processCpuSeconds();
   double child1 = pair.childCpuSeconds();
   double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count();
-  emitMeasurement("rpc", "idle_cpu_percent", "%", single(100 * (parent1 - parent0) / wall), pinned,
+  emitRpc("idle_cpu_percent", "%", single(100 * (parent1 - parent0) / wall), pinned,
                   {{"agent", quoted("worker0 (hosts the store)")}, {"phase", quoted(phase)},
                    {"idle_s", number(wall)}});
-  emitMeasurement("rpc", "idle_cpu_percent", "%", single(100 * (child1 - child0) / wall), pinned,
+  emitRpc("idle_cpu_percent", "%", single(100 * (child1 - child0) / wall), pinned,
                   {{"agent", quoted("worker1")}, {"phase", quoted(phase)}, {"idle_s", number(wall)}});
 }
 
@@ -151,7 +205,7 @@ void measureRpcSync(rpc::Agent& agent, const rpc::Function<int64_t(int64_t)>& fn
     auto& v = us[m];
     v.erase(v.begin(), v.begin() + std::min<size_t>(v.size() / 10, 500));  // warm-up
     Measurement measured = measurementOf(std::move(v));
-    emitMeasurement("rpc", metric + suffixes[m], "us", measured, pinned,
+    emitRpc(metric + suffixes[m], "us", measured, pinned,
                     {{"raw_median", number(raw.stats.median)},
                      {"raw_p99", number(raw.p99)},
                      {"ratio_vs_raw", number(measured.stats.median / raw.stats.median)},
@@ -186,7 +240,7 @@ void measureRpcAsync(AgentPair& pair, int calls, const std::vector<int>& windows
     }
     // CPU of both processes per call: with both pinned to one core this is what bounds the throughput.
     const double cpuUs = (processCpuSeconds() + pair.childCpuSeconds() - cpu0) * 1e6 / total;
-    emitMeasurement("rpc", "rpcasync_throughput_w" + std::to_string(window), "calls/s", measurementOf(rates), pinned,
+    emitRpc("rpcasync_throughput_w" + std::to_string(window), "calls/s", measurementOf(rates), pinned,
                     {{"in_flight", std::to_string(window)}, {"cpu_us_per_call", number(cpuUs)}});
   }
 }
@@ -219,7 +273,7 @@ void measureTensorEcho(AgentPair& pair, const Config& config, size_t bytes, cons
   const double parentCpu = (processCpuSeconds() - parentCpu0) / wall;
   const double childCpu = (pair.childCpuSeconds() - childCpu0) / wall;
   Measurement m = measurementOf(std::move(rates));
-  emitMeasurement("rpc", "tensor_echo_" + sizeName(bytes), "GB/s", m, pinned,
+  emitRpc("tensor_echo_" + sizeName(bytes), "GB/s", m, pinned,
                   {{"bytes", std::to_string(bytes)},
                    {"cpu_busy_worker0", number(parentCpu)},
                    {"cpu_busy_worker1", number(childCpu)},
@@ -233,6 +287,27 @@ void measureTensorEcho(AgentPair& pair, const Config& config, size_t bytes, cons
 int main(int argc, char** argv) {
   using namespace distgrad::bench;
   Config config;
+  std::vector<std::string> transports{"tcp"};
+  // --transport LIST may come anywhere; the rest are positional.
+  std::vector<char*> positional{argv[0]};
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--transport" || arg.rfind("--transport=", 0) == 0) {
+      std::string list = arg == "--transport" ? (i + 1 < argc ? argv[++i] : "") : arg.substr(12);
+      transports.clear();
+      for (size_t start = 0; start <= list.size();) {
+        size_t comma = std::min(list.find(',', start), list.size());
+        transports.push_back(list.substr(start, comma - start));
+        check(transports.back() == "tcp" || transports.back() == "ucx" || transports.back() == "ucx-poll",
+              "--transport takes a comma-separated list of tcp, ucx, ucx-poll");
+        start = comma + 1;
+      }
+    } else {
+      positional.push_back(argv[i]);
+    }
+  }
+  argc = static_cast<int>(positional.size());
+  argv = positional.data();
   if (argc > 1) config.rounds = std::max(std::atoi(argv[1]), 10);
   if (argc > 2) config.calls = std::max(std::atoi(argv[2]), 5);
   if (argc > 3) config.echoMegabytes = std::atof(argv[3]);
@@ -270,15 +345,19 @@ int main(int argc, char** argv) {
       emitMeasurement("raw_socket", "echo_" + sizeName(bytes), "GB/s", rawEcho.back(), pinned,
                       {{"bytes", std::to_string(bytes)}});
     }
-    AgentPair pair(pinned, pairOptions, pairRegistry);
-    measureIdle(pair, config.idleSeconds, "after_start", pinned);
-    measureRpcSync(pair.agent(), kPing, "rpcsync_rtt_noop", config.rounds, rawRtt, pinned);
-    measureRpcSync(pair.agent(), kPingInline, "rpcsync_rtt_noop_inline", config.rounds, rawRtt, pinned);
-    measureRpcAsync(pair, config.calls, config.windows, pinned);
-    for (size_t i = 0; i < std::size(kEchoSizes); ++i) {
-      measureTensorEcho(pair, config, kEchoSizes[i], rawEcho[i], pinned);
+    for (const std::string& transport : transports) {
+      if (!useTransport(transport)) continue;
+      AgentPair pair(pinned, pairOptions, pairRegistry);
+      currentTransport.lanes = pair.agent().metrics("worker1").lanes;
+      measureIdle(pair, config.idleSeconds, "after_start", pinned);
+      measureRpcSync(pair.agent(), kPing, "rpcsync_rtt_noop", config.rounds, rawRtt, pinned);
+      measureRpcSync(pair.agent(), kPingInline, "rpcsync_rtt_noop_inline", config.rounds, rawRtt, pinned);
+      measureRpcAsync(pair, config.calls, config.windows, pinned);
+      for (size_t i = 0; i < std::size(kEchoSizes); ++i) {
+        measureTensorEcho(pair, config, kEchoSizes[i], rawEcho[i], pinned);
+      }
+      measureIdle(pair, config.idleSeconds, "after_traffic", pinned);
     }
-    measureIdle(pair, config.idleSeconds, "after_traffic", pinned);
   }
 
   // Both processes on CPU 0: this process is pinned before the agent starts its threads (they inherit the
@@ -288,12 +367,16 @@ int main(int argc, char** argv) {
     pinToCpu0();
     Measurement rawRtt = rawPingPong(config.rounds, pinned);
     emitMeasurement("raw_socket", "pingpong_rtt_64B", "us", rawRtt, pinned);
-    {
+    for (const std::string& transport : transports) {
+      // Two spinning loops on one core would measure the scheduler only.
+      if (transport == "ucx-poll" || !useTransport(transport)) continue;
       AgentPair pair(pinned, pairOptions, pairRegistry);
+      currentTransport.lanes = pair.agent().metrics("worker1").lanes;
       measureRpcSync(pair.agent(), kPing, "rpcsync_rtt_noop", config.rounds, rawRtt, pinned);
       measureRpcSync(pair.agent(), kPingInline, "rpcsync_rtt_noop_inline", config.rounds, rawRtt, pinned);
       measureRpcAsync(pair, config.calls, config.windows, pinned);
     }
+    useTransport("tcp");
     restoreAffinity(freeAffinity);
   }
   return 0;

@@ -2000,19 +2000,26 @@ void Agent::heartbeat() {
 // ---- shutdown ----
 
 PeerMetrics Agent::metrics(const std::string& worker) const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  const Peer* found = peerLocked(worker);
-  DG_CHECK(found != nullptr, "Agent::metrics: unknown worker '", worker, "'");
-  const Peer& peer = *found;
   PeerMetrics m;
-  m.callsSent = peer.callsSent.load();
-  m.callsReceived = peer.callsReceived.load();
-  m.bytesSent = peer.bytesSent.load();
-  m.bytesReceived = peer.bytesReceived.load();
-  m.errors = peer.errors.load();
-  m.pending = peer.pending;
-  if (peer.link) m.framesWrittenBySender = peer.link->connection->framesWrittenBySender();
-  m.connected = worker == name_ ? !closed_ : peer.link != nullptr && !peer.dead;
+  std::shared_ptr<transport::Connection> connection;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const Peer* found = peerLocked(worker);
+    DG_CHECK(found != nullptr, "Agent::metrics: unknown worker '", worker, "'");
+    const Peer& peer = *found;
+    m.callsSent = peer.callsSent.load();
+    m.callsReceived = peer.callsReceived.load();
+    m.bytesSent = peer.bytesSent.load();
+    m.bytesReceived = peer.bytesReceived.load();
+    m.errors = peer.errors.load();
+    m.pending = peer.pending;
+    if (peer.link) connection = peer.link->connection;
+    m.connected = worker == name_ ? !closed_ : peer.link != nullptr && !peer.dead;
+  }
+  if (connection) {
+    m.framesWrittenBySender = connection->framesWrittenBySender();
+    m.lanes = connection->lanes();  // may wait for the loop thread, whose callbacks take mutex_
+  }
   return m;
 }
 

@@ -143,6 +143,10 @@ struct PeerMetrics {
   uint64_t framesWrittenBySender = 0;
   uint64_t pending = 0;  // calls to this peer awaiting a response
   bool connected = false;
+  // How the transport carries this peer's frames where it chooses among several ways (Connection::lanes():
+  // ucx names the lanes ucp picked, e.g. sysv/memory for messages and cma/memory for large payloads); ""
+  // for tcp and inproc.
+  std::string lanes;
 };
 
 class Agent {

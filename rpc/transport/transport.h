@@ -123,6 +123,11 @@ class Connection {
   // Diagnostics: how many frames so far a sending thread wrote itself (the fromSender hint taken; tcp: Note
   // [Sender writes]) instead of the loop thread.
   virtual uint64_t framesWrittenBySender() const { return 0; }
+  // Diagnostics: how the transport carries this connection's bytes where it chooses among several ways
+  // (ucx: the lanes ucp picked, e.g. "cm; sysv/memory (am am_bw#0 keepalive); cma/memory (rma_bw#0)"); ""
+  // for transports with one way, or once closed. May wait for the loop thread (not while holding a lock
+  // the loop's callbacks take).
+  virtual std::string lanes() { return ""; }
 };
 
 class Listener {

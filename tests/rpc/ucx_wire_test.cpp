@@ -422,7 +422,7 @@ TEST(UcxLanes, OneHostRendezvousGoesByCrossMemoryAttach) {
   Collector atClient, atServer;
   auto connection = connectPair(*client, listener.value()->address(), atClient, atServer, accepted);
   ASSERT_TRUE(connection);
-  const std::string lanes = ucxTransportsOf(*connection);
+  const std::string lanes = connection->lanes();
   EXPECT_NE(lanes.find("cma/memory (rma_bw"), std::string::npos) << lanes;
   EXPECT_EQ(lanes.find("tcp/lo (rma_bw"), std::string::npos) << lanes;
   Bytes payload = patternBytes(8u << 20, 3);

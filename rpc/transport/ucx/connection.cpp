@@ -561,7 +561,7 @@ std::string UcxConnection::transportsFromLoop() const {
   return UcxLoop::describeEndpoint(ep_);
 }
 
-std::string UcxConnection::transports() {
+std::string UcxConnection::lanes() {
   if (loop_->inLoop()) return transportsFromLoop();
   std::promise<std::string> promise;
   auto future = promise.get_future();

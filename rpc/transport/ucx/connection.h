@@ -47,7 +47,7 @@ class UcxConnection final : public LoopConnection<UcxConnection, UcxLoop> {
 
   // The transports ucp chose for this endpoint (UcxLoop::describeEndpoint); "" once closed. Waits for the
   // loop when called from another thread.
-  std::string transports();
+  std::string lanes() override;
   // ucp's error callback for this connection's endpoint (the argument is the connection).
   static void onEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
 

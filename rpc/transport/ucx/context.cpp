@@ -589,10 +589,4 @@ std::string ucxMemoryTypes() {
 
 bool ucxSupportsCudaMemory() { return ucxMemoryTypes().find("cuda") != std::string::npos; }
 
-std::string ucxTransportsOf(Connection& connection) {
-  auto* ucx = dynamic_cast<UcxConnection*>(&connection);
-  if (ucx == nullptr) return "";
-  return ucx->transports();
-}
-
 }  // namespace distgrad::rpc::transport::ucx

@@ -240,9 +240,6 @@ Result<std::unique_ptr<Context>> createUcxContext(const ContextOptions& options 
 // Whether a ucx Context can be created here (checked once per process, by creating one); when not,
 // `reason` gets the Error's message.
 bool ucxViable(std::string* reason = nullptr);
-// The transports ucp uses for a ucx connection ("" for other transports or a closed connection). Blocks
-// until the loop answers; not on the loop thread.
-std::string ucxTransportsOf(Connection& connection);
 // The memory types this UCX build can move, e.g. "host" (Debian's UCX 1.13 has no CUDA support) or
 // "host,cuda"; "" when ucx is not viable. Checked once per process. distgrad's tensors are host memory
 // today: this is the detection a CUDA path would consult, falling back to host staging without "cuda".
