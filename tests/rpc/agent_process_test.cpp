@@ -1,4 +1,5 @@
-// Agent tests across processes (fork, tcp on 127.0.0.1): a peer that hangs (SIGSTOP: its sockets stay open
+// Agent tests across processes (fork, 127.0.0.1; tcp, and ucx where viable: between processes its large
+// payloads go by cross-memory attach): a peer that hangs (SIGSTOP: its sockets stay open
 // but nothing arrives) is declared dead by the heartbeat timeout; a peer killed with SIGKILL mid-call fails
 // the call as disconnected; the two processes' clock-offset estimates of each other (one machine, one
 // steady clock) are within 1 ms of 0, from the handshake and after heartbeats refreshed them. Children get
@@ -12,10 +13,12 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
 #include "tests/rpc/agent_test_util.h"
+#include "tests/transport_params.h"
 
 namespace distgrad::rpc {
 namespace {
@@ -25,13 +28,27 @@ using SteadyTime = std::chrono::steady_clock;
 
 using testing::kAddInt;
 inline const Function<int64_t(int64_t)> kNever{"never"};  // answers only when cancelled
+inline const Function<tensor::Tensor(tensor::Tensor)> kEchoTensor{"echo_tensor"};
 // The callee's clock estimate of the caller: {offset ns, rtt ns, samples}, or {} before it has one.
 inline const Function<std::vector<int64_t>()> kClockOfCaller{"clock_of_caller"};
 
-Options optionsFor(int rank, int storePort) { return testing::processOptions(rank, 2, storePort, "proc-secret"); }
+Options optionsFor(int rank, int storePort, const std::string& transport) {
+  Options options = testing::processOptions(rank, 2, storePort, "proc-secret");
+  options.transport = transport;
+  return options;
+}
+
+// The end-to-end transports that cross processes (inproc does not).
+std::vector<std::string> processTransports() {
+  std::vector<std::string> names;
+  for (const std::string& name : distgrad::testing::endToEndTransports()) {
+    if (name != "inproc") names.push_back(name);
+  }
+  return names;
+}
 
 // Forks a worker (rank 1) that serves until killed. Must run while this process has no other threads.
-pid_t forkWorker(int readFd) {
+pid_t forkWorker(int readFd, const std::string& transport) {
   pid_t pid = fork();
   if (pid != 0) return pid;
   prctl(PR_SET_PDEATHSIG, SIGKILL);
@@ -39,6 +56,7 @@ pid_t forkWorker(int readFd) {
   if (read(readFd, &storePort, sizeof(storePort)) != sizeof(storePort)) _exit(2);
   Registry reg;
   reg.bind(kAddInt, [](int64_t a, int64_t b) { return a + b; });
+  reg.bind(kEchoTensor, [](tensor::Tensor t) { return t; });
   reg.bind(kNever, [](const CallContext& ctx, int64_t) -> Future<int64_t> {
     auto promise = std::make_shared<Promise<int64_t>>(*Executor::current());
     auto future = promise->getFuture();
@@ -55,19 +73,19 @@ pid_t forkWorker(int readFd) {
     return std::vector<int64_t>{estimate->offsetNs, estimate->rttNs, static_cast<int64_t>(estimate->samples)};
   });
   try {
-    auto agent = Agent::start(optionsFor(1, storePort), reg);
+    auto agent = Agent::start(optionsFor(1, storePort, transport), reg);
     while (true) pause();
   } catch (...) {
     _exit(3);
   }
 }
 
-class AgentProcessTest : public ::testing::Test {
+class AgentProcessTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     int fds[2];
     ASSERT_EQ(pipe(fds), 0);
-    child_ = forkWorker(fds[0]);
+    child_ = forkWorker(fds[0], GetParam());
     ASSERT_GT(child_, 0);
     store_ = StoreServer::start("127.0.0.1:0");
     int port = store_->port();
@@ -75,7 +93,7 @@ class AgentProcessTest : public ::testing::Test {
     close(fds[0]);
     close(fds[1]);
     Registry reg;
-    agent_ = Agent::start(optionsFor(0, port), reg);
+    agent_ = Agent::start(optionsFor(0, port, GetParam()), reg);
     ASSERT_EQ(agent_->rpcSync("worker1", kAddInt, 2, 3), 5);
   }
   void TearDown() override {
@@ -94,7 +112,7 @@ class AgentProcessTest : public ::testing::Test {
   std::unique_ptr<Agent> agent_;
 };
 
-TEST_F(AgentProcessTest, HungPeerIsDeclaredDeadByHeartbeats) {
+TEST_P(AgentProcessTest, HungPeerIsDeclaredDeadByHeartbeats) {
   Future<int64_t> f = agent_->rpcAsync("worker1", kNever, 1);
   // Make sure the call reached the child before it freezes.
   EXPECT_EQ(agent_->rpcSync("worker1", kAddInt, 1, 1), 2);
@@ -121,7 +139,7 @@ TEST_F(AgentProcessTest, HungPeerIsDeclaredDeadByHeartbeats) {
 // read the same CLOCK_MONOTONIC, so the true offset is 0. Any one sample is within half its round trip of
 // it; heartbeats keep the best of the last 16, whose round trip on loopback gets under 2 ms (so the
 // estimate within 1 ms) even on a loaded machine.
-TEST_F(AgentProcessTest, ClockOffsetsOfTwoProcessesOnLoopbackAreWithin1MsOfZero) {
+TEST_P(AgentProcessTest, ClockOffsetsOfTwoProcessesOnLoopbackAreWithin1MsOfZero) {
   auto local = agent_->clockOffset("worker1");
   ASSERT_TRUE(local.has_value()) << "the handshake gave no estimate";
   EXPECT_GE(local->rttNs, 0);
@@ -150,7 +168,7 @@ TEST_F(AgentProcessTest, ClockOffsetsOfTwoProcessesOnLoopbackAreWithin1MsOfZero)
   EXPECT_LE(std::abs(remote[0]), remote[1] / 2 + 1);
 }
 
-TEST_F(AgentProcessTest, KilledPeerFailsPendingCallsFast) {
+TEST_P(AgentProcessTest, KilledPeerFailsPendingCallsFast) {
   Future<int64_t> f = agent_->rpcAsync("worker1", kNever, 1);
   EXPECT_EQ(agent_->rpcSync("worker1", kAddInt, 1, 1), 2);
   ASSERT_EQ(kill(child_, SIGKILL), 0);
@@ -169,6 +187,27 @@ TEST_F(AgentProcessTest, KilledPeerFailsPendingCallsFast) {
   }
   EXPECT_NE(message.find("worker1"), std::string::npos) << message;
 }
+
+// A tensor far above any eager threshold crosses to another process and back intact; over ucx on one host
+// it goes by cross-memory attach both ways (Note [Cross-memory attach] in rpc/transport/ucx/context.cpp).
+TEST_P(AgentProcessTest, ALargeTensorCrossesToAnotherProcessAndBackIntact) {
+  if (GetParam() == std::string("ucx") && distgrad::testing::crossMemoryAttachUnavailable().empty()) {
+    const std::string lanes = agent_->metrics("worker1").lanes;
+    EXPECT_NE(lanes.find("cma/memory (rma_bw"), std::string::npos) << lanes;
+  }
+  const int64_t n = int64_t{12} << 20;  // 48 MB of float32
+  tensor::Tensor t = tensor::Tensor::empty({n});
+  float* data = t.data<float>();
+  for (int64_t i = 0; i < n; ++i) data[i] = static_cast<float>(i % 100003);
+  for (int round = 0; round < 2; ++round) {
+    tensor::Tensor back = agent_->rpcSync("worker1", kEchoTensor, t);
+    ASSERT_EQ(back.numel(), n);
+    EXPECT_EQ(std::memcmp(back.rawData(), data, static_cast<size_t>(n) * sizeof(float)), 0) << "round " << round;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, AgentProcessTest, ::testing::ValuesIn(processTransports()),
+                         [](const auto& info) { return info.param; });
 
 }  // namespace
 }  // namespace distgrad::rpc

@@ -4,13 +4,8 @@
 // process's one ucp worker shared by its Contexts, and the lanes ucp picks on one host.
 #ifdef DG_HAVE_UCX
 
-#include <sys/uio.h>
 #include <ucp/api/ucp.h>
 #include <unistd.h>
-
-#include <cerrno>
-#include <cstdio>
-#include <cstdlib>
 
 #include <atomic>
 #include <chrono>
@@ -21,6 +16,7 @@
 
 #include "rpc/transport/ucx/context.h"
 #include "tests/rpc/transport_test_util.h"
+#include "tests/transport_params.h"
 
 namespace distgrad::rpc::transport::ucx {
 namespace {
@@ -389,31 +385,11 @@ TEST(UcxWorker, ABusyPollingContextJoiningAndLeavingASleepingWorker) {
   EXPECT_EQ(ran.get_future().wait_for(kWait), std::future_status::ready) << "the loop slept through a post";
 }
 
-// Why cross-memory attach cannot serve one-host rendezvous here ("" when it can): UCX uses it only where
-// process_vm_readv works and Yama does not restrict ptrace, and only when the user left UCX_TLS alone.
-std::string crossMemoryAttachUnavailable() {
-  if (std::getenv("UCX_TLS") != nullptr) return "UCX_TLS is set, so the lanes are the user's choice";
-  if (FILE* yama = std::fopen("/proc/sys/kernel/yama/ptrace_scope", "r")) {
-    int scope = -1;
-    const bool read = std::fscanf(yama, "%d", &scope) == 1;
-    std::fclose(yama);
-    if (!read || scope != 0) return "Yama's ptrace_scope is not 0";
-  }
-  char source[16] = "attach";
-  char target[16] = {};
-  iovec local{target, sizeof(target)};
-  iovec remote{source, sizeof(source)};
-  if (::process_vm_readv(::getpid(), &local, 1, &remote, 1, 0) != static_cast<ssize_t>(sizeof(source))) {
-    return std::string("process_vm_readv fails here: ") + std::strerror(errno);
-  }
-  return "";
-}
-
 // Note [Cross-memory attach] (rpc/transport/ucx/context.cpp): on one host the rendezvous lane is CMA, not
 // UCX's tcp, and a payload far above the rendezvous threshold arrives intact.
 TEST(UcxLanes, OneHostRendezvousGoesByCrossMemoryAttach) {
   if (!ucxUnavailableReason().empty()) GTEST_SKIP() << "ucx is not viable here: " << ucxUnavailableReason();
-  if (std::string why = crossMemoryAttachUnavailable(); !why.empty()) GTEST_SKIP() << why;
+  if (std::string why = distgrad::testing::crossMemoryAttachUnavailable(); !why.empty()) GTEST_SKIP() << why;
   auto server = createContext("ucx").value();
   auto client = createContext("ucx").value();
   std::promise<std::shared_ptr<Connection>> accepted;
