@@ -89,7 +89,7 @@ int echoRounds(const Config& config, size_t bytes) {
 // The transport the agent figures are taken over now, and tcp's medians of this run for ratio_vs_tcp.
 struct TransportRun {
   std::string name = "tcp";
-  std::string lanes;  // ucx: what ucp chose for the pair's connection
+  std::string lanes;                         // ucx: what ucp chose for the pair's connection
   std::map<std::string, double> tcpMedians;  // "metric placement" -> median
 };
 TransportRun currentTransport;
@@ -170,10 +170,9 @@ void measureIdle(AgentPair& pair, double seconds, const char* phase, bool pinned
   double child1 = pair.childCpuSeconds();
   double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count();
   emitRpc("idle_cpu_percent", "%", single(100 * (parent1 - parent0) / wall), pinned,
-                  {{"agent", quoted("worker0 (hosts the store)")}, {"phase", quoted(phase)},
-                   {"idle_s", number(wall)}});
+          {{"agent", quoted("worker0 (hosts the store)")}, {"phase", quoted(phase)}, {"idle_s", number(wall)}});
   emitRpc("idle_cpu_percent", "%", single(100 * (child1 - child0) / wall), pinned,
-                  {{"agent", quoted("worker1")}, {"phase", quoted(phase)}, {"idle_s", number(wall)}});
+          {{"agent", quoted("worker1")}, {"phase", quoted(phase)}, {"idle_s", number(wall)}});
 }
 
 // No-op rpcSync round trips, the caller reading its reply itself (Note [Waiting reader]) and the callee's
@@ -206,10 +205,10 @@ void measureRpcSync(rpc::Agent& agent, const rpc::Function<int64_t(int64_t)>& fn
     v.erase(v.begin(), v.begin() + std::min<size_t>(v.size() / 10, 500));  // warm-up
     Measurement measured = measurementOf(std::move(v));
     emitRpc(metric + suffixes[m], "us", measured, pinned,
-                    {{"raw_median", number(raw.stats.median)},
-                     {"raw_p99", number(raw.p99)},
-                     {"ratio_vs_raw", number(measured.stats.median / raw.stats.median)},
-                     {"p99_ratio_vs_raw", number(measured.p99 / raw.p99)}});
+            {{"raw_median", number(raw.stats.median)},
+             {"raw_p99", number(raw.p99)},
+             {"ratio_vs_raw", number(measured.stats.median / raw.stats.median)},
+             {"p99_ratio_vs_raw", number(measured.p99 / raw.p99)}});
   }
 }
 
@@ -241,7 +240,7 @@ void measureRpcAsync(AgentPair& pair, int calls, const std::vector<int>& windows
     // CPU of both processes per call: with both pinned to one core this is what bounds the throughput.
     const double cpuUs = (processCpuSeconds() + pair.childCpuSeconds() - cpu0) * 1e6 / total;
     emitRpc("rpcasync_throughput_w" + std::to_string(window), "calls/s", measurementOf(rates), pinned,
-                    {{"in_flight", std::to_string(window)}, {"cpu_us_per_call", number(cpuUs)}});
+            {{"in_flight", std::to_string(window)}, {"cpu_us_per_call", number(cpuUs)}});
   }
 }
 
@@ -274,11 +273,11 @@ void measureTensorEcho(AgentPair& pair, const Config& config, size_t bytes, cons
   const double childCpu = (pair.childCpuSeconds() - childCpu0) / wall;
   Measurement m = measurementOf(std::move(rates));
   emitRpc("tensor_echo_" + sizeName(bytes), "GB/s", m, pinned,
-                  {{"bytes", std::to_string(bytes)},
-                   {"cpu_busy_worker0", number(parentCpu)},
-                   {"cpu_busy_worker1", number(childCpu)},
-                   {"raw_median", number(raw.stats.median)},
-                   {"ratio_vs_raw", number(m.stats.median / raw.stats.median)}});
+          {{"bytes", std::to_string(bytes)},
+           {"cpu_busy_worker0", number(parentCpu)},
+           {"cpu_busy_worker1", number(childCpu)},
+           {"raw_median", number(raw.stats.median)},
+           {"ratio_vs_raw", number(m.stats.median / raw.stats.median)}});
 }
 
 }  // namespace

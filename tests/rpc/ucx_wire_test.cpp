@@ -393,7 +393,8 @@ TEST(UcxLanes, OneHostRendezvousGoesByCrossMemoryAttach) {
   auto server = createContext("ucx").value();
   auto client = createContext("ucx").value();
   std::promise<std::shared_ptr<Connection>> accepted;
-  auto listener = server->listen("127.0.0.1:0", [&](std::shared_ptr<Connection> c) { accepted.set_value(std::move(c)); });
+  auto listener =
+      server->listen("127.0.0.1:0", [&](std::shared_ptr<Connection> c) { accepted.set_value(std::move(c)); });
   ASSERT_TRUE(listener.ok()) << listener.error().message;
   Collector atClient, atServer;
   auto connection = connectPair(*client, listener.value()->address(), atClient, atServer, accepted);
@@ -424,7 +425,8 @@ TEST(UcxLanes, APayloadOfAFailedSendStaysAllocatedUntilTheLingerOrTheContextsClo
   auto server = createContext("ucx").value();
   auto client = createContext("ucx").value();
   std::promise<std::shared_ptr<Connection>> accepted;
-  auto listener = server->listen("127.0.0.1:0", [&](std::shared_ptr<Connection> c) { accepted.set_value(std::move(c)); });
+  auto listener =
+      server->listen("127.0.0.1:0", [&](std::shared_ptr<Connection> c) { accepted.set_value(std::move(c)); });
   ASSERT_TRUE(listener.ok()) << listener.error().message;
   std::promise<Result<std::shared_ptr<Connection>>> connected;
   client->connect(listener.value()->address(),

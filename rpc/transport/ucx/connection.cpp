@@ -556,17 +556,17 @@ void UcxConnection::closedFromLoop() {
   reportClosedFromLoop(error);
 }
 
-std::string UcxConnection::transportsFromLoop() const {
+std::string UcxConnection::lanesFromLoop() const {
   if (ep_ == nullptr) return "";
   return UcxLoop::describeEndpoint(ep_);
 }
 
 std::string UcxConnection::lanes() {
-  if (loop_->inLoop()) return transportsFromLoop();
+  if (loop_->inLoop()) return lanesFromLoop();
   std::promise<std::string> promise;
   auto future = promise.get_future();
   auto self = shared_from_this();
-  if (!loop_->post([&promise, self] { promise.set_value(self->transportsFromLoop()); })) return "";
+  if (!loop_->post([&promise, self] { promise.set_value(self->lanesFromLoop()); })) return "";
   return future.get();
 }
 

@@ -63,7 +63,7 @@ class UcxConnection final : public LoopConnection<UcxConnection, UcxLoop> {
   bool queueInboundFromLoop(AmId id, const void* header, size_t headerLength, void* data, size_t length,
                             bool rendezvous, bool persistentData);
   void processInboundFromLoop();
-  std::string transportsFromLoop() const;
+  std::string lanesFromLoop() const;
   ucp_ep_h endpointFromLoop() const { return ep_; }
 
  private:

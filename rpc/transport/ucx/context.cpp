@@ -41,7 +41,8 @@ constexpr Setting kSettings[] = {
     // UCX 1.13 leaves the shared-memory transports (sysv, posix, cma) out of endpoints that ask for peer
     // error handling unless this is set (openucx/ucx#8477); without it one-host traffic goes over tcp.
     // What UCX cannot tell about a dead peer on shared memory, the Agent's heartbeats do.
-    {"MM_ERROR_HANDLING", "MM_ERROR_HANDLING", "y", "shared memory for client-server endpoints with peer error handling"},
+    {"MM_ERROR_HANDLING", "MM_ERROR_HANDLING", "y",
+     "shared memory for client-server endpoints with peer error handling"},
     // Note [Cross-memory attach]: UCX 1.13 gives endpoints with peer error handling rendezvous lanes only
     // on memory domains that declare memory invalidation (select.c, ucp_wireup_add_rma_bw_lanes); CMA's
     // does not unless told to, so large payloads crossed the loopback over tcp. With it, one-host
