@@ -294,6 +294,18 @@ std::shared_ptr<Connection> connectPair(Context& client, const std::string& addr
   return connection.value();
 }
 
+// A listener on a fresh port of `server` whose first accepted connection goes to `accepted`; null (the
+// failure recorded) when listen fails.
+std::unique_ptr<Listener> listenOnce(Context& server, std::promise<std::shared_ptr<Connection>>& accepted) {
+  auto listening =
+      server.listen("127.0.0.1:0", [&accepted](std::shared_ptr<Connection> c) { accepted.set_value(std::move(c)); });
+  if (!listening.ok()) {
+    ADD_FAILURE() << "listen: " << listening.error().message;
+    return nullptr;
+  }
+  return std::move(listening).value();
+}
+
 bool exchanges(Connection& connection, Collector& atPeer, size_t index) {
   OutgoingFrame frame;
   frame.envelope = envelopeWithIndex(index);
@@ -371,11 +383,10 @@ TEST(UcxWorker, ABusyPollingContextJoiningAndLeavingASleepingWorker) {
   spin.ucxBusyPoll = true;
   auto polling = createContext("ucx", spin).value();
   std::promise<std::shared_ptr<Connection>> accepted;
-  auto listener =
-      polling->listen("127.0.0.1:0", [&](std::shared_ptr<Connection> c) { accepted.set_value(std::move(c)); });
-  ASSERT_TRUE(listener.ok()) << listener.error().message;
+  auto listener = listenOnce(*polling, accepted);
+  ASSERT_TRUE(listener);
   Collector atClient, atServer;
-  auto connection = connectPair(*sleeping, listener.value()->address(), atClient, atServer, accepted);
+  auto connection = connectPair(*sleeping, listener->address(), atClient, atServer, accepted);
   ASSERT_TRUE(connection);
   EXPECT_TRUE(exchanges(*connection, atServer, 0));
   polling->close();
@@ -393,11 +404,10 @@ TEST(UcxLanes, OneHostRendezvousGoesByCrossMemoryAttach) {
   auto server = createContext("ucx").value();
   auto client = createContext("ucx").value();
   std::promise<std::shared_ptr<Connection>> accepted;
-  auto listener =
-      server->listen("127.0.0.1:0", [&](std::shared_ptr<Connection> c) { accepted.set_value(std::move(c)); });
-  ASSERT_TRUE(listener.ok()) << listener.error().message;
+  auto listener = listenOnce(*server, accepted);
+  ASSERT_TRUE(listener);
   Collector atClient, atServer;
-  auto connection = connectPair(*client, listener.value()->address(), atClient, atServer, accepted);
+  auto connection = connectPair(*client, listener->address(), atClient, atServer, accepted);
   ASSERT_TRUE(connection);
   const std::string lanes = connection->lanes();
   EXPECT_NE(lanes.find("cma/memory (rma_bw"), std::string::npos) << lanes;
@@ -425,11 +435,10 @@ TEST(UcxLanes, APayloadOfAFailedSendStaysAllocatedUntilTheLingerOrTheContextsClo
   auto server = createContext("ucx").value();
   auto client = createContext("ucx").value();
   std::promise<std::shared_ptr<Connection>> accepted;
-  auto listener =
-      server->listen("127.0.0.1:0", [&](std::shared_ptr<Connection> c) { accepted.set_value(std::move(c)); });
-  ASSERT_TRUE(listener.ok()) << listener.error().message;
+  auto listener = listenOnce(*server, accepted);
+  ASSERT_TRUE(listener);
   std::promise<Result<std::shared_ptr<Connection>>> connected;
-  client->connect(listener.value()->address(),
+  client->connect(listener->address(),
                   [&](Result<std::shared_ptr<Connection>> r) { connected.set_value(std::move(r)); });
   auto connection = connected.get_future().get().value();
   auto unstarted = accepted.get_future().get();  // holds what arrives, answers nothing
