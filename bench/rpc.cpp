@@ -291,8 +291,9 @@ int main(int argc, char** argv) {
   std::vector<char*> positional{argv[0]};
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
-    if (arg == "--transport" || arg.rfind("--transport=", 0) == 0) {
-      std::string list = arg == "--transport" ? (i + 1 < argc ? argv[++i] : "") : arg.substr(12);
+    const std::string flag = "--transport";
+    if (arg == flag || arg.rfind(flag + "=", 0) == 0) {
+      std::string list = arg == flag ? (i + 1 < argc ? argv[++i] : "") : arg.substr(flag.size() + 1);
       transports.clear();
       for (size_t start = 0; start <= list.size();) {
         size_t comma = std::min(list.find(',', start), list.size());
@@ -375,7 +376,7 @@ int main(int argc, char** argv) {
       measureRpcSync(pair.agent(), kPingInline, "rpcsync_rtt_noop_inline", config.rounds, rawRtt, pinned);
       measureRpcAsync(pair, config.calls, config.windows, pinned);
     }
-    useTransport("tcp");
+    useTransport("tcp");  // leaves no DISTGRAD_UCX_BUSY_POLL behind
     restoreAffinity(freeAffinity);
   }
   return 0;
