@@ -5,7 +5,9 @@
 // that listen() returns for all three: it owns the transport's listener object and closes it when
 // destroyed. runOnLoop is the "act now when already on the loop, else post" step of every public method.
 //
-// What Loop provides: post(fn) (false once shutdown began, unless called on the loop thread), inLoop() and
+// What Loop provides: post(fn) (false once shutdown began, unless called on the loop thread), inLoop() (may
+// this thread act as the loop now), onLoopThread() (is this the loop's own thread: Context::inLoop; they
+// differ only for ucx, whose waiting threads may drive its worker, Note [Driving threads]) and
 // shutdown() (closes everything on the loop, joins its thread; idempotent; not on the loop thread).
 //
 // Thread-safety: every method may be called from any thread, except close() (and so the destructor) from
@@ -64,7 +66,7 @@ class LoopContext : public Context {
   void defer(std::function<void()> fn) final {
     DG_CHECK(loop_->post(std::move(fn)), name_, " Context::defer after close()");
   }
-  bool inLoop() const final { return loop_->inLoop(); }
+  bool inLoop() const final { return loop_->onLoopThread(); }
   void close() final {
     closed_.store(true);
     loop_->shutdown();

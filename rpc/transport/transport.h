@@ -151,6 +151,8 @@ class Context {
   virtual void connect(const std::string& address, ConnectCallback done) = 0;
   // Runs fn on the loop thread, later (never inline).
   virtual void defer(std::function<void()> fn) = 0;
+  // Whether this is the loop's own thread (not a thread that reads or drives for it meanwhile: Note
+  // [Waiting reader] in tcp, Note [Driving threads] in ucx).
   virtual bool inLoop() const = 0;
   // Closes every listener and connection and joins the loop thread. Idempotent; also run by the destructor.
   virtual void close() = 0;

@@ -2,12 +2,11 @@
 #include "rpc/agent.h"
 
 #include <arpa/inet.h>
+#include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <unistd.h>
-
-#include <gtest/gtest.h>
 
 #include <chrono>
 #include <cstring>
@@ -99,7 +98,7 @@ TEST_P(AgentTest, InlineHandlersRunOnTheLoopAndMustNotBlockIt) {
       << blocked.error().message;
   EXPECT_EQ(blocked.error().worker, "worker1");
   EXPECT_EQ(a.rpcSync("worker0", kInlineBlocking, 5), 6);  // on the executor, it may block
-  EXPECT_EQ(a.rpcSync("worker1", kAddInt, 40, 2), 42);       // the loop still serves
+  EXPECT_EQ(a.rpcSync("worker1", kAddInt, 40, 2), 42);     // the loop still serves
   EXPECT_EQ(agent(1).rpcSync("worker0", kInlineNested, 1), 20);
 }
 
@@ -222,12 +221,18 @@ TEST_P(AgentTest, CallsMadeOneAtATimeAreWrittenByTheirSenderAndBurstsByTheLoop) 
   constexpr int64_t kCalls = 200;
   for (int64_t i = 0; i < kCalls; ++i) EXPECT_EQ(agent(0).rpcAsync("worker1", kAddInt, i, int64_t{1}).get(), i + 1);
   const uint64_t lone = written() - before;
-  if (GetParam() != "tcp") {
-    EXPECT_EQ(written(), 0u) << "only tcp writes from the sending thread";
+  if (GetParam() == "inproc") {
+    EXPECT_EQ(written(), 0u) << "inproc has no sending thread's write";
     return;
   }
-  // A frame is left to the loop when the connection has something queued (a heartbeat being written).
-  EXPECT_GE(lone, static_cast<uint64_t>(kCalls * 9 / 10));
+  if (GetParam() == "ucx") {
+    // Note [Driving threads]: ucx issues a frame from its sender only when the loop thread sleeps, and here
+    // both agents share the process's loop, which the callee's side of every call keeps busy at times.
+    EXPECT_GT(lone, 0u) << "no lone call was issued by its sender";
+  } else {
+    // A frame is left to the loop when the connection has something queued (a heartbeat being written).
+    EXPECT_GE(lone, static_cast<uint64_t>(kCalls * 9 / 10));
+  }
   // A burst issued while a call is pending (a hanging one, so that no reply can empty the count between
   // two calls of the burst however the threads are scheduled): none of its calls is lone.
   Future<int64_t> hanging = agent(0).rpcAsync("worker1", kHang, 1);
@@ -342,7 +347,8 @@ TEST_P(AgentTest, GracefulShutdownDrainsInFlightCalls) {
   spec.size = 3;
   start(spec);
   std::vector<Future<int64_t>> futures;
-  for (int i = 0; i < 50; ++i) futures.push_back(agent(i % 3).rpcAsync("worker" + std::to_string((i + 1) % 3), kNested, int64_t{i}));
+  for (int i = 0; i < 50; ++i)
+    futures.push_back(agent(i % 3).rpcAsync("worker" + std::to_string((i + 1) % 3), kNested, int64_t{i}));
   std::vector<std::thread> threads;
   std::vector<std::exception_ptr> errors(3);
   for (int r = 0; r < 3; ++r) {
@@ -391,7 +397,8 @@ TEST_P(AgentTest, ShutdownWithADeadPeerIsBoundedAndNamesIt) {
   }
   for (auto& t : threads) t.join();
   EXPECT_LT(SteadyTime::now() - begin, spec.shutdownTimeout + 2s);
-  for (int r = 0; r < 2; ++r) EXPECT_NE(messages[r].find("worker2"), std::string::npos) << "rank " << r << ": " << messages[r];
+  for (int r = 0; r < 2; ++r)
+    EXPECT_NE(messages[r].find("worker2"), std::string::npos) << "rank " << r << ": " << messages[r];
 }
 
 TEST_P(AgentTest, ShutdownWaitsForWorkersThatAreStillWorking) {

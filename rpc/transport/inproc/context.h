@@ -47,6 +47,7 @@ class InprocLoop {
   // Queues fn to run on the loop thread. Returns false (fn dropped) once the loop has stopped.
   bool post(std::function<void()> fn);
   bool inLoop() const { return std::this_thread::get_id() == threadId_; }
+  bool onLoopThread() const { return inLoop(); }
   // Remembers an endpoint so shutdown() can close it; false (not tracked) once shutdown began.
   bool track(const std::shared_ptr<InprocConnection>& connection);
   bool track(const std::shared_ptr<InprocListener>& listener);

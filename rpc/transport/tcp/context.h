@@ -48,6 +48,7 @@ class TcpLoop {
   // thread itself (those tasks still run during the final drain).
   bool post(std::function<void()> fn);
   bool inLoop() const { return std::this_thread::get_id() == threadId_; }
+  bool onLoopThread() const { return inLoop(); }
   // Runs fn later on the loop (never inline); loop thread only. Tasks the loop posts to itself run before it
   // next blocks, which is what the ucx loop's deferred queue gives (the shared LoopConnection uses both).
   void deferFromLoop(std::function<void()> fn) { post(std::move(fn)); }

@@ -27,7 +27,7 @@ struct UcxConnection::SendRequest {
   SendCallback done;
   std::vector<uint8_t> head;  // prefix | sizes | envelope
   std::vector<ucp_dt_iov_t> iov;
-  int parts = 1;              // AMs not yet completed, plus one while they are being issued
+  int parts = 1;  // AMs not yet completed, plus one while they are being issued
   ucs_status_t status = UCS_OK;
 };
 
@@ -108,8 +108,8 @@ void UcxConnection::handshakeDoneFromLoop(ConnectCallback done, ucs_status_t sta
       }
       return;
     }
-    std::string why = status != UCS_OK ? ucsError(status)
-                                       : (self->closeError_ ? self->closeError_->message : std::string("closed"));
+    std::string why =
+        status != UCS_OK ? ucsError(status) : (self->closeError_ ? self->closeError_->message : std::string("closed"));
     Error error = Error::disconnected("ucx connect to " + self->peerAddress_ + " failed: " + why);
     self->closeFromLoop(error);
     try {
@@ -170,6 +170,40 @@ void UcxConnection::sendFromLoop(OutgoingFrame frame, SendCallback done) {
   partDoneFromLoop(request, UCS_OK);  // the issuing part
 }
 
+void UcxConnection::send(OutgoingFrame frame, SendCallback done) {
+  // Note [Driving threads]: issued here when the loop thread sleeps and nothing is queued for it.
+  if (frame.fromSender && !loop_->inLoop()) {
+    size_t before = 0;
+    bool issued = loop_->worker().sendHere(
+        [&] {
+          before = pendingSends_;
+          sendFromLoop(std::move(frame), std::move(done));
+        },
+        [&] { return pendingSends_ == before; });  // after the completions ucp gave at once ran
+    if (issued) {
+      senderSends_.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+  }
+  LoopConnection::send(std::move(frame), std::move(done));
+}
+
+bool UcxConnection::beginWaitingRead() {
+  if (!loop_->worker().beginDriving()) return false;
+  if (started_ && !closing_ && ep_ != nullptr) return true;
+  loop_->worker().endDriving();
+  return false;
+}
+
+void UcxConnection::readWhileWaiting(const std::function<bool()>& done, std::chrono::microseconds window) {
+  // As tcp's reader, it stops once this connection closes (its answer will not come this way).
+  loop_->worker().driveWhile([&] { return done() || closing_; }, window);
+}
+
+void UcxConnection::endWaitingRead() { loop_->worker().endDriving(); }
+
+void UcxConnection::interruptWaitingRead() { loop_->worker().interrupt(); }
+
 void UcxConnection::issueFromLoop(SendRequest* request, AmId id, const void* header, size_t headerLength,
                                   const void* data, size_t count, bool iov) {
   ucp_request_param_t param{};
@@ -216,9 +250,10 @@ void UcxConnection::partDoneFromLoop(SendRequest* request, ucs_status_t status) 
       if (done) self->completeSendFromLoop(done, Result<void>());
       return;
     }
-    Error error = result == UCS_ERR_CANCELED
-                      ? Error::disconnected("ucx connection to " + self->peerAddress_ + " closed before the frame was sent")
-                      : Error::disconnected("ucx send to " + self->peerAddress_ + " failed: " + ucsError(result));
+    Error error =
+        result == UCS_ERR_CANCELED
+            ? Error::disconnected("ucx connection to " + self->peerAddress_ + " closed before the frame was sent")
+            : Error::disconnected("ucx send to " + self->peerAddress_ + " failed: " + ucsError(result));
     if (result != UCS_ERR_CANCELED && self->closeError_) error.message += " (" + self->closeError_->message + ")";
     if (done) self->completeSendFromLoop(done, error);
     self->closeFromLoop(error);
@@ -407,17 +442,18 @@ bool UcxConnection::receiveFromLoop(Inbound& message, std::vector<std::pair<void
     auto connection = owned->connection;
     bool isHead = owned->isHead;
     connection->recvRequest_ = nullptr;
-    connection->loop_->deferFromLoop([connection, status, isHead, owned = std::shared_ptr<RecvRequest>(std::move(owned))] {
-      connection->receiving_ = false;
-      if (connection->closing_) return;
-      if (status != UCS_OK) {
-        connection->closeFromLoop(Error::disconnected("ucx receive from " + connection->peerAddress_ +
-                                                      " failed: " + ucsError(status)));
-        return;
-      }
-      connection->receivedFromLoop(isHead);
-      connection->processInboundFromLoop();
-    });
+    connection->loop_->deferFromLoop(
+        [connection, status, isHead, owned = std::shared_ptr<RecvRequest>(std::move(owned))] {
+          connection->receiving_ = false;
+          if (connection->closing_) return;
+          if (status != UCS_OK) {
+            connection->closeFromLoop(
+                Error::disconnected("ucx receive from " + connection->peerAddress_ + " failed: " + ucsError(status)));
+            return;
+          }
+          connection->receivedFromLoop(isHead);
+          connection->processInboundFromLoop();
+        });
   };
   void* buffer = request->iov[0].buffer;
   size_t count = request->iov[0].length;
@@ -437,8 +473,8 @@ bool UcxConnection::receiveFromLoop(Inbound& message, std::vector<std::pair<void
   }
   if (UCS_PTR_IS_ERR(received)) {
     delete request;
-    closeFromLoop(Error::disconnected("ucx receive from " + peerAddress_ + " failed: " +
-                                      ucsError(UCS_PTR_STATUS(received))));
+    closeFromLoop(
+        Error::disconnected("ucx receive from " + peerAddress_ + " failed: " + ucsError(UCS_PTR_STATUS(received))));
     return false;
   }
   receiving_ = true;
@@ -518,7 +554,8 @@ void UcxConnection::closeFromLoop(const Error& error, bool peerSaidBye) {
     if (closeStarted_) return;
   }
   auto self = shared_from_this();
-  loop_->addTimerFromLoop(std::chrono::steady_clock::now() + kCloseFlushTimeout, [self] { self->forceCloseFromLoop(); });
+  loop_->addTimerFromLoop(std::chrono::steady_clock::now() + kCloseFlushTimeout,
+                          [self] { self->forceCloseFromLoop(); });
 }
 
 void UcxConnection::byeSentFromLoop() {

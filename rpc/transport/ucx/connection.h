@@ -20,9 +20,13 @@
 // process gone).
 // Callbacks, state, posting to the loop and close reporting: LoopConnection (rpc/transport/loop_connection.h).
 // Lifetime: the connection keeps itself alive while its endpoint is open; call close().
-// Thread-safety: public methods may be called from any thread; everything else runs on the loop thread.
+// Waiting and sending threads: a thread about to wait for an answer may drive the worker itself meanwhile,
+// and one sending a frame marked fromSender may issue it itself (Note [Driving threads], context.cpp).
+// Thread-safety: public methods may be called from any thread; everything else runs on the loop (the loop
+// thread or a driving thread, holding the worker's drive lock).
 #pragma once
 
+#include <atomic>
 #include <deque>
 #include <memory>
 #include <optional>
@@ -45,6 +49,15 @@ class UcxConnection final : public LoopConnection<UcxConnection, UcxLoop> {
   UcxConnection(std::shared_ptr<UcxLoop> loop, std::string peerAddress);
   ~UcxConnection() override;
 
+  // Note [Driving threads] (context.cpp): fromSender frames are issued by the sending thread when the loop
+  // thread sleeps; a waiting thread drives the whole worker (every connection of the process) until its
+  // answer is in.
+  void send(OutgoingFrame frame, SendCallback done) override;
+  bool beginWaitingRead() override;
+  void readWhileWaiting(const std::function<bool()>& done, std::chrono::microseconds window) override;
+  void endWaitingRead() override;
+  void interruptWaitingRead() override;
+  uint64_t framesWrittenBySender() const override { return senderSends_.load(std::memory_order_relaxed); }
   // The transports ucp chose for this endpoint (UcxLoop::describeEndpoint); "" once closed. Waits for the
   // loop when called from another thread.
   std::string lanes() override;
@@ -70,11 +83,11 @@ class UcxConnection final : public LoopConnection<UcxConnection, UcxLoop> {
   struct Inbound {
     AmId id;
     std::vector<uint8_t> header;
-    void* data = nullptr;          // ucp's eager data (held) or rendezvous descriptor
+    void* data = nullptr;  // ucp's eager data (held) or rendezvous descriptor
     size_t length = 0;
     bool rendezvous = false;
-    bool held = false;             // data must be released with ucp_am_data_release
-    std::vector<uint8_t> copied;   // eager data ucp did not let us keep
+    bool held = false;            // data must be released with ucp_am_data_release
+    std::vector<uint8_t> copied;  // eager data ucp did not let us keep
   };
   struct SendRequest;
   struct RecvRequest;
@@ -100,13 +113,14 @@ class UcxConnection final : public LoopConnection<UcxConnection, UcxLoop> {
   void closedFromLoop();
 
   ucp_ep_h ep_ = nullptr;
+  std::atomic<uint64_t> senderSends_{0};  // frames their sending thread issued (sendHere)
   // Loop-thread state.
   bool attached_ = false;
-  bool closeStarted_ = false;  // forceCloseFromLoop ran
+  bool closeStarted_ = false;    // forceCloseFromLoop ran
   bool countedClosing_ = false;  // counted in the loop's closing connections
   bool peerSaidBye_ = false;     // we are closing because the peer said goodbye
   bool inboundMarked_ = false;
-  bool receiving_ = false;     // a rendezvous receive is in flight
+  bool receiving_ = false;       // a rendezvous receive is in flight
   bool endpointFailed_ = false;  // ucp reported the endpoint failed: no goodbye, close at once
   void* recvRequest_ = nullptr;  // the rendezvous receive in flight (cancelled by close)
   size_t pendingSends_ = 0;

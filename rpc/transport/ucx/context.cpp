@@ -5,6 +5,7 @@
 #include <pthread.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/timerfd.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -161,7 +162,7 @@ Result<void> UcxWorker::init() {
   if (ucp_context_query(context_, &contextAttr) == UCS_OK) memoryTypes_ = contextAttr.memory_types;
   ucp_worker_params_t workerParams{};
   workerParams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  workerParams.thread_mode = UCS_THREAD_MODE_SINGLE;
+  workerParams.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // Note [Driving threads]: one at a time, any thread
   status = ucp_worker_create(context_, &workerParams, &worker_);
   if (status != UCS_OK) {
     worker_ = nullptr;
@@ -175,15 +176,20 @@ Result<void> UcxWorker::init() {
   status = ucp_worker_get_efd(worker_, &workerFd_);
   if (status != UCS_OK) return fail("ucp_worker_get_efd (the worker's transports offer no wake-up)", status);
   wakeFd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  windowFd_ = ::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
   epollFd_ = ::epoll_create1(EPOLL_CLOEXEC);
-  if (wakeFd_ < 0 || epollFd_ < 0) {
-    return Error::failed(std::string("ucx transport: eventfd/epoll_create1 failed: ") + std::strerror(errno));
+  if (wakeFd_ < 0 || windowFd_ < 0 || epollFd_ < 0) {
+    return Error::failed(std::string("ucx transport: eventfd/timerfd/epoll_create1 failed: ") + std::strerror(errno));
   }
+  // Edge-triggered (Note [Driving threads]): an event wakes one of the threads asleep on this set, the
+  // one that went to sleep last. Nothing is lost by it: whoever sleeps here armed the worker first (and
+  // ucp_worker_arm answers BUSY while anything is unprocessed), and each post writes the eventfd anew.
   epoll_event event{};
-  event.events = EPOLLIN;
+  event.events = EPOLLIN | EPOLLET;
   event.data.fd = workerFd_;
   if (::epoll_ctl(epollFd_, EPOLL_CTL_ADD, workerFd_, &event) != 0 ||
-      (event.data.fd = wakeFd_, ::epoll_ctl(epollFd_, EPOLL_CTL_ADD, wakeFd_, &event)) != 0) {
+      (event.data.fd = wakeFd_, ::epoll_ctl(epollFd_, EPOLL_CTL_ADD, wakeFd_, &event)) != 0 ||
+      (event.data.fd = windowFd_, ::epoll_ctl(epollFd_, EPOLL_CTL_ADD, windowFd_, &event)) != 0) {
     return Error::failed(std::string("ucx transport: epoll_ctl failed: ") + std::strerror(errno));
   }
   // One handler per message id; the argument tells the id apart (the callback gets no id).
@@ -212,6 +218,7 @@ UcxWorker::~UcxWorker() {
   if (context_ != nullptr) ucp_cleanup(context_);
   if (epollFd_ >= 0) ::close(epollFd_);
   if (wakeFd_ >= 0) ::close(wakeFd_);
+  if (windowFd_ >= 0) ::close(windowFd_);
 }
 
 bool UcxWorker::post(std::function<void()> fn, bool* gate, bool shut) {
@@ -227,6 +234,166 @@ bool UcxWorker::post(std::function<void()> fn, bool* gate, bool shut) {
   // A busy-polling loop sees hasTasks_ without a wake-up; the eventfd stays open until the destructor.
   if (wakeLoop && busyPollers_.load(std::memory_order_relaxed) == 0 && !inLoop()) wake();
   return true;
+}
+
+namespace {
+thread_local const UcxWorker* tDriving = nullptr;  // the worker this thread drives now (Note [Driving threads])
+}  // namespace
+
+bool UcxWorker::inLoop() const { return tDriving == this || onLoopThread(); }
+
+// Note [Driving threads]
+// In event mode every frame used to cost the loop thread a wake-up on each side of a round trip more than
+// a socket ping-pong: the caller posted its call to the loop (the eventfd), and the reply woke the loop,
+// which then woke the caller (bench_rpc, ucx event mode: the round trip was 1.2-1.7x tcp's, whose sender
+// writes and waiting reader take those wake-ups out: Note [Sender writes], Note [Waiting reader] in
+// rpc/transport/tcp/connection.cpp). ucp cannot be entered by two threads at once, but the worker is
+// SERIALIZED (any thread, one at a time), and all of the loop's state is guarded by one lock, driveMutex_,
+// which the loop thread holds whenever it is awake; whoever holds it is the loop (inLoop()).
+//  - A thread about to wait for an answer takes it (beginDriving, by Connection::beginWaitingRead, when the
+//    loop thread sleeps: try_lock), runs the tasks posted so far (so that no frame it posted earlier is
+//    overtaken), sends its frame as the loop would, and then drives the worker while it waits
+//    (driveWhile): progress, tasks, received frames, deferred work, for every connection and Context of the
+//    process, exactly the loop's work, sleeping on the loop's own epoll set. That set is edge-triggered,
+//    and an edge wakes only the thread that went to sleep on it last (a level-triggered set wakes every
+//    sleeper): the driver, which went to sleep after the loop thread let go. So the answer wakes the
+//    waiting thread alone, as in a socket ping-pong. (Should the loop thread reach epoll_wait only after
+//    the driver, it gets the edge, finds the lock taken and passes the event on through the eventfd.) The
+//    driver stops when its answer is in or the window passed, and lets go (endDriving) with the worker
+//    armed again, or else wakes the loop thread. Meanwhile it also runs the loop's timers and answers
+//    closing Contexts (a 30 s serving window must not hold a close up); only the worker's stop and busy
+//    polling are left to the loop thread.
+//  - A thread that sends a frame marked fromSender without waiting this way issues it itself when the loop
+//    thread sleeps and no task is queued (sendHere); when ucp finishes it at once (eager data), nothing is
+//    left for the loop, which is not woken; when ucp keeps part of it (rendezvous, a full queue), the loop
+//    is woken to progress it.
+//  - While a Context busy-polls the loop thread never sleeps: a waiting thread announces itself (drivers_)
+//    and the loop thread lets go of the lock and yields until it is done; the driver spins on the worker
+//    instead, so the process still spins on one thread, the one that waits.
+// What a driver runs is the loop's (frame handlers, completions): the agent treats it as it treats tcp's
+// waiting reader (Context::inLoop() names the loop thread only: calls read here are posted to the executor,
+// inline handlers run here).
+bool UcxWorker::beginDriving() {
+  if (inLoop() || stopping_.load(std::memory_order_acquire)) return false;
+  const bool busy = busyPollers_.load(std::memory_order_relaxed) > 0;
+  if (busy) {
+    // The spinning loop thread lets go within one pass.
+    drivers_.fetch_add(1);
+    const auto giveUp = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
+    while (!driveMutex_.try_lock()) {
+      if (std::chrono::steady_clock::now() > giveUp) {
+        drivers_.fetch_sub(1);
+        return false;
+      }
+      std::this_thread::yield();
+    }
+  } else if (!driveMutex_.try_lock()) {
+    return false;
+  }
+  if (worker_ == nullptr) {  // stopped: the loop thread destroyed it
+    driveMutex_.unlock();
+    if (busy) drivers_.fetch_sub(1);
+    return false;
+  }
+  tDriving = this;
+  driverSpins_ = busy;
+  runTasks();
+  return true;
+}
+
+void UcxWorker::driveWhile(const std::function<bool()>& done, std::chrono::microseconds window) {
+  DG_ASSERT(tDriving == this, "UcxWorker::driveWhile without beginDriving");
+  const auto end = std::chrono::steady_clock::now() + window;
+  epoll_event events[4];
+  for (;;) {
+    turnFromLoop();
+    if (done() || stopping_.load(std::memory_order_acquire)) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= end) return;
+    if (busyPollers_.load(std::memory_order_relaxed) > 0) continue;
+    ucs_status_t status = ucp_worker_arm(worker_);
+    if (status == UCS_ERR_BUSY || hasTasks_.load(std::memory_order_acquire)) continue;
+    if (status != UCS_OK) return;  // the loop thread reports it and polls
+    // Awake no later than the window's end, the next timer, or the closing connections' next poll.
+    auto wakeBy = end;
+    if (const int ms = timeoutMsFromLoop(); ms >= 0) wakeBy = std::min(wakeBy, now + std::chrono::milliseconds(ms));
+    if (!armWindowBy(wakeBy, now)) return;
+    int n = ::epoll_wait(epollFd_, events, 4, -1);
+    for (int i = 0; i < n; ++i) {
+      if (events[i].data.fd == wakeFd_) readWake();
+    }
+  }
+}
+
+// Note [Driving threads]: a driver's sleep is not bounded by epoll_wait's timeout: a timeout arms a kernel
+// timer each time the thread sleeps and cancels it when woken, in a VM a few exits per round trip
+// (measured: the one-core ucx rpcSync took 17.8 us with a timeout, X without; tcp's Note [Lazy window
+// timer] found the same). windowFd_, a timerfd in the loop's set, is armed to fire no later than the
+// driver's window ends and set again only once it fired or would fire too late, so back-to-back calls set
+// it about once per window. Its expiry wakes whoever sleeps on the set (the loop thread, once, when no
+// driver does).
+bool UcxWorker::armWindowBy(std::chrono::steady_clock::time_point wakeBy, std::chrono::steady_clock::time_point now) {
+  if (windowArmedUntil_ > now && windowArmedUntil_ <= wakeBy) return true;  // it will fire in time
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(wakeBy.time_since_epoch()).count();
+  itimerspec spec{};
+  spec.it_value = timespec{static_cast<time_t>(ns / 1'000'000'000), static_cast<long>(ns % 1'000'000'000)};
+  if (::timerfd_settime(windowFd_, TFD_TIMER_ABSTIME, &spec, nullptr) != 0) return false;
+  windowArmedUntil_ = wakeBy;
+  return true;
+}
+
+void UcxWorker::endDriving() {
+  DG_ASSERT(tDriving == this, "UcxWorker::endDriving without beginDriving");
+  driveFromLoop();
+  const bool wakeLoop = loopNeededAfterDriving();
+  const bool busy = driverSpins_;
+  tDriving = nullptr;
+  driveMutex_.unlock();
+  if (busy) drivers_.fetch_sub(1);
+  if (wakeLoop) wake();
+}
+
+bool UcxWorker::sendHere(const std::function<void()>& issue, const std::function<bool()>& finished) {
+  if (inLoop() || busyPollers_.load(std::memory_order_relaxed) > 0 || hasTasks_.load(std::memory_order_acquire)) {
+    return false;
+  }
+  if (!driveMutex_.try_lock()) return false;
+  // Under the lock no task runs: none queued now means every frame posted before was issued.
+  if (worker_ == nullptr || hasTasks_.load(std::memory_order_acquire)) {
+    driveMutex_.unlock();
+    return false;
+  }
+  tDriving = this;
+  bool wakeLoop = true;
+  try {
+    issue();
+    runDeferredFromLoop();  // the completions ucp gave at once, or the frame's refusal
+    wakeLoop = !finished() || hasTasks_.load(std::memory_order_acquire);
+  } catch (...) {
+    tDriving = nullptr;
+    driveMutex_.unlock();
+    wake();
+    throw;
+  }
+  tDriving = nullptr;
+  driveMutex_.unlock();
+  if (wakeLoop) wake();
+  return true;
+}
+
+bool UcxWorker::loopNeededAfterDriving() {
+  if (stopping_.load(std::memory_order_acquire) || busyPollers_.load(std::memory_order_relaxed) > 0 ||
+      hasTasks_.load(std::memory_order_acquire) || !closingTenants_.empty() || closingConnections_ > 0 ||
+      !timers_.empty()) {  // the loop thread's sleep may have been timed before the driver added one
+    return true;
+  }
+  return ucp_worker_arm(worker_) != UCS_OK;
+}
+
+void UcxWorker::readWake() {
+  uint64_t count = 0;
+  while (::read(wakeFd_, &count, sizeof(count)) < 0 && errno == EINTR) {
+  }
 }
 
 void UcxWorker::wake() {
@@ -314,41 +481,58 @@ void UcxWorker::driveFromLoop() {
         try {
           connection->processInboundFromLoop();
         } catch (...) {
-          std::string message =
-              reportCallbackException("receiving from the ucx connection to " + connection->peerAddress(), "closing it");
+          std::string message = reportCallbackException(
+              "receiving from the ucx connection to " + connection->peerAddress(), "closing it");
           connection->closeFromLoop(Error::failed(message));
         }
       }
     }
-    if (!deferred_.empty()) {
-      busy = true;
-      auto batch = std::move(deferred_);
-      deferred_.clear();
-      for (auto& fn : batch) {
-        try {
-          fn();
-        } catch (...) {
-          reportCallbackException("deferred work on the ucx loop", "the loop carries on");
-        }
-      }
-    }
+    if (runDeferredFromLoop()) busy = true;
     if (!busy) return;
   }
 }
 
+bool UcxWorker::runDeferredFromLoop() {
+  if (deferred_.empty()) return false;
+  auto batch = std::move(deferred_);
+  deferred_.clear();
+  for (auto& fn : batch) {
+    try {
+      fn();
+    } catch (...) {
+      reportCallbackException("deferred work on the ucx loop", "the loop carries on");
+    }
+  }
+  return true;
+}
+
+void UcxWorker::turnFromLoop() {
+  runTimersFromLoop();
+  driveFromLoop();
+  if (!closingTenants_.empty()) answerDrainedTenantsFromLoop();
+}
+
 void UcxWorker::run() {
   epoll_event events[4];
+  // Note [Driving threads]: the loop's state is this thread's only while it holds the drive lock.
+  std::unique_lock drive(driveMutex_);
   for (;;) {
-    runTimersFromLoop();
-    driveFromLoop();
-    if (!closingTenants_.empty()) answerDrainedTenantsFromLoop();
+    turnFromLoop();
     // Every tenant drained before the last one released the worker: only tasks the loop posted itself can
     // be left.
     if (stopping_.load(std::memory_order_acquire)) {
       std::lock_guard lock(mutex_);
       if (tasks_.empty()) break;
     }
-    if (busyPollers_.load(std::memory_order_relaxed) > 0) continue;
+    if (busyPollers_.load(std::memory_order_relaxed) > 0) {
+      if (drivers_.load(std::memory_order_acquire) > 0) {
+        // A waiting thread spins on the worker instead until it is done.
+        drive.unlock();
+        while (drivers_.load(std::memory_order_acquire) > 0) std::this_thread::yield();
+        drive.lock();
+      }
+      continue;
+    }
     // Sleep only when ucp agrees nothing is pending (arm returns BUSY when events arrived meanwhile), and
     // not over a task posted while a busy-polling Context (which posts without waking) was leaving.
     ucs_status_t status = ucp_worker_arm(worker_);
@@ -356,16 +540,21 @@ void UcxWorker::run() {
     if (status != UCS_OK) {
       std::fprintf(stderr, "distgrad ucx: ucp_worker_arm failed: %s; polling instead\n", ucsError(status).c_str());
     }
-    int n = ::epoll_wait(epollFd_, events, 4, status == UCS_OK ? timeoutMsFromLoop() : 0);
+    const int timeoutMs = status == UCS_OK ? timeoutMsFromLoop() : 0;
+    drive.unlock();
+    int n = ::epoll_wait(epollFd_, events, 4, timeoutMs);
+    if (!drive.try_lock()) {
+      // Note [Driving threads]: a thread took the lock after this one let go and went to sleep on the set
+      // before this one did, so what woke this thread may be what that driver waits for: pass it on.
+      if (n > 0) wake();
+      drive.lock();
+    }
     for (int i = 0; i < n; ++i) {
-      if (events[i].data.fd == wakeFd_) {
-        uint64_t count = 0;
-        while (::read(wakeFd_, &count, sizeof(count)) < 0 && errno == EINTR) {
-        }
-      }
+      if (events[i].data.fd == wakeFd_) readWake();
     }
   }
-  // Every endpoint and listener is closed: the worker and context go with the thread that used them.
+  // Every endpoint and listener is closed: the worker and context go with the thread that used them (a
+  // driver that comes later finds no worker).
   ucp_worker_destroy(worker_);
   worker_ = nullptr;
   ucp_cleanup(context_);
@@ -431,7 +620,8 @@ ucs_status_t UcxWorker::onActiveMessage(void* arg, const void* header, size_t he
   bool rendezvous = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
   bool persistent = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA) != 0;
   try {
-    bool kept = it->second->queueInboundFromLoop(handler->id, header, headerLength, data, length, rendezvous, persistent);
+    bool kept =
+        it->second->queueInboundFromLoop(handler->id, header, headerLength, data, length, rendezvous, persistent);
     return kept ? UCS_INPROGRESS : UCS_OK;
   } catch (...) {
     std::string message = reportCallbackException("queueing a ucx active message", "closing the connection");
@@ -575,9 +765,11 @@ std::string ucxMemoryTypes() {
     const uint64_t mask = loop.value()->memoryTypes();
     loop.value()->shutdown();
     std::string out;
-    const std::pair<ucs_memory_type_t, const char*> known[] = {
-        {UCS_MEMORY_TYPE_HOST, "host"}, {UCS_MEMORY_TYPE_CUDA, "cuda"}, {UCS_MEMORY_TYPE_CUDA_MANAGED, "cuda-managed"},
-        {UCS_MEMORY_TYPE_ROCM, "rocm"}, {UCS_MEMORY_TYPE_ROCM_MANAGED, "rocm-managed"}};
+    const std::pair<ucs_memory_type_t, const char*> known[] = {{UCS_MEMORY_TYPE_HOST, "host"},
+                                                               {UCS_MEMORY_TYPE_CUDA, "cuda"},
+                                                               {UCS_MEMORY_TYPE_CUDA_MANAGED, "cuda-managed"},
+                                                               {UCS_MEMORY_TYPE_ROCM, "rocm"},
+                                                               {UCS_MEMORY_TYPE_ROCM_MANAGED, "rocm-managed"}};
     for (const auto& [type, name] : known) {
       if ((mask & (uint64_t{1} << type)) == 0) continue;
       if (!out.empty()) out.push_back(',');  // appended piecewise: GCC 12 flags a bogus -Wrestrict on a + chain

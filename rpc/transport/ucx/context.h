@@ -3,18 +3,20 @@
 // endpoints over sockaddrs (listen/connect take "host:port" like tcp); frames as active messages whose
 // payloads land straight in the PayloadAllocator's buffers.
 //
-// Threads: UcxWorker owns the ucp context, the worker (UCS_THREAD_MODE_SINGLE) and the thread that drives
-// them; only that thread calls into ucp (methods named ...FromLoop). Each Context holds a UcxLoop, its share
-// of the worker: its options, connections, listeners and close. By default the loop sleeps in epoll_wait
-// on the worker's event fd (ucp_worker_get_efd, re-armed with ucp_worker_arm) and on an eventfd that other
-// threads write when they post a task (spinning a while before sleeping was tried and made the round trip
-// slower here, 133 us against 50: see bench/README.md); while any Context asks for
-// ContextOptions::ucxBusyPoll it never sleeps and spins in ucp_worker_progress (lowest latency, one core at
-// 100%). ucp callbacks (active messages, request completions, endpoint errors, connection requests) only
-// record what happened: user callbacks (onFrame, onClosed, send and connect completions, onAccept) run
-// afterwards from the loop's deferred queue, so they may call back into the transport freely. Context
-// methods may be called from any thread; Context::close() must not be called from the loop thread (it
-// waits for it).
+// Threads: UcxWorker owns the ucp context, the worker (UCS_THREAD_MODE_SERIALIZED) and the thread that
+// drives them. Whoever holds the worker's drive lock is "the loop" (inLoop(), methods named ...FromLoop):
+// the loop thread holds it whenever it is awake, and a thread about to wait for an answer (or to send one
+// frame) may take it while the loop thread sleeps and do the loop's work itself (Note [Driving threads],
+// context.cpp). Each Context holds a UcxLoop, its share of the worker: its options, connections, listeners
+// and close. By default the loop sleeps in epoll_wait on the worker's event fd (ucp_worker_get_efd,
+// re-armed with ucp_worker_arm) and on an eventfd that other threads write when they post a task (spinning
+// a while before sleeping was tried and made the round trip slower here, 133 us against 50: see
+// bench/README.md); while any Context asks for ContextOptions::ucxBusyPoll it never sleeps and spins in
+// ucp_worker_progress (lowest latency, one core at 100%). ucp callbacks (active messages, request
+// completions, endpoint errors, connection requests) only record what happened: user callbacks (onFrame,
+// onClosed, send and connect completions, onAccept) run afterwards from the loop's deferred queue, so they
+// may call back into the transport freely. Context methods may be called from any thread;
+// Context::close() must not be called from the loop thread (it waits for it).
 //
 // Viability: createUcxContext returns an Error (never aborts) when ucp cannot be initialised or the worker
 // offers no wake-up fd; ucxViable() answers once per process whether a Context can be created.
@@ -73,7 +75,24 @@ class UcxWorker {
   // lock): refused (false, fn dropped) once the gate is shut, unless called on the loop thread; `shut`
   // shuts it with this task, the last one it admits.
   bool post(std::function<void()> fn, bool* gate = nullptr, bool shut = false);
-  bool inLoop() const { return std::this_thread::get_id() == threadId_; }
+  // The loop thread, or a thread driving the worker now (Note [Driving threads]).
+  bool inLoop() const;
+  bool onLoopThread() const { return std::this_thread::get_id() == threadId_; }
+
+  // Note [Driving threads]. beginDriving: this thread takes the loop's part (true) when nobody else has
+  // it, after running the tasks posted so far (frames this thread posted before go out first); it must
+  // call endDriving, which leaves the worker armed for the loop thread's sleep or wakes that thread.
+  // driveWhile does the loop's work until `done()` holds or `window` passed, sleeping on the loop's
+  // epoll set meanwhile (or spinning, while a Context busy-polls). interrupt() makes a driving thread check
+  // `done()` again now.
+  bool beginDriving();
+  void driveWhile(const std::function<bool()>& done, std::chrono::microseconds window);
+  void endDriving();
+  void interrupt() { wake(); }
+  // Note [Driving threads]: the sending thread issues a frame itself. `issue` runs as the loop (true) when
+  // the loop thread sleeps and no task waits for it, then the completions it deferred; unless `finished()`
+  // then holds (ucp took the whole frame at once) the loop thread is woken to progress the rest.
+  bool sendHere(const std::function<void()>& issue, const std::function<bool()>& finished);
 
   // Loop thread only (nullptr once the worker is destroyed).
   ucp_worker_h workerFromLoop() const { return worker_; }
@@ -99,11 +118,20 @@ class UcxWorker {
   void run();
   // Progresses the worker and runs posted tasks, inbound processing and deferred work until none is left.
   void driveFromLoop();
+  // One pass of the loop's work: due timers, driveFromLoop, closing tenants that drained.
+  void turnFromLoop();
+  bool runDeferredFromLoop();
   bool runTasks();
+  void readWake();
+  // Sets windowFd_ to fire no later than wakeBy (false when it cannot be set).
+  bool armWindowBy(std::chrono::steady_clock::time_point wakeBy, std::chrono::steady_clock::time_point now);
   void runTimersFromLoop();
   void answerDrainedTenantsFromLoop();
   int timeoutMsFromLoop() const;
   void wake();
+  // Whether the loop thread must be woken once a driving thread lets go: what it consumed or left behind
+  // needs the loop (its stop, a busy poller to serve, tasks, a tenant's close), or the worker would not arm.
+  bool loopNeededAfterDriving();
   static ucs_status_t onActiveMessage(void* arg, const void* header, size_t headerLength, void* data, size_t length,
                                       const ucp_am_recv_param_t* param);
 
@@ -121,6 +149,7 @@ class UcxWorker {
   ucp_worker_h worker_ = nullptr;
   int workerFd_ = -1;
   int wakeFd_ = -1;
+  int windowFd_ = -1;  // Note [Driving threads]: bounds a driver's sleep
   int epollFd_ = -1;
   size_t maxAmHeader_ = 0;
   uint64_t memoryTypes_ = 0;
@@ -131,9 +160,14 @@ class UcxWorker {
   std::vector<std::function<void()>> tasks_;  // GUARDED_BY(mutex_)
   std::atomic<bool> hasTasks_{false};
   std::atomic<bool> stopping_{false};  // written under mutex_
+  // Note [Driving threads]: held by whoever is the loop; busy-poll drivers waiting for it, counted.
+  std::mutex driveMutex_;
+  std::atomic<int> drivers_{0};
   std::thread thread_;
   std::thread::id threadId_;
-  // Loop-thread state.
+  // Loop-thread state (Note [Driving threads]: whoever holds driveMutex_).
+  bool driverSpins_ = false;                                  // the driving thread counted itself in drivers_
+  std::chrono::steady_clock::time_point windowArmedUntil_{};  // windowFd_ fires then (if still ahead)
   size_t closingConnections_ = 0;
   std::vector<std::function<void()>> deferred_;
   std::vector<std::shared_ptr<UcxConnection>> inbound_;
@@ -156,6 +190,8 @@ class UcxLoop : public std::enable_shared_from_this<UcxLoop> {
   // thread itself.
   bool post(std::function<void()> fn);
   bool inLoop() const { return worker_->inLoop(); }
+  bool onLoopThread() const { return worker_->onLoopThread(); }
+  UcxWorker& worker() const { return *worker_; }
   // Closes this Context's listeners and connections, waits for their endpoints to close and leaves the
   // worker (the last to leave stops it). Not on the loop thread.
   void shutdown();
