@@ -1252,7 +1252,8 @@ void Agent::readWhileWaiting(const std::string& worker, const std::function<bool
 // which interrupts it), a closing connection, shutdown. A flood of calls leaves it out, so the loop keeps
 // batching them: its calls arrive while others are served, and the few that arrive alone do not come in a row
 // (measured: serving after any lone call cost a flood of 64 no-op calls in flight 10% of its throughput on
-// one core). inproc and ucx refuse the read (beginWaitingRead), so nothing changes there.
+// one core). inproc refuses the read (beginWaitingRead), so nothing changes there; ucx drives its worker
+// instead (Note [Driving threads] in rpc/transport/ucx/context.cpp).
 void Agent::serveNextCall(SyncWait& serving) {
   DG_ASSERT(serving.connection != nullptr, "Agent::serveNextCall without the connection's reader role");
   const auto connection = serving.connection;

@@ -79,12 +79,12 @@ struct AgentConfig {
   // has not finished by then is closed with a logged reason. 0 = min(Options::rendezvousTimeout, 10 s).
   std::chrono::milliseconds handshakeTimeout{0};
   // How long a thread blocked in rpcSync may read the reply's connection itself instead of being woken by
-  // the transport's loop thread (transport::Connection::beginWaitingRead; tcp only: Note [Waiting reader]
-  // in rpc/transport/tcp/connection.cpp). Replies slower than this are awaited as usual. 0 turns it off.
+  // the transport's loop thread (transport::Connection::beginWaitingRead; tcp: Note [Waiting reader] in
+  // rpc/transport/tcp/connection.cpp; ucx: Note [Driving threads] in rpc/transport/ucx/context.cpp). Replies slower than this are awaited as usual. 0 turns it off.
   std::chrono::microseconds syncReadWindow{2000};
   // How long an executor worker that just answered the only call this agent was serving reads that call's
-  // connection for the next call, instead of sleeping until the loop thread hands it one (tcp only: Note
-  // [Serving reader] in rpc/agent.cpp). 0 turns it off.
+  // connection for the next call, instead of sleeping until the loop thread hands it one (tcp and ucx:
+  // Note [Serving reader] in rpc/agent.cpp). 0 turns it off.
   std::chrono::microseconds serveReadWindow{2000};
   // TEST-ONLY: added to this agent's clock (the times its handshakes and heartbeats carry and its trace
   // file records), so one process can check the clock-offset estimate against a known offset.

@@ -108,7 +108,8 @@ class Connection {
   // the connection's reader (the loop no longer reads it); the thread must then call endWaitingRead, after
   // at most one readWhileWaiting. readWhileWaiting reads until `done()` holds, `window` passed or the
   // connection closes; frames read are handed to onFrame (and the PayloadAllocator runs) on this thread, in
-  // order with the loop's, never concurrently with them. False (the default: inproc, ucx) when the
+  // order with the loop's, never concurrently with them (ucx: the thread drives the whole worker, Note
+  // [Driving threads]). False (the default: inproc) when the
   // transport does not do this, the connection is not reading yet or is closing, another thread reads it,
   // or this is the loop thread or a thread that reads another connection already.
   virtual bool beginWaitingRead() { return false; }

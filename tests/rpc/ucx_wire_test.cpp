@@ -7,12 +7,16 @@
 #include <ucp/api/ucp.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
 #include <future>
 #include <memory>
+#include <thread>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "rpc/transport/ucx/context.h"
 #include "tests/rpc/transport_test_util.h"
@@ -394,6 +398,111 @@ TEST(UcxWorker, ABusyPollingContextJoiningAndLeavingASleepingWorker) {
   std::promise<void> ran;
   sleeping->defer([&ran] { ran.set_value(); });
   EXPECT_EQ(ran.get_future().wait_for(kWait), std::future_status::ready) << "the loop slept through a post";
+}
+
+// Note [Driving threads]: a thread that waits for an answer drives the process's worker itself, so the
+// answer reaches onFrame on that thread (in order, the loop thread asleep meanwhile), with the loop asleep
+// (event mode) or spinning (busy polling, where the loop thread yields to it); and a frame marked fromSender
+// is issued by its sending thread while the loop thread sleeps.
+void expectWaitingThreadsDrive(bool busyPoll) {
+  using namespace std::chrono_literals;  // NOLINT
+  ContextOptions options;
+  options.ucxBusyPoll = busyPoll;
+  auto server = createContext("ucx").value();
+  auto client = createContext("ucx", options).value();
+  std::promise<std::shared_ptr<Connection>> accepted;
+  auto listener = listenOnce(*server, accepted);
+  ASSERT_TRUE(listener);
+  std::promise<Result<std::shared_ptr<Connection>>> connected;
+  client->connect(listener->address(), [&](Result<std::shared_ptr<Connection>> r) { connected.set_value(std::move(r)); });
+  auto made = connected.get_future().get();
+  ASSERT_TRUE(made.ok()) << made.error().message;
+  std::shared_ptr<Connection> connection = made.value();
+  std::shared_ptr<Connection> serverEnd = accepted.get_future().get();
+  // The server answers every frame with its envelope, from its frame handler.
+  Connection* echo = serverEnd.get();  // alive while its callbacks are (they go when it closes)
+  serverEnd->start(
+      nullptr,
+      [echo](IncomingFrame&& frame) {
+        OutgoingFrame answer;
+        answer.envelope = std::move(frame.envelope);
+        echo->send(std::move(answer), nullptr);
+      },
+      [](const Error&) {});
+  std::mutex mutex;
+  std::vector<std::pair<uint64_t, pid_t>> answers;  // index, the thread that received it
+  connection->start(
+      nullptr,
+      [&](IncomingFrame&& frame) {
+        std::lock_guard lock(mutex);
+        answers.emplace_back(indexOf(frame), ::gettid());
+      },
+      [](const Error&) {});
+  auto answered = [&](size_t n) {
+    std::lock_guard lock(mutex);
+    return answers.size() >= n;
+  };
+  auto waitAnswered = [&](size_t n) {
+    const auto deadline = std::chrono::steady_clock::now() + kWait;
+    while (!answered(n) && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
+    return answered(n);
+  };
+
+  constexpr uint64_t kCalls = 50;
+  std::vector<bool> driven(kCalls, false);
+  for (uint64_t i = 0; i < kCalls; ++i) {
+    // The loop thread is awake now and then (it just handled the server's side): try again a little later.
+    bool reading = connection->beginWaitingRead();
+    for (int attempt = 0; attempt < 100 && !reading; ++attempt) {
+      std::this_thread::sleep_for(1ms);
+      reading = connection->beginWaitingRead();
+    }
+    OutgoingFrame frame;
+    frame.envelope = envelopeWithIndex(i);
+    frame.fromSender = true;
+    connection->send(std::move(frame), nullptr);
+    if (reading) {
+      connection->readWhileWaiting([&] { return answered(i + 1); }, std::chrono::seconds(10));
+      connection->endWaitingRead();
+      driven[i] = true;
+    }
+    ASSERT_TRUE(waitAnswered(i + 1)) << "no answer to frame " << i;
+  }
+  EXPECT_GE(std::count(driven.begin(), driven.end(), true), static_cast<long>(kCalls * 9 / 10));
+  {
+    std::lock_guard lock(mutex);
+    for (uint64_t i = 0; i < kCalls; ++i) {
+      EXPECT_EQ(answers[i].first, i) << "answers out of order";
+      if (driven[i]) {
+        EXPECT_EQ(answers[i].second, ::gettid()) << "answer " << i << " was not read by its waiter";
+      }
+    }
+  }
+  if (!busyPoll) {
+    // Sent alone while the loop thread sleeps: issued by this thread (retried should the loop be awake).
+    const uint64_t before = connection->framesWrittenBySender();
+    for (uint64_t i = kCalls; i < kCalls + 20 && connection->framesWrittenBySender() == before; ++i) {
+      std::this_thread::sleep_for(5ms);
+      OutgoingFrame frame;
+      frame.envelope = envelopeWithIndex(i);
+      frame.fromSender = true;
+      connection->send(std::move(frame), nullptr);
+      ASSERT_TRUE(waitAnswered(i + 1));
+    }
+    EXPECT_GT(connection->framesWrittenBySender(), before);
+  }
+  client->close();
+  server->close();
+}
+
+TEST(UcxWorker, AWaitingThreadDrivesTheWorkerAndReadsItsAnswerItself) {
+  if (!ucxUnavailableReason().empty()) GTEST_SKIP() << "ucx is not viable here: " << ucxUnavailableReason();
+  expectWaitingThreadsDrive(/*busyPoll=*/false);
+}
+
+TEST(UcxWorker, AWaitingThreadDrivesABusyPollingWorkerWhileTheLoopThreadYields) {
+  if (!ucxUnavailableReason().empty()) GTEST_SKIP() << "ucx is not viable here: " << ucxUnavailableReason();
+  expectWaitingThreadsDrive(/*busyPoll=*/true);
 }
 
 // Note [Cross-memory attach] (rpc/transport/ucx/context.cpp): on one host the rendezvous lane is CMA, not

@@ -365,7 +365,8 @@ void TcpConnection::onWrite(uv_write_t* req, int status) {
 //    (calls read there are posted to the executor; an inline handler's call runs right there, as on the
 //    loop: Note [Inline handlers] in rpc/agent.cpp).
 // A thread that already reads some connection (a handler's continuation calling rpcSync) does not read
-// another (tReading). inproc and ucx do not do this (the default readWhileWaiting returns at once).
+// another (tReading). inproc does not do this (the default readWhileWaiting returns at once); ucx drives
+// its worker instead (Note [Driving threads] in rpc/transport/ucx/context.cpp).
 namespace {
 thread_local const TcpConnection* tReading = nullptr;  // the connection this thread reads, if any
 
