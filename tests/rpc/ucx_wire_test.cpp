@@ -160,7 +160,10 @@ std::vector<Case> malformedCases() {
   std::vector<Case> cases;
   FramePrefix ok;
   ok.envelopeBytes = 16;
-  cases.push_back({"a header shorter than the prefix", AmId::kFrame, std::vector<uint8_t>(10, 1), {},
+  cases.push_back({"a header shorter than the prefix",
+                   AmId::kFrame,
+                   std::vector<uint8_t>(10, 1),
+                   {},
                    "shorter than the 24-byte prefix"});
   FramePrefix badMagic = ok;
   badMagic.magic = 0x12345678;
@@ -168,7 +171,8 @@ std::vector<Case> malformedCases() {
   FramePrefix badVersion = ok;
   badVersion.version = kProtocolVersion + 1;
   cases.push_back({"another protocol version", AmId::kFrame, head(badVersion, {}, 16), {}, "protocol version"});
-  cases.push_back({"a header shorter than its envelope", AmId::kFrame, head(ok, {}, 8), {}, "where the prefix declares"});
+  cases.push_back(
+      {"a header shorter than its envelope", AmId::kFrame, head(ok, {}, 8), {}, "where the prefix declares"});
   FramePrefix onePayload = ok;
   onePayload.payloadCount = 1;
   onePayload.payloadBytes = 100;
@@ -178,10 +182,13 @@ std::vector<Case> malformedCases() {
                    std::vector<uint8_t>(100, 7), "payload sizes sum to 60"});
   cases.push_back({"a payload larger than the total", AmId::kFrame, head(onePayload, {1000}, 16),
                    std::vector<uint8_t>(100, 7), "more than the frame's total"});
-  cases.push_back({"payloads without a head", AmId::kPayloads, {}, std::vector<uint8_t>(64, 7),
+  cases.push_back({"payloads without a head",
+                   AmId::kPayloads,
+                   {},
+                   std::vector<uint8_t>(64, 7),
                    "payload data without a frame head"});
-  cases.push_back({"a head message whose header is not a prefix", AmId::kHead, head(ok, {}, 4), std::vector<uint8_t>(16, 1),
-                   "a frame head of 16 bytes"});
+  cases.push_back({"a head message whose header is not a prefix", AmId::kHead, head(ok, {}, 4),
+                   std::vector<uint8_t>(16, 1), "a frame head of 16 bytes"});
   return cases;
 }
 
@@ -248,7 +255,8 @@ TEST(UcxWire, HeadsLargerThanAnActiveMessageHeaderTakeTheTwoMessagePath) {
   auto server = createContext("ucx").value();
   auto client = createContext("ucx").value();
   std::promise<std::shared_ptr<Connection>> accepted;
-  auto listener = server->listen("127.0.0.1:0", [&](std::shared_ptr<Connection> c) { accepted.set_value(std::move(c)); });
+  auto listener =
+      server->listen("127.0.0.1:0", [&](std::shared_ptr<Connection> c) { accepted.set_value(std::move(c)); });
   ASSERT_TRUE(listener.ok());
   std::promise<Result<std::shared_ptr<Connection>>> connected;
   client->connect(listener.value()->address(),
@@ -414,7 +422,8 @@ void expectWaitingThreadsDrive(bool busyPoll) {
   auto listener = listenOnce(*server, accepted);
   ASSERT_TRUE(listener);
   std::promise<Result<std::shared_ptr<Connection>>> connected;
-  client->connect(listener->address(), [&](Result<std::shared_ptr<Connection>> r) { connected.set_value(std::move(r)); });
+  client->connect(listener->address(),
+                  [&](Result<std::shared_ptr<Connection>> r) { connected.set_value(std::move(r)); });
   auto made = connected.get_future().get();
   ASSERT_TRUE(made.ok()) << made.error().message;
   std::shared_ptr<Connection> connection = made.value();

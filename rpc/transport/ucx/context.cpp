@@ -328,10 +328,10 @@ void UcxWorker::driveWhile(const std::function<bool()>& done, std::chrono::micro
 // Note [Driving threads]: a driver's sleep is not bounded by epoll_wait's timeout: a timeout arms a kernel
 // timer each time the thread sleeps and cancels it when woken, in a VM a few exits per round trip (the
 // one-core ucx rpcSync, with epoll_pwait2's timeout: 24.2-25.0 us, inline handler 16.3-17.8; with this:
-// 18.5-19.2 and 13.8-15.8 us, bench_rpc, 2026-12-07; tcp's Note [Lazy window timer] found the same). windowFd_, a timerfd in the loop's set, is armed to fire no later than the
-// driver's window ends and set again only once it fired or would fire too late, so back-to-back calls set
-// it about once per window. Its expiry wakes whoever sleeps on the set (the loop thread, once, when no
-// driver does).
+// 18.5-19.2 and 13.8-15.8 us, bench_rpc, 2026-12-07; tcp's Note [Lazy window timer] found the same).
+// windowFd_, a timerfd in the loop's set, is armed to fire no later than the driver's window ends and set
+// again only once it fired or would fire too late, so back-to-back calls set it about once per window. Its
+// expiry wakes whoever sleeps on the set (the loop thread, once, when no driver does).
 bool UcxWorker::armWindowBy(std::chrono::steady_clock::time_point wakeBy, std::chrono::steady_clock::time_point now) {
   if (windowArmedUntil_ > now && windowArmedUntil_ <= wakeBy) return true;  // it will fire in time
   const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(wakeBy.time_since_epoch()).count();
