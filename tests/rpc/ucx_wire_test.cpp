@@ -293,17 +293,26 @@ TEST(UcxWire, HeadsLargerThanAnActiveMessageHeaderTakeTheTwoMessagePath) {
   }
 }
 
-// A connection from `client` to `listener`, started on both ends into the two collectors.
-std::shared_ptr<Connection> connectPair(Context& client, const std::string& address, Collector& atClient,
-                                        Collector& atServer, std::promise<std::shared_ptr<Connection>>& accepted) {
+// A connection from `client` to `address` and its end accepted into `accepted`, neither started; nulls (the
+// failure recorded) when connecting fails.
+std::pair<std::shared_ptr<Connection>, std::shared_ptr<Connection>> connectUnstarted(
+    Context& client, const std::string& address, std::promise<std::shared_ptr<Connection>>& accepted) {
   std::promise<Result<std::shared_ptr<Connection>>> connected;
   client.connect(address, [&](Result<std::shared_ptr<Connection>> r) { connected.set_value(std::move(r)); });
   auto connection = connected.get_future().get();
   EXPECT_TRUE(connection.ok()) << connection.error().message;
-  if (!connection.ok()) return nullptr;
-  atClient.start(connection.value());
-  atServer.start(accepted.get_future().get());
-  return connection.value();
+  if (!connection.ok()) return {};
+  return {connection.value(), accepted.get_future().get()};
+}
+
+// A connection from `client` to `listener`, started on both ends into the two collectors.
+std::shared_ptr<Connection> connectPair(Context& client, const std::string& address, Collector& atClient,
+                                        Collector& atServer, std::promise<std::shared_ptr<Connection>>& accepted) {
+  auto [connection, serverEnd] = connectUnstarted(client, address, accepted);
+  if (!connection) return nullptr;
+  atClient.start(connection);
+  atServer.start(serverEnd);
+  return connection;
 }
 
 // A listener on a fresh port of `server` whose first accepted connection goes to `accepted`; null (the
@@ -421,13 +430,8 @@ void expectWaitingThreadsDrive(bool busyPoll) {
   std::promise<std::shared_ptr<Connection>> accepted;
   auto listener = listenOnce(*server, accepted);
   ASSERT_TRUE(listener);
-  std::promise<Result<std::shared_ptr<Connection>>> connected;
-  client->connect(listener->address(),
-                  [&](Result<std::shared_ptr<Connection>> r) { connected.set_value(std::move(r)); });
-  auto made = connected.get_future().get();
-  ASSERT_TRUE(made.ok()) << made.error().message;
-  std::shared_ptr<Connection> connection = made.value();
-  std::shared_ptr<Connection> serverEnd = accepted.get_future().get();
+  auto [connection, serverEnd] = connectUnstarted(*client, listener->address(), accepted);
+  ASSERT_TRUE(connection);
   // The server answers every frame with its envelope, from its frame handler.
   Connection* echo = serverEnd.get();  // alive while its callbacks are (they go when it closes)
   serverEnd->start(
@@ -555,11 +559,9 @@ TEST(UcxLanes, APayloadOfAFailedSendStaysAllocatedUntilTheLingerOrTheContextsClo
   std::promise<std::shared_ptr<Connection>> accepted;
   auto listener = listenOnce(*server, accepted);
   ASSERT_TRUE(listener);
-  std::promise<Result<std::shared_ptr<Connection>>> connected;
-  client->connect(listener->address(),
-                  [&](Result<std::shared_ptr<Connection>> r) { connected.set_value(std::move(r)); });
-  auto connection = connected.get_future().get().value();
-  auto unstarted = accepted.get_future().get();  // holds what arrives, answers nothing
+  // `unstarted` holds what arrives and answers nothing.
+  auto [connection, unstarted] = connectUnstarted(*client, listener->address(), accepted);
+  ASSERT_TRUE(connection);
   Collector atClient;
   atClient.start(connection);
   auto released = std::make_shared<std::promise<void>>();
