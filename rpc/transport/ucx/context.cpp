@@ -52,6 +52,14 @@ constexpr Setting kSettings[] = {
     // connection guards itself: the payloads of a failed send are kept for kFailedSendLinger
     // (UcxConnection::partDoneFromLoop).
     {"MEMORY_INVALIDATE", "CMA_MEMORY_INVALIDATE", "y", "cross-memory attach (one copy) for one-host rendezvous"},
+    // Note [Shared-memory queue]: UCX's shared-memory receive queue holds 64 messages by default. With 64
+    // calls in flight it fills, the sender's messages wait in UCX's pending queue, and while anything waits
+    // there ucp_worker_arm answers BUSY (mm_iface.c: "if we have outstanding send operations, can't go to
+    // sleep"), so the loop spun through arm calls, two system calls each, until the receiver caught up,
+    // on one core taking that receiver's time (perf stat of a 64-in-flight rpcAsync flood on one core: 23
+    // system calls a call, 98% of the arms BUSY; 89k calls/s). With 256: 236k calls/s, 4.2 us of CPU a
+    // call against 10.5 (bench_rpc, 2026-12-07). 256 x 128-byte elements is 32 KB a queue.
+    {"MM_FIFO_SIZE", "MM_FIFO_SIZE", "256", "a shared-memory queue that a flood of 64 calls in flight does not fill"},
 };
 
 bool userSet(const char* name) { return std::getenv((std::string("UCX_") + name).c_str()) != nullptr; }
