@@ -80,7 +80,8 @@ struct AgentConfig {
   std::chrono::milliseconds handshakeTimeout{0};
   // How long a thread blocked in rpcSync may read the reply's connection itself instead of being woken by
   // the transport's loop thread (transport::Connection::beginWaitingRead; tcp: Note [Waiting reader] in
-  // rpc/transport/tcp/connection.cpp; ucx: Note [Driving threads] in rpc/transport/ucx/context.cpp). Replies slower than this are awaited as usual. 0 turns it off.
+  // rpc/transport/tcp/connection.cpp; ucx: Note [Driving threads] in rpc/transport/ucx/context.cpp).
+  // Replies slower than this are awaited as usual. 0 turns it off.
   std::chrono::microseconds syncReadWindow{2000};
   // How long an executor worker that just answered the only call this agent was serving reads that call's
   // connection for the next call, instead of sleeping until the loop thread hands it one (tcp and ucx:

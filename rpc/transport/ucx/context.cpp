@@ -361,7 +361,7 @@ void UcxWorker::endDriving() {
   if (wakeLoop) wake();
 }
 
-bool UcxWorker::sendHere(const std::function<void()>& issue, const std::function<bool()>& finished) {
+bool UcxWorker::enterToSend() {
   if (inLoop() || busyPollers_.load(std::memory_order_relaxed) > 0 || hasTasks_.load(std::memory_order_acquire)) {
     return false;
   }
@@ -372,31 +372,25 @@ bool UcxWorker::sendHere(const std::function<void()>& issue, const std::function
     return false;
   }
   tDriving = this;
-  bool wakeLoop = true;
-  try {
-    issue();
-    runDeferredFromLoop();  // the completions ucp gave at once, or the frame's refusal
-    wakeLoop = !finished() || hasTasks_.load(std::memory_order_acquire);
-  } catch (...) {
-    tDriving = nullptr;
-    driveMutex_.unlock();
-    wake();
-    throw;
-  }
-  tDriving = nullptr;
-  driveMutex_.unlock();
-  if (wakeLoop) wake();
   return true;
 }
 
-bool UcxWorker::loopNeededAfterDriving() {
-  if (stopping_.load(std::memory_order_acquire) || busyPollers_.load(std::memory_order_relaxed) > 0 ||
-      hasTasks_.load(std::memory_order_acquire) || !closingTenants_.empty() || closingConnections_ > 0 ||
-      !timers_.empty()) {  // the loop thread's sleep may have been timed before the driver added one
-    return true;
-  }
-  return ucp_worker_arm(worker_) != UCS_OK;
+void UcxWorker::leaveAfterSend(bool unfinished) {
+  // A failed send closes its connection (which the loop thread polls while it closes) and may add a
+  // timer; a completion may post: those are the loop thread's to notice too.
+  const bool wakeLoop = unfinished || loopThreadNeeded();
+  tDriving = nullptr;
+  driveMutex_.unlock();
+  if (wakeLoop) wake();
 }
+
+bool UcxWorker::loopThreadNeeded() const {
+  return stopping_.load(std::memory_order_acquire) || busyPollers_.load(std::memory_order_relaxed) > 0 ||
+         hasTasks_.load(std::memory_order_acquire) || !closingTenants_.empty() || closingConnections_ > 0 ||
+         timersAddedByDriver_;
+}
+
+bool UcxWorker::loopNeededAfterDriving() { return loopThreadNeeded() || ucp_worker_arm(worker_) != UCS_OK; }
 
 void UcxWorker::readWake() {
   uint64_t count = 0;
@@ -430,6 +424,8 @@ bool UcxWorker::runTasks() {
 
 void UcxWorker::addTimerFromLoop(const UcxLoop* owner, std::chrono::steady_clock::time_point deadline,
                                  std::function<void()> fn) {
+  // The loop thread's sleep was timed without it (Note [Driving threads]).
+  if (!onLoopThread()) timersAddedByDriver_ = true;
   timers_.push_back({deadline, owner, std::move(fn)});
 }
 
@@ -549,6 +545,7 @@ void UcxWorker::run() {
       std::fprintf(stderr, "distgrad ucx: ucp_worker_arm failed: %s; polling instead\n", ucsError(status).c_str());
     }
     const int timeoutMs = status == UCS_OK ? timeoutMsFromLoop() : 0;
+    timersAddedByDriver_ = false;  // this sleep is timed with every timer there is
     drive.unlock();
     int n = ::epoll_wait(epollFd_, events, 4, timeoutMs);
     if (!drive.try_lock()) {

@@ -91,8 +91,23 @@ class UcxWorker {
   void interrupt() { wake(); }
   // Note [Driving threads]: the sending thread issues a frame itself. `issue` runs as the loop (true) when
   // the loop thread sleeps and no task waits for it, then the completions it deferred; unless `finished()`
-  // then holds (ucp took the whole frame at once) the loop thread is woken to progress the rest.
-  bool sendHere(const std::function<void()>& issue, const std::function<bool()>& finished);
+  // then holds (ucp took the whole frame at once) the loop thread is woken to progress the rest. A
+  // template: nothing is allocated per frame.
+  template <class Issue, class Finished>
+  bool sendHere(Issue&& issue, Finished&& finished) {
+    if (!enterToSend()) return false;
+    bool unfinished = true;
+    try {
+      issue();
+      runDeferredFromLoop();  // the completions ucp gave at once, or the frame's refusal
+      unfinished = !finished();
+    } catch (...) {
+      leaveAfterSend(true);
+      throw;
+    }
+    leaveAfterSend(unfinished);
+    return true;
+  }
 
   // Loop thread only (nullptr once the worker is destroyed).
   ucp_worker_h workerFromLoop() const { return worker_; }
@@ -129,9 +144,15 @@ class UcxWorker {
   void answerDrainedTenantsFromLoop();
   int timeoutMsFromLoop() const;
   void wake();
-  // Whether the loop thread must be woken once a driving thread lets go: what it consumed or left behind
-  // needs the loop (its stop, a busy poller to serve, tasks, a tenant's close), or the worker would not arm.
+  // What a thread that acted as the loop leaves for the loop thread itself: its stop, a busy poller to
+  // serve, tasks, a tenant's close, closing connections to poll, a timer its sleep was not timed for.
+  bool loopThreadNeeded() const;
+  // loopThreadNeeded(), or the worker would not arm (a driver took events since the loop thread's arm).
   bool loopNeededAfterDriving();
+  // sendHere's halves: take the loop's part for one send (false when the loop thread or a task has it);
+  // let go, waking the loop thread when `unfinished` or loopThreadNeeded().
+  bool enterToSend();
+  void leaveAfterSend(bool unfinished);
   static ucs_status_t onActiveMessage(void* arg, const void* header, size_t headerLength, void* data, size_t length,
                                       const ucp_am_recv_param_t* param);
 
@@ -168,6 +189,7 @@ class UcxWorker {
   // Loop-thread state (Note [Driving threads]: whoever holds driveMutex_).
   bool driverSpins_ = false;                                  // the driving thread counted itself in drivers_
   std::chrono::steady_clock::time_point windowArmedUntil_{};  // windowFd_ fires then (if still ahead)
+  bool timersAddedByDriver_ = false;                          // since the loop thread last timed its sleep
   size_t closingConnections_ = 0;
   std::vector<std::function<void()>> deferred_;
   std::vector<std::shared_ptr<UcxConnection>> inbound_;
