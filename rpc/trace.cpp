@@ -175,14 +175,15 @@ struct ThreadBuffer {
 
 // The lines of a flush in progress: a growable byte buffer written through raw pointers (an event line is
 // formatted in place, without a string append per field: the writer's cost per event is what a long traced
-// run pays for its file).
+// run pays for its file). A flush writes it out whenever it holds kWriteBytes, so it stays that small
+// however much was buffered (a flush at shutdown formats everything the run recorded).
 class OutBuffer {
  public:
   // A pointer to at least `n` writable bytes at the end; commit() how many were used.
   char* reserve(size_t n) {
     if (size_ + n > capacity_) {
       const size_t capacity = std::max(capacity_ * 2, size_ + n + 4096);
-      auto grown = std::make_unique<char[]>(capacity);
+      auto grown = std::make_unique_for_overwrite<char[]>(capacity);  // no pass over fresh bytes
       if (size_ != 0) std::memcpy(grown.get(), data_.get(), size_);
       data_ = std::move(grown);
       capacity_ = capacity;
@@ -488,6 +489,9 @@ void appendEvent(OutBuffer& out, const Event& e, int64_t tid, int64_t skewNs) {
   out.commit(p);
 }
 
+// Bytes of lines a flush formats before it writes them to the worker's file.
+constexpr size_t kWriteBytes = size_t{1} << 20;
+
 void writePending(Worker& worker) {
   if (worker.pending.empty()) return;
   if (worker.file != nullptr && !worker.failed) {
@@ -585,6 +589,7 @@ uint64_t flushLocked(Recorder& r) {
         for (int k = 0; k < eventCount; ++k) appendEvent(cached->pending, events[k], buffer.tid, cached->skewNs);
         cached->eventsWritten += static_cast<uint64_t>(eventCount);
         lines += static_cast<uint64_t>(eventCount);
+        if (cached->pending.size() >= kWriteBytes) writePending(*cached);
       }
       buffer.readIndex = count;
       if (next == nullptr) break;
