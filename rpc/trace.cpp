@@ -48,72 +48,72 @@ enum SlotKind : uint8_t { kSlotEvent = 0, kSlotRpc = 1, kSlotPackedRpc = 2 };
 
 // Note [Packed RPC records]
 // What an RPC costs its threads is mostly the bytes its records take: a traced run keeps them in memory, so
-// every record is written into memory the process has not touched before (a page fault per 4 KiB, and a
-// cache miss per line). recordRpc therefore stores an RpcRecord in 48 bytes instead of an event's 72 when
-// its values fit: t1 and t2 as offsets from t0 (< 2^32 ns, 4.29 s), the frame's bytes below 4 GiB, a
-// worker slot below 2^16, and a flow that is callFlowId(rank, call) of the record's own call (or none),
-// kept as its top 16 bits. A record that does not fit (a wait of seconds, a huge frame, a foreign flow) is
-// stored whole (kSlotRpc); both expand to the same events, so a file does not show the difference.
+// every record is written into memory the thread has not touched before (a cache miss per line, and memory
+// to map in: Note [Ready chunks]). recordRpc therefore stores an RpcRecord in 32 bytes instead of an
+// event's 72 when its values fit: t1 and t2 as offsets from t0 (< 2^32 ns, 4.29 s); the call id below 2^39;
+// the function as a 16-bit id into the recorder's name table (nameId: the first 65,535 distinct names);
+// site, flags and status in one byte; the frame's bytes below 4 GiB; peer and worker slot below 2^16; and a
+// flow only if it is the one the site implies (a bit says which: the caller's sites carry
+// callFlowId(own rank, call), kServerExecute callFlowId(peer, call)). A record that does not fit (a wait of
+// seconds, a huge frame, a foreign flow) is stored whole (kSlotRpc); both expand to the same events, so a
+// file does not show the difference. (48 bytes before, with the name's pointer and the flow's top 16 bits:
+// 240 bytes per traced RPC, now 160.)
 struct PackedRpc {
   int64_t t0 = 0;
   uint32_t t1Offset = 0;  // t[1] - t[0]
   uint32_t t2Offset = 0;  // t[2] - t[0]
-  uint64_t call = 0;
-  const char* function = nullptr;
+  uint64_t key = 0;       // call | hasFlow | name id | site | flags | status (the kKey* fields below)
   uint32_t bytes = 0;
-  int32_t peer = -1;
+  uint16_t peer = 0;  // rank + 1 (0: none)
   uint16_t worker = 0;
-  uint16_t flowHigh = 0;  // flow >> 48 (0: no flow); its low 48 bits are the call's
-  uint8_t site = 0;
-  uint8_t flags = 0;
-  uint8_t status = 0;
 };
-static_assert(sizeof(PackedRpc) == 48, "a packed RPC record takes 48 bytes");
+static_assert(sizeof(PackedRpc) == 32, "a packed RPC record takes 32 bytes");
 
-constexpr uint64_t kFlowLowMask = (uint64_t{1} << 48) - 1;
+// PackedRpc::key, from the low bits up: the call id (39 bits), whether the record has its site's flow (1),
+// the name id (16), the site (3), the flags (2) and the status (3).
+constexpr int kKeyCallBits = 39;
+constexpr int kKeyFlowShift = kKeyCallBits;
+constexpr int kKeyNameShift = kKeyFlowShift + 1;
+constexpr int kKeySiteShift = kKeyNameShift + 16;
+constexpr int kKeyFlagsShift = kKeySiteShift + 3;
+constexpr int kKeyStatusShift = kKeyFlagsShift + 2;
+static_assert(kKeyStatusShift + 3 == 64, "the key's fields fill 64 bits");
+constexpr uint64_t kKeyCallMask = (uint64_t{1} << kKeyCallBits) - 1;
+constexpr uint32_t kMaxNameId = 0xFFFF;  // ids 1..kMaxNameId; 0 = no name
 
-// Packs `r` (for `worker`) into `out`; false when a value does not fit (Note [Packed RPC records]).
-inline bool packRpc(const RpcRecord& r, WorkerSlot worker, PackedRpc& out) {
-  const auto d1 = static_cast<uint64_t>(r.t[1]) - static_cast<uint64_t>(r.t[0]);
-  const auto d2 = static_cast<uint64_t>(r.t[2]) - static_cast<uint64_t>(r.t[0]);
-  const bool fits = r.t[1] >= r.t[0] && r.t[2] >= r.t[0] && d1 <= UINT32_MAX && d2 <= UINT32_MAX && r.bytes >= 0 &&
-                    static_cast<uint64_t>(r.bytes) <= UINT32_MAX && worker <= UINT16_MAX &&
-                    (r.flow == 0 || ((r.flow & kFlowLowMask) == (r.call & kFlowLowMask) && (r.flow >> 48) != 0));
-  if (!fits) return false;
-  out.t0 = r.t[0];
-  out.t1Offset = static_cast<uint32_t>(d1);
-  out.t2Offset = static_cast<uint32_t>(d2);
-  out.call = r.call;
-  out.function = r.function;
-  out.bytes = static_cast<uint32_t>(r.bytes);
-  out.peer = r.peer;
-  out.worker = static_cast<uint16_t>(worker);
-  out.flowHigh = static_cast<uint16_t>(r.flow >> 48);
-  out.site = static_cast<uint8_t>(r.site);
-  out.flags = r.flags;
-  out.status = r.status;
-  return true;
+// The rank whose callFlowId a record of `site` carries: the worker's own (`ownRank`) at the caller's sites,
+// the caller's (`peer`) at kServerExecute; -1 for the sites that carry no flow.
+int flowOrigin(RpcSite site, int ownRank, int peer) {
+  switch (site) {
+    case RpcSite::kClientSend:
+    case RpcSite::kClientReply: return ownRank;
+    case RpcSite::kServerExecute: return peer;
+    default: return -1;
+  }
 }
 
-inline RpcRecord unpackRpc(const PackedRpc& p) {
+// The record `p` stands for, with `names` (a copy of the name table holding its name id) and `ownRank` (the
+// rank of its worker, which its flow may need).
+inline RpcRecord unpackRpc(const PackedRpc& p, const std::vector<const char*>& names, int ownRank) {
   RpcRecord r;
   r.t[0] = p.t0;
   r.t[1] = p.t0 + static_cast<int64_t>(p.t1Offset);
   r.t[2] = p.t0 + static_cast<int64_t>(p.t2Offset);
   r.bytes = static_cast<int64_t>(p.bytes);
-  r.call = p.call;
-  r.flow = p.flowHigh == 0 ? 0 : (static_cast<uint64_t>(p.flowHigh) << 48) | (p.call & kFlowLowMask);
-  r.function = p.function;
-  r.peer = p.peer;
+  r.call = p.key & kKeyCallMask;
+  const auto name = static_cast<uint32_t>((p.key >> kKeyNameShift) & 0xFFFF);
+  r.function = name < names.size() ? names[name] : nullptr;
+  r.peer = static_cast<int32_t>(p.peer) - 1;
   r.worker = p.worker;
-  r.site = static_cast<RpcSite>(p.site);
-  r.flags = p.flags;
-  r.status = p.status;
+  r.site = static_cast<RpcSite>((p.key >> kKeySiteShift) & 7);
+  r.flags = static_cast<uint8_t>((p.key >> kKeyFlagsShift) & 3);
+  r.status = static_cast<uint8_t>((p.key >> kKeyStatusShift) & 7);
+  if (((p.key >> kKeyFlowShift) & 1) != 0) r.flow = callFlowId(flowOrigin(r.site, ownRank, r.peer), r.call);
   return r;
 }
 
 // A chunk's storage: kChunkEvents events' worth of bytes, holding records of two sizes (an Event or a
-// whole RpcRecord: sizeof(Event); a PackedRpc: 48 bytes), one after the other.
+// whole RpcRecord: sizeof(Event); a PackedRpc: 32 bytes), one after the other.
 constexpr size_t kChunkBytes = kChunkEvents * sizeof(Event);
 constexpr size_t kChunkRecords = kChunkBytes / sizeof(PackedRpc);  // the most a chunk can hold
 constexpr uint32_t slotBytes(uint8_t kind) {
@@ -262,6 +262,11 @@ struct Recorder {
 
   std::mutex internMutex;
   std::unordered_set<std::string> interned;  // GUARDED_BY(internMutex); node-based: c_str() is stable
+
+  // The name table of packed RPC records (Note [Packed RPC records]): id -> name (names[0] = none), and back.
+  std::mutex nameMutex;  // a leaf
+  std::vector<const char*> names{nullptr};                 // GUARDED_BY(nameMutex); only grows
+  std::unordered_map<const char*, uint32_t> nameIds;       // GUARDED_BY(nameMutex)
 };
 
 Recorder& recorder() {
@@ -578,6 +583,7 @@ uint64_t flushLocked(Recorder& r) {
   }
   uint64_t lines = 0;
   uint64_t dropped = 0;
+  std::vector<const char*> names;  // the packed records' name table, copied when a record needs more of it
   for (const Item& item : items) {
     ThreadBuffer& buffer = *item.buffer;
     // A thread's events mostly belong to one worker: the lookup (and the thread line check) is redone
@@ -596,16 +602,9 @@ uint64_t flushLocked(Recorder& r) {
         const uint8_t kind = chunk->kinds[i];
         const uint32_t offset = buffer.readOffset;
         buffer.readOffset += slotBytes(kind);
-        Event expanded[kRpcMaxEvents];
-        const Event* events = &chunk->at<Event>(offset);
-        int eventCount = 1;
-        if (kind != kSlotEvent) {
-          const RpcRecord rpc =
-              kind == kSlotRpc ? chunk->at<RpcRecord>(offset) : unpackRpc(chunk->at<PackedRpc>(offset));
-          eventCount = expandRpc(rpc, expanded);
-          events = expanded;
-        }
-        const WorkerSlot worker = events->worker;
+        const WorkerSlot worker = kind == kSlotEvent ? chunk->at<Event>(offset).worker
+                                  : kind == kSlotRpc ? chunk->at<RpcRecord>(offset).worker
+                                                     : chunk->at<PackedRpc>(offset).worker;
         if (first || worker != cachedSlot) {
           first = false;
           cachedSlot = worker;
@@ -623,6 +622,24 @@ uint64_t flushLocked(Recorder& r) {
               cached->pending.append("}\n");
             }
           }
+        }
+        Event expanded[kRpcMaxEvents];
+        const Event* events = &chunk->at<Event>(offset);
+        int eventCount = 1;
+        if (kind == kSlotRpc) {
+          eventCount = cached == nullptr ? rpcEventCount(chunk->at<RpcRecord>(offset))
+                                         : expandRpc(chunk->at<RpcRecord>(offset), expanded);
+          events = expanded;
+        } else if (kind == kSlotPackedRpc) {
+          const PackedRpc& packed = chunk->at<PackedRpc>(offset);
+          if (((packed.key >> kKeyNameShift) & 0xFFFF) >= names.size()) {
+            // A name registered since the copy (before its record was published, so the lock sees it).
+            std::lock_guard<std::mutex> lock(r.nameMutex);
+            names = r.names;
+          }
+          const RpcRecord rpc = unpackRpc(packed, names, cached != nullptr ? cached->rank : -1);
+          eventCount = cached == nullptr ? rpcEventCount(rpc) : expandRpc(rpc, expanded);
+          events = expanded;
         }
         if (cached == nullptr) {
           dropped += static_cast<uint64_t>(eventCount);
@@ -768,6 +785,86 @@ namespace {
 inline WorkerSlot threadWorker() {
   return tWorker != kNoWorker ? tWorker : recorder().defaultWorker.load(std::memory_order_relaxed);
 }
+
+// The packed-record id of `name` (a stable pointer: a literal or intern()ed), 0 for none; above kMaxNameId
+// when the table is full. Locks only the first time this thread meets a name.
+uint32_t nameId(const char* name) {
+  if (name == nullptr) return 0;
+  thread_local const char* lastName = nullptr;
+  thread_local uint32_t lastId = 0;
+  if (name == lastName) return lastId;
+  thread_local std::unordered_map<const char*, uint32_t> cache;
+  auto hit = cache.find(name);
+  if (hit == cache.end()) {
+    Recorder& r = recorder();
+    uint32_t id = kMaxNameId + 1;
+    {
+      std::lock_guard<std::mutex> lock(r.nameMutex);
+      auto found = r.nameIds.find(name);
+      if (found != r.nameIds.end()) {
+        id = found->second;
+      } else if (r.names.size() <= kMaxNameId) {
+        id = static_cast<uint32_t>(r.names.size());
+        r.names.push_back(name);
+        r.nameIds.emplace(name, id);
+      }
+    }
+    hit = cache.emplace(name, id).first;
+  }
+  lastName = name;
+  lastId = hit->second;
+  return lastId;
+}
+
+// The rank `slot` registered with, -1 for a slot not registered. Locks only the first time this thread
+// meets a slot (a slot's rank never changes; slots are not reused).
+int workerRank(WorkerSlot slot) {
+  thread_local WorkerSlot lastSlot = kNoWorker;
+  thread_local int lastRank = -1;
+  if (slot == lastSlot) return lastRank;
+  thread_local std::unordered_map<WorkerSlot, int> cache;
+  auto hit = cache.find(slot);
+  if (hit == cache.end()) {
+    Recorder& r = recorder();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    auto found = r.workers.find(slot);
+    if (found == r.workers.end()) return -1;  // unregistered: its records are dropped anyway
+    hit = cache.emplace(slot, found->second.rank).first;
+  }
+  lastSlot = slot;
+  lastRank = hit->second;
+  return lastRank;
+}
+
+// Packs `r` (for `worker`) into `out`; false when a value does not fit (Note [Packed RPC records]).
+inline bool packRpc(const RpcRecord& r, WorkerSlot worker, PackedRpc& out) {
+  const auto d1 = static_cast<uint64_t>(r.t[1]) - static_cast<uint64_t>(r.t[0]);
+  const auto d2 = static_cast<uint64_t>(r.t[2]) - static_cast<uint64_t>(r.t[0]);
+  if (r.t[1] < r.t[0] || r.t[2] < r.t[0] || d1 > UINT32_MAX || d2 > UINT32_MAX || r.bytes < 0 ||
+      static_cast<uint64_t>(r.bytes) > UINT32_MAX || r.call > kKeyCallMask || r.peer < -1 || r.peer >= 0xFFFF ||
+      worker > 0xFFFF || r.status > 7 || r.flags > 3 || static_cast<uint8_t>(r.site) >= kRpcSiteCount) {
+    return false;
+  }
+  bool hasFlow = false;
+  if (r.flow != 0) {
+    const int origin = flowOrigin(r.site, r.site == RpcSite::kServerExecute ? -1 : workerRank(worker), r.peer);
+    if (origin < 0 || r.flow != callFlowId(origin, r.call)) return false;
+    hasFlow = true;
+  }
+  const uint32_t name = nameId(r.function);
+  if (name > kMaxNameId) return false;
+  out.t0 = r.t[0];
+  out.t1Offset = static_cast<uint32_t>(d1);
+  out.t2Offset = static_cast<uint32_t>(d2);
+  out.key = r.call | (uint64_t{hasFlow} << kKeyFlowShift) | (uint64_t{name} << kKeyNameShift) |
+            (uint64_t{static_cast<uint8_t>(r.site)} << kKeySiteShift) | (uint64_t{r.flags} << kKeyFlagsShift) |
+            (uint64_t{r.status} << kKeyStatusShift);
+  out.bytes = static_cast<uint32_t>(r.bytes);
+  out.peer = static_cast<uint16_t>(r.peer + 1);
+  out.worker = static_cast<uint16_t>(worker);
+  return true;
+}
+
 
 // Appends `value` (an Event, an RpcRecord or a PackedRpc, standing for `events` events) to this thread's
 // buffer (Note [Trace buffers]).

@@ -514,7 +514,7 @@ TEST(Trace, RpcRecordsAreWrittenAsTheDocumentedEventsInTimeOrderWithTheirFlows) 
   EXPECT_EQ(at(-2, 1).integer("a0"), 70);
 }
 
-// Note [Packed RPC records] (rpc/trace.cpp): a record is stored in 48 bytes when its values fit, whole
+// Note [Packed RPC records] (rpc/trace.cpp): a record is stored in 32 bytes when its values fit, whole
 // otherwise. Records on either side of every limit come out with exactly the values recorded.
 TEST(Trace, RpcRecordsBeyondThePackedLimitsAreWrittenExactly) {
   TempDir dir;
@@ -538,7 +538,14 @@ TEST(Trace, RpcRecordsBeyondThePackedLimitsAreWrittenExactly) {
       {RpcSite::kClientSend, {base, base + 1, base + 2}, 4'294'967'295, 5, callFlowId(3, 5)},  // packs
       // A flow that is not callFlowId(rank, call) of the record's call.
       {RpcSite::kServerExecute, {base, base + 1, base + 2}, 0, 6, 0xabcdef},
-      // Call ids beyond 48 bits (the flow keeps their low 48).
+      // Flows of another origin than the site's: the caller's sites carry their own worker's (rank 3),
+      // kServerExecute its peer's (1).
+      {RpcSite::kClientSend, {base, base + 1, base + 2}, 0, 11, callFlowId(1, 11)},
+      {RpcSite::kClientReply, {base, base + 1, base + 2}, 0, 12, callFlowId(3, 13)},
+      {RpcSite::kServerExecute, {base, base + 1, base + 2}, 0, 14, callFlowId(3, 14)},
+      // Call ids up to 39 bits pack; beyond 48 bits the flow keeps their low 48.
+      {RpcSite::kServerExecute, {base, base + 1, base + 2}, 0, (uint64_t{1} << 39) - 1, callFlowId(1, (uint64_t{1} << 39) - 1)},
+      {RpcSite::kServerExecute, {base, base + 1, base + 2}, 0, uint64_t{1} << 39, callFlowId(1, uint64_t{1} << 39)},
       {RpcSite::kServerExecute, {base, base + 1, base + 2}, 0, (uint64_t{1} << 50) + 7, callFlowId(1, 7)},
       // Times out of order (t1 before t0), negative times.
       {RpcSite::kServerReply, {base, base - 5, base + 3}, 9, 9, 0},
@@ -596,7 +603,70 @@ TEST(Trace, RpcRecordsBeyondThePackedLimitsAreWrittenExactly) {
   }
 }
 
-// Records of both sizes (events and whole RPC records: 72 bytes; packed RPC records: 48) mixed on one thread
+// A packed record takes 32 bytes (a chunk of kChunkEvents * sizeof(Event) bytes holds that many of them),
+// and its narrow fields come out exactly at their limits: peers -1 (none) to 65534, status 0 to 7, no
+// function; one past a limit (peer 65535, status 8) is stored whole and comes out the same.
+TEST(Trace, PackedRpcRecordsTake32BytesAndKeepTheirValuesAtEveryLimit) {
+  TempDir dir;
+  const WorkerSlot slot = registerWorker("rpc-packed", 2, dir.path());
+  const char* fn = intern("packed_fn");
+  constexpr uint64_t kPerChunk = kChunkEvents * sizeof(Event) / 32;
+  struct Case {
+    int32_t peer;
+    uint8_t status;
+    const char* function;
+  };
+  const std::vector<Case> edges = {{-1, 0, fn}, {65534, 7, fn}, {0, 3, nullptr}, {65535, 0, fn}, {5, 8, fn}};
+  uint64_t chunksAfterOne = 0, chunksAfterFull = 0, chunksAfterNext = 0;
+  // A thread of its own: its buffer starts empty, so its chunks are what these records took.
+  std::thread recorder([&] {
+    WorkerScope bound(slot);
+    const uint64_t chunks = bufferedChunks();
+    for (uint64_t i = 0; i < kPerChunk + 1 + edges.size(); ++i) {
+      RpcRecord record;
+      record.site = RpcSite::kClientReply;
+      record.t[0] = 1000 + static_cast<int64_t>(i);
+      record.t[1] = record.t[0] + 1;
+      record.t[2] = record.t[0] + 2;
+      record.call = i;
+      record.flow = callFlowId(2, i);
+      record.function = fn;
+      record.peer = 1;
+      if (i > kPerChunk) {
+        const Case& edge = edges[i - kPerChunk - 1];
+        record.peer = edge.peer;
+        record.status = edge.status;
+        record.function = edge.function;
+      }
+      recordRpc(record);
+      if (i == 0) chunksAfterOne = bufferedChunks() - chunks;
+      if (i + 1 == kPerChunk) chunksAfterFull = bufferedChunks() - chunks;
+      if (i == kPerChunk) chunksAfterNext = bufferedChunks() - chunks;
+    }
+  });
+  recorder.join();
+  EXPECT_EQ(chunksAfterOne, 1u);
+  EXPECT_EQ(chunksAfterFull, 1u) << kPerChunk << " packed records fill one chunk";
+  EXPECT_EQ(chunksAfterNext, 2u);
+  const std::string path = workerFile(slot);
+  unregisterWorker(slot);
+  const TraceFile file = readTrace(path);
+  ASSERT_EQ(file.events.size(), 2 * (kPerChunk + 1 + edges.size()));  // wait and deserialize each
+  for (size_t i = 0; i < edges.size(); ++i) {
+    const FlatObject& wait = file.events[2 * (kPerChunk + 1 + i)];
+    const FlatObject& deserialize = file.events[2 * (kPerChunk + 1 + i) + 1];
+    SCOPED_TRACE("edge " + std::to_string(i));
+    EXPECT_EQ(wait.string("name"), "rpc.client.wait");
+    EXPECT_EQ(wait.integer("a0"), edges[i].peer);
+    EXPECT_EQ(wait.integer("a1"), static_cast<int64_t>(kPerChunk + 1 + i));
+    EXPECT_EQ(wait.integer("a2"), edges[i].status);
+    EXPECT_EQ(deserialize.string("detail").has_value(), edges[i].function != nullptr);
+    EXPECT_EQ(deserialize.integer("flow"), static_cast<int64_t>(callFlowId(2, kPerChunk + 1 + i)));
+  }
+  EXPECT_EQ(file.events.front().string("detail"), "packed_fn");
+}
+
+// Records of both sizes (events and whole RPC records: 72 bytes; packed RPC records: 32) mixed on one thread
 // over several chunks, flushed while recorded: each comes out once, in order, with its values.
 TEST(Trace, MixedRecordSizesAcrossChunksComeOutInOrder) {
   TempDir dir;
