@@ -1207,6 +1207,8 @@ Stats stats() {
   s.written = r.written.load(std::memory_order_relaxed);
   s.dropped = r.dropped.load(std::memory_order_relaxed);
   s.bufferedChunks = r.chunks.load(std::memory_order_relaxed);
+  std::lock_guard<std::mutex> poolLock(r.poolMutex);
+  s.readyChunks = r.pool.size();
   return s;
 }
 

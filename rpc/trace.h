@@ -333,6 +333,8 @@ struct Stats {
   uint64_t written = 0;         // event lines written to files
   uint64_t dropped = 0;         // events of workers that write no file (or whose file failed)
   uint64_t bufferedChunks = 0;  // chunks allocated and not yet freed
+  uint64_t readyChunks = 0;     // chunks waiting in the pool for a recording thread (written ones kept
+                                // for reuse, fresh ones the writer mapped in ahead); 0 when nothing traces
 };
 Stats stats();
 // Chunks allocated and not yet freed (one atomic load).

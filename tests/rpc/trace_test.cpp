@@ -270,6 +270,30 @@ TEST(Trace, TheBackgroundWriterWritesOnceTheThresholdIsPassed) {
   EXPECT_EQ(readTrace(path).events.size(), 100u);
 }
 
+// Note [Ready chunks] (rpc/trace.cpp): while a worker traces, the writer keeps fresh chunks mapped in for
+// the recording threads, about twice what they took in its last period; once nothing traces they are freed.
+TEST(Trace, TheWriterKeepsChunksReadyWhileTracingAndFreesThemAfter) {
+  TempDir dir;
+  const WorkerSlot slot = registerWorker("ready", 0, dir.path());
+  EXPECT_TRUE(rpc::testing::eventually([] { return stats().readyChunks >= 2; }, 10s))
+      << "the writer keeps at least 2 chunks ready: " << stats().readyChunks;
+  // A thread that takes 8 chunks at once: the writer's next pass tops the pool up to what it took.
+  constexpr uint64_t kChunks = 8;
+  const uint64_t before = bufferedChunks();
+  std::thread([&] {
+    WorkerScope bound(slot);
+    for (uint64_t i = 0; i < kChunks * kChunkEvents; ++i) instant("ready.event", Category::kUser);
+  }).join();
+  EXPECT_EQ(bufferedChunks() - before, kChunks);
+  // At least half of them (a writer's pass in the middle of the 8 can leave 7 for a while).
+  EXPECT_TRUE(rpc::testing::eventually([] { return stats().readyChunks >= kChunks / 2; }, 10s))
+      << "after 8 chunks were taken the writer keeps at least 4 ready: " << stats().readyChunks;
+  const std::string path = workerFile(slot);
+  unregisterWorker(slot);
+  EXPECT_EQ(stats().readyChunks, 0u) << "nothing traces: the ready chunks are freed";
+  EXPECT_EQ(readTrace(path).events.size(), kChunks * kChunkEvents);
+}
+
 TEST(Trace, InterningGivesOneStablePointerPerText) {
   std::string text = "rpc.fn.";
   text += "interned";
