@@ -669,10 +669,11 @@ void Agent::bindReferences(const DecodedMessage& message, const std::string& pee
 }
 
 void Agent::onFrame(const std::shared_ptr<Link>& link, transport::IncomingFrame&& frame) {
-  // One clock read per frame, for the peer's liveness and, traced, the frame's arrival (the same steady
-  // clock as trace::nowNs(): tracing reads no clock of its own here).
-  const int64_t seenNs = nowNanos();
+  // One clock read per frame, for the peer's liveness and, traced, the frame's arrival: traced, the trace
+  // clock (the deserialize span ends on it), which stays within microseconds of the steady clock the
+  // liveness checks use (Note [TSC trace clock] in rpc/trace.cpp).
   const bool tracing = trace::enabled();
+  const int64_t seenNs = tracing ? trace::nowNs() : nowNanos();
   const int64_t arrivalNs = tracing ? seenNs : 0;
   // The loop thread was bound to this agent at start, but one ucx loop serves every agent of a process
   // (Note [One worker per process]): what this frame records goes to this agent's file.
@@ -1429,8 +1430,8 @@ void Agent::startCall(const CallOptions& callOptions, const std::string& worker,
   if (timeout.count() > 0) {
     // The callback captures only the id (stored in place, no allocation per call); the names and the
     // timeout for its message are in the Pending.
-    // Traced, the deadline counts from the send's clock read (the timers' clock is the same steady clock:
-    // one read fewer per traced call).
+    // Traced, the deadline counts from the send's clock read (the trace clock is the timers' steady clock
+    // to within microseconds: one read fewer per traced call).
     const auto deadline = traced ? SteadyTime::time_point(std::chrono::nanoseconds(sentNs)) + timeout
                                  : SteadyTime::now() + timeout;
     TimerId timer = timers_->schedule(deadline, [this, id] {
@@ -1685,7 +1686,7 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
         const auto grace = std::max<std::chrono::microseconds>(kCalleeDeadlineGrace, timeout / 20);
         // The callback names the caller through its Peer (peers_ is fixed after start), so its captures fit
         // the timer's callback in place: no allocation per call.
-        // Traced, from the arrival's clock read (the timers' clock is the same steady clock).
+        // Traced, from the arrival's clock read (the trace clock is the timers' to within microseconds).
         const auto from = queuedNs != 0 ? SteadyTime::time_point(std::chrono::nanoseconds(queuedNs)) : SteadyTime::now();
         running->timer = timers_->schedule(from + timeout + grace, [this, name = &caller->name, id, timeoutMicros] {
           onCallDeadline(*name, id, timeoutMicros);

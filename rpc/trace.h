@@ -41,6 +41,10 @@
 #include <string_view>
 #include <type_traits>
 
+#if defined(__x86_64__)
+#include <x86intrin.h>
+#endif
+
 namespace distgrad::trace {
 
 // What part of the system an event measures; distgrad-trace's report groups time by it.
@@ -162,11 +166,65 @@ inline std::atomic<bool> gEnabled{false};
 // True when events are being recorded. One relaxed load: check it before doing any work for an event.
 inline bool enabled() { return detail::gEnabled.load(std::memory_order_relaxed); }
 
-// The trace clock: std::chrono::steady_clock (CLOCK_MONOTONIC on Linux) in nanoseconds.
-inline int64_t nowNs() {
+namespace detail {
+inline int64_t steadyNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
+
+// Note [TSC trace clock] (rpc/trace.cpp): while something traces, nowNs() reads the CPU's time-stamp counter
+// and converts it with an anchor the writer thread keeps on the steady clock. The anchor is a seqlock:
+// `seq` is odd while the writer changes it.
+struct TscAnchor {
+  std::atomic<uint32_t> seq{0};
+  std::atomic<uint64_t> tsc{0};   // the counter at the anchor
+  std::atomic<int64_t> ns{0};     // the steady clock at the anchor
+  std::atomic<uint64_t> mult{0};  // nanoseconds per tick, << 32
+};
+inline TscAnchor gTscAnchor;
+inline std::atomic<bool> gTscClock{false};
+
+#if defined(__x86_64__)
+// The anchor's line at counter value `tsc`.
+inline int64_t tscNowAt(uint64_t at) {
+  uint32_t seq;
+  uint64_t tsc, mult;
+  int64_t ns;
+  do {
+    seq = gTscAnchor.seq.load(std::memory_order_acquire);
+    tsc = gTscAnchor.tsc.load(std::memory_order_relaxed);
+    ns = gTscAnchor.ns.load(std::memory_order_relaxed);
+    mult = gTscAnchor.mult.load(std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_acquire);
+  } while ((seq & 1) != 0 || seq != gTscAnchor.seq.load(std::memory_order_relaxed));
+  const auto ticks = static_cast<int64_t>(at - tsc);
+  // A counter read on another core may be a few ticks behind the anchor's: never before it.
+  if (ticks <= 0) return ns;
+  return ns + static_cast<int64_t>((static_cast<unsigned __int128>(ticks) * mult) >> 32);
+}
+inline int64_t tscNowNs() { return tscNowAt(__rdtsc()); }
+#endif
+}  // namespace detail
+
+// The trace clock in nanoseconds: std::chrono::steady_clock (CLOCK_MONOTONIC on Linux), read through the
+// time-stamp counter while something traces where the kernel itself keeps CLOCK_MONOTONIC on it (Note [TSC
+// trace clock]: about half the cost of a clock_gettime, and an RPC reads it nine times). Monotonic on each
+// thread; within microseconds of the steady clock (the anchor follows it every 50 ms), so its times may be
+// mixed with the steady clock's (deadlines, liveness) but not subtracted from them for short spans.
+inline int64_t nowNs() {
+#if defined(__x86_64__)
+  const int64_t now = detail::gTscClock.load(std::memory_order_relaxed) ? detail::tscNowNs() : detail::steadyNs();
+#else
+  const int64_t now = detail::steadyNs();
+#endif
+  // Never before this thread's last read: a new anchor, or the switch between the two clocks, may be a few
+  // nanoseconds behind the previous reading.
+  thread_local int64_t last = 0;
+  if (now > last) last = now;
+  return last;
+}
+// What nowNs() reads now: "tsc" or "steady".
+const char* clockName();
 
 // A stable pointer to a copy of `text`: equal text gives the same pointer, valid until the process exits
 // (the table only grows). Takes a lock the first time a thread meets a text, then a thread-local lookup.

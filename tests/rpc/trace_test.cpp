@@ -8,7 +8,9 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -292,6 +294,56 @@ TEST(Trace, TheWriterKeepsChunksReadyWhileTracingAndFreesThemAfter) {
   unregisterWorker(slot);
   EXPECT_EQ(stats().readyChunks, 0u) << "nothing traces: the ready chunks are freed";
   EXPECT_EQ(readTrace(path).events.size(), kChunks * kChunkEvents);
+}
+
+// Note [TSC trace clock] (rpc/trace.cpp): where the kernel keeps CLOCK_MONOTONIC on the time-stamp counter,
+// nowNs() reads the counter while something traces (from the writer's second pass on), stays within
+// microseconds of the steady clock across the writer's re-anchoring, never goes back on a thread, and reads
+// the steady clock again once nothing traces.
+TEST(Trace, TheTraceClockFollowsTheSteadyClockAndNeverGoesBack) {
+  std::string source;
+  std::ifstream("/sys/devices/system/clocksource/clocksource0/current_clocksource") >> source;
+#if defined(__x86_64__)
+  const bool tsc = source == "tsc" && std::getenv("DISTGRAD_TRACE_CLOCK") == nullptr;
+#else
+  const bool tsc = false;
+#endif
+  EXPECT_STREQ(clockName(), "steady");
+  TempDir dir;
+  const WorkerSlot slot = registerWorker("clock", 0, dir.path());
+  if (tsc) {
+    EXPECT_TRUE(rpc::testing::eventually([] { return std::string(clockName()) == "tsc"; }, 10s));
+  }
+  auto steady = [] {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  };
+  // Two threads for 400 ms (eight re-anchorings): each reading within 20 us of the steady clock read around
+  // it, and never less than the thread's previous one.
+  std::atomic<int64_t> worstError{0}, backwards{0}, reads{0};
+  auto sample = [&] {
+    int64_t previous = 0, worst = 0, back = 0, n = 0;
+    for (const int64_t end = steady() + 400'000'000; steady() < end; ++n) {
+      const int64_t before = steady();
+      const int64_t now = nowNs();
+      const int64_t after = steady();
+      worst = std::max({worst, before - now, now - after});
+      if (now < previous) ++back;
+      previous = now;
+    }
+    worstError.store(std::max(worstError.load(), worst));
+    backwards += back;
+    reads += n;
+  };
+  std::thread other(sample);
+  sample();
+  other.join();
+  EXPECT_LT(worstError.load(), 20'000) << "ns off the steady clock, over " << reads.load() << " reads";
+  EXPECT_EQ(backwards.load(), 0);
+  unregisterWorker(slot);
+  EXPECT_STREQ(clockName(), "steady");
+  const int64_t last = nowNs();
+  EXPECT_GE(nowNs(), last);
 }
 
 TEST(Trace, InterningGivesOneStablePointerPerText) {
