@@ -185,7 +185,7 @@ inline TscAnchor gTscAnchor;
 inline std::atomic<bool> gTscClock{false};
 
 #if defined(__x86_64__)
-// The anchor's line at counter value `tsc`.
+// The anchor's line at counter value `at`.
 inline int64_t tscNowAt(uint64_t at) {
   uint32_t seq;
   uint64_t tsc, mult;
@@ -208,12 +208,13 @@ inline int64_t tscNowNs() { return tscNowAt(__rdtsc()); }
 
 // The trace clock in nanoseconds: std::chrono::steady_clock (CLOCK_MONOTONIC on Linux), read through the
 // time-stamp counter while something traces where the kernel itself keeps CLOCK_MONOTONIC on it (Note [TSC
-// trace clock]: about half the cost of a clock_gettime, and an RPC reads it nine times). Monotonic on each
+// trace clock]: cheaper than a clock_gettime, and an RPC reads it nine times). Monotonic on each
 // thread; within microseconds of the steady clock (the anchor follows it every 50 ms), so its times may be
 // mixed with the steady clock's (deadlines, liveness) but not subtracted from them for short spans.
 inline int64_t nowNs() {
 #if defined(__x86_64__)
-  const int64_t now = detail::gTscClock.load(std::memory_order_relaxed) ? detail::tscNowNs() : detail::steadyNs();
+  // Acquire: the anchor was published before the counter was turned on.
+  const int64_t now = detail::gTscClock.load(std::memory_order_acquire) ? detail::tscNowNs() : detail::steadyNs();
 #else
   const int64_t now = detail::steadyNs();
 #endif
