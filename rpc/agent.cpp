@@ -1704,8 +1704,11 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
                 callerRank, replyMap = std::move(replyMap)](Result<EncodeValueFn>&& result,
                                                             const ExecuteTimes* executed = nullptr) {
     // `executed`: the times of a handler that just returned on this thread (its invoked time is when
-    // encoding began: one read fewer), recorded with the reply's in one record (trace::kServerHandled).
-    const int64_t serializeBeginNs = traceName == nullptr ? 0 : executed != nullptr ? executed->invokedNs : trace::nowNs();
+    // encoding began: one read fewer), recorded with the reply's in one record
+    // (trace::RpcSite::kServerHandled).
+    const int64_t serializeBeginNs = traceName == nullptr     ? 0
+                                     : executed != nullptr ? executed->invokedNs
+                                                           : trace::nowNs();
     EnvelopeFields fields;
     fields.messageId = id;
     fields.functionName = fn;
@@ -1755,8 +1758,8 @@ void Agent::onCall(const std::shared_ptr<Link>& link, DecodedMessage message, Ar
     // Recorded once the call is taken out: the first record of a thread may allocate and lock (its buffer,
     // the name table), which must not hold up the bookkeeping the next call's arrival looks at (Note
     // [Serving reader]: a call that finds this one still in the table does not count as alone; with the
-    // record before it, 1 run in 6 of AgentTraceTest.OneCallAtATimeIsReadByTheWorkerThatAnsweredThePreviousOne
-    // started serving calls late). The agent's threads are joined before its trace is written at shutdown.
+    // record before it, 1 run in 6 of AgentTraceTest.OneCallAtATimeIsReadByTheWorkerThatAnsweredThe-
+    // PreviousOne started serving late). The agent's threads are joined before its trace is written.
     if (traceName != nullptr) {
       trace::RpcRecord record;  // rpc.server.serialize and rpc.server.send (and queue and execute before them)
       if (executed != nullptr) {

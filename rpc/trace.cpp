@@ -11,9 +11,9 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -146,18 +146,24 @@ inline RpcRecord unpackHandled(const PackedHandled& p, const std::vector<const c
   return r;
 }
 
+// Copies what an RpcRecord and a WholeRpc share (every field; a WholeRpc has three times).
+template <typename From, typename To>
+void copyRpcFields(const From& from, To& to) {
+  for (int i = 0; i < 3; ++i) to.t[i] = from.t[i];
+  to.bytes = from.bytes;
+  to.call = from.call;
+  to.flow = from.flow;
+  to.function = from.function;
+  to.peer = from.peer;
+  to.worker = from.worker;
+  to.site = from.site;
+  to.status = from.status;
+  to.flags = from.flags;
+}
+
 inline RpcRecord fromWhole(const WholeRpc& w) {
   RpcRecord r;
-  for (int i = 0; i < 3; ++i) r.t[i] = w.t[i];
-  r.bytes = w.bytes;
-  r.call = w.call;
-  r.flow = w.flow;
-  r.function = w.function;
-  r.peer = w.peer;
-  r.worker = w.worker;
-  r.site = w.site;
-  r.status = w.status;
-  r.flags = w.flags;
+  copyRpcFields(w, r);
   return r;
 }
 
@@ -309,17 +315,17 @@ struct Recorder {
 
   // Chunks ready for a recording thread: written and freed ones kept for reuse, and fresh ones the writer
   // mapped in ahead (Note [Ready chunks]); at most kPooledChunks.
-  std::mutex poolMutex;      // a leaf
-  std::vector<Chunk*> pool;  // GUARDED_BY(poolMutex)
+  std::mutex poolMutex;                  // a leaf
+  std::vector<Chunk*> pool;              // GUARDED_BY(poolMutex)
   std::atomic<uint64_t> chunksTaken{0};  // chunks recording threads started, for the writer's refill
 
   std::mutex internMutex;
   std::unordered_set<std::string> interned;  // GUARDED_BY(internMutex); node-based: c_str() is stable
 
   // The name table of packed RPC records (Note [Packed RPC records]): id -> name (names[0] = none), and back.
-  std::mutex nameMutex;  // a leaf
-  std::vector<const char*> names{nullptr};                 // GUARDED_BY(nameMutex); only grows
-  std::unordered_map<const char*, uint32_t> nameIds;       // GUARDED_BY(nameMutex)
+  std::mutex nameMutex;                               // a leaf
+  std::vector<const char*> names{nullptr};            // GUARDED_BY(nameMutex); only grows
+  std::unordered_map<const char*, uint32_t> nameIds;  // GUARDED_BY(nameMutex)
 };
 
 Recorder& recorder() {
@@ -687,7 +693,7 @@ uint64_t flushLocked(Recorder& r) {
             names = r.names;
           }
           const int rank = cached != nullptr ? cached->rank : -1;
-          const RpcRecord rpc = kind == kSlotRpc          ? fromWhole(chunk->at<WholeRpc>(offset))
+          const RpcRecord rpc = kind == kSlotRpc         ? fromWhole(chunk->at<WholeRpc>(offset))
                                 : kind == kSlotPackedRpc ? unpackRpc(chunk->at<PackedRpc>(offset), names, rank)
                                                          : unpackHandled(chunk->at<PackedHandled>(offset), names, rank);
           eventCount = cached == nullptr ? rpcEventCount(rpc) : expandRpc(rpc, expanded);
@@ -756,8 +762,8 @@ constexpr std::chrono::milliseconds kWriterPeriod{50};
 // CLOCK_MONOTONIC) was its largest single cost: ~17 ns a read on the 2-vCPU VM, ~160 ns per RPC of the
 // ~420 ns that tracing added to a no-op call (perf, one core). Where the kernel itself keeps CLOCK_MONOTONIC
 // on the time-stamp counter (clocksource "tsc": an invariant counter, synchronised across cores), nowNs()
-// reads the counter (rdtsc: a span's two reads and append took 34-37 ns instead of 48-55) and converts it with an anchor (detail::gTscAnchor) that this thread
-// keeps on the steady clock while anything traces:
+// reads the counter (rdtsc: a span's two reads and append took 34-37 ns instead of 48-55) and converts it with an
+// anchor (detail::gTscAnchor) that this thread keeps on the steady clock while anything traces:
 // - each pass pairs a counter read with a steady-clock read (the closest of a few tries); the first pass
 //   only takes a base, the second (one period later) turns the counter on with the rate measured between
 //   them, and every later one measures the rate from the base (the baseline grows, so the rate's error
@@ -1031,7 +1037,6 @@ inline bool packRpc(const RpcRecord& r, WorkerSlot worker, PackedRpc& out) {
   return true;
 }
 
-
 // Appends `value` (an Event, an RpcRecord or a PackedRpc, standing for `events` events) to this thread's
 // buffer (Note [Trace buffers]).
 template <typename Record>
@@ -1103,16 +1108,8 @@ void recordRpc(const RpcRecord& record) {
     return;
   }
   WholeRpc whole;
-  for (int i = 0; i < 3; ++i) whole.t[i] = record.t[i];
-  whole.bytes = record.bytes;
-  whole.call = record.call;
-  whole.flow = record.flow;
-  whole.function = record.function;
-  whole.peer = record.peer;
+  copyRpcFields(record, whole);
   whole.worker = worker;
-  whole.site = record.site;
-  whole.status = record.status;
-  whole.flags = record.flags;
   append(whole, kSlotRpc, events);
 }
 
@@ -1163,7 +1160,8 @@ int expandRpc(const RpcRecord& r, Event (&out)[kRpcMaxEvents]) {
   };
   switch (r.site) {
     case RpcSite::kClientSend: {
-      args(add("rpc.client.serialize", Category::kRpcClient, EventKind::kSpan, r.t[0], r.t[1]), {r.bytes, r.peer, call});
+      args(add("rpc.client.serialize", Category::kRpcClient, EventKind::kSpan, r.t[0], r.t[1]),
+           {r.bytes, r.peer, call});
       Event& send = add("rpc.client.send", Category::kRpcClient, EventKind::kSpan, r.t[1], r.t[2]);
       args(send, {r.bytes, r.peer, call});
       flow(send, FlowPhase::kStart);
@@ -1188,7 +1186,8 @@ int expandRpc(const RpcRecord& r, Event (&out)[kRpcMaxEvents]) {
         recv.detail = nullptr;
         args(recv, {r.bytes, r.peer});
       }
-      args(add("rpc.server.deserialize", Category::kRpcServer, EventKind::kSpan, r.t[0], r.t[1]), {r.bytes, r.peer, call});
+      args(add("rpc.server.deserialize", Category::kRpcServer, EventKind::kSpan, r.t[0], r.t[1]),
+           {r.bytes, r.peer, call});
       break;
     }
     case RpcSite::kServerExecute:
@@ -1198,13 +1197,15 @@ int expandRpc(const RpcRecord& r, Event (&out)[kRpcMaxEvents]) {
       args(execute, {r.peer, call});
       flow(execute, FlowPhase::kStep);
       if (r.site == RpcSite::kServerExecute) break;
-      args(add("rpc.server.serialize", Category::kRpcServer, EventKind::kSpan, r.t[2], r.t[3]), {r.bytes, r.peer, call});
+      args(add("rpc.server.serialize", Category::kRpcServer, EventKind::kSpan, r.t[2], r.t[3]),
+           {r.bytes, r.peer, call});
       args(add("rpc.server.send", Category::kRpcServer, EventKind::kSpan, r.t[3], r.t[4]), {r.bytes, r.peer, call});
       sent(r.t[4]);
       break;
     }
     case RpcSite::kServerReply: {
-      args(add("rpc.server.serialize", Category::kRpcServer, EventKind::kSpan, r.t[0], r.t[1]), {r.bytes, r.peer, call});
+      args(add("rpc.server.serialize", Category::kRpcServer, EventKind::kSpan, r.t[0], r.t[1]),
+           {r.bytes, r.peer, call});
       args(add("rpc.server.send", Category::kRpcServer, EventKind::kSpan, r.t[1], r.t[2]), {r.bytes, r.peer, call});
       sent(r.t[2]);
       break;

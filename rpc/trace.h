@@ -139,12 +139,12 @@ inline constexpr uint8_t kRpcToTransport = 2;
 inline constexpr int kRpcMaxTimes = 5;
 struct RpcRecord {
   int64_t t[kRpcMaxTimes] = {0, 0, 0, 0, 0};  // trace::nowNs() (see RpcSite: t[3], t[4] kServerHandled's)
-  int64_t bytes = 0;         // the frame's bytes (a0 of the events that carry bytes)
-  uint64_t call = 0;         // the call id (per caller)
-  uint64_t flow = 0;         // the call's flow id (callFlowId), for the sites that carry it
-  const char* function = nullptr;  // the RPC function's name (the events' detail): literal or intern()ed
-  int32_t peer = -1;               // the other worker's rank
-  WorkerSlot worker = kNoWorker;   // kNoWorker: filled in from the thread's binding, as for record()
+  int64_t bytes = 0;                          // the frame's bytes (a0 of the events that carry bytes)
+  uint64_t call = 0;                          // the call id (per caller)
+  uint64_t flow = 0;                          // the call's flow id (callFlowId), for the sites that carry it
+  const char* function = nullptr;             // the RPC function's name (the events' detail): literal or intern()ed
+  int32_t peer = -1;                          // the other worker's rank
+  WorkerSlot worker = kNoWorker;              // kNoWorker: filled in from the thread's binding, as for record()
   RpcSite site = RpcSite::kClientSend;
   uint8_t status = 0;  // kClientReply: rpc.client.wait's a2 (0 = a reply came, else 1 + ErrorKind)
   uint8_t flags = 0;   // kRpcFromTransport

@@ -510,9 +510,10 @@ TEST(Trace, RpcRecordsAreWrittenAsTheDocumentedEventsInTimeOrderWithTheirFlows) 
       EXPECT_EQ(ev.string("detail"), "remote_fn") << *ev.string("name");
     }
     // The transport instants carry no call id: grouped apart (-1 received, -2 sent), in file order.
-    byCall[recv   ? -1
-           : sent ? -2
-                  : *ev.integer(ev.string("type") == "async" || ev.string("name") == "rpc.server.execute" ? "a1" : "a2")]
+    byCall[recv ? -1
+           : sent
+               ? -2
+               : *ev.integer(ev.string("type") == "async" || ev.string("name") == "rpc.server.execute" ? "a1" : "a2")]
         .push_back(&ev);
   }
   auto names = [&](int64_t call) {
@@ -641,7 +642,11 @@ TEST(Trace, RpcRecordsBeyondThePackedLimitsAreWrittenExactly) {
       {RpcSite::kClientReply, {base, base + 1, base + 2}, 0, 12, callFlowId(3, 13)},
       {RpcSite::kServerExecute, {base, base + 1, base + 2}, 0, 14, callFlowId(3, 14)},
       // Call ids up to 39 bits pack; beyond 48 bits the flow keeps their low 48.
-      {RpcSite::kServerExecute, {base, base + 1, base + 2}, 0, (uint64_t{1} << 39) - 1, callFlowId(1, (uint64_t{1} << 39) - 1)},
+      {RpcSite::kServerExecute,
+       {base, base + 1, base + 2},
+       0,
+       (uint64_t{1} << 39) - 1,
+       callFlowId(1, (uint64_t{1} << 39) - 1)},
       {RpcSite::kServerExecute, {base, base + 1, base + 2}, 0, uint64_t{1} << 39, callFlowId(1, uint64_t{1} << 39)},
       {RpcSite::kServerExecute, {base, base + 1, base + 2}, 0, (uint64_t{1} << 50) + 7, callFlowId(1, 7)},
       // Times out of order (t1 before t0), negative times.
@@ -718,7 +723,7 @@ TEST(Trace, HandledRecordsComeOutAsTheirEventsWhetherPackedOrSplit) {
   const std::vector<Case> cases = {
       {{kBase, kBase + 1, kBase + 2, kBase + 3, kBase + kMaxOffset}, callFlowId(4, 1), kRpcToTransport, 1},
       {{kBase, kBase + 1, kBase + 2, kBase + 3, kBase + kMaxOffset + 1}, callFlowId(4, 2), kRpcToTransport, 2},
-      {{kBase, kBase + 1, kBase + 2, kBase - 3, kBase + 4}, callFlowId(4, 3), 0, 2},  // t3 before t0
+      {{kBase, kBase + 1, kBase + 2, kBase - 3, kBase + 4}, callFlowId(4, 3), 0, 2},                // t3 before t0
       {{kBase, kBase + 1, kBase + 2, kBase + 3, kBase + 4}, callFlowId(5, 4), kRpcToTransport, 2},  // foreign flow
       {{kBase, kBase + 1, kBase + 2, kBase + 3, kBase + 4}, 0, 0, 1},
   };
