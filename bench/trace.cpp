@@ -37,6 +37,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "autograd/ops.h"
@@ -138,6 +139,11 @@ void measureSpans(const Config& config, const std::string& dir) {
     trace::flush();
     trace::unregisterWorker(sink);
   }
+  // The trace clock turns to the time-stamp counter at the writer's second pass (Note [TSC trace clock]).
+  for (int i = 0; i < 40 && std::string(trace::clockName()) != "tsc"; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  const std::string spanClock = trace::clockName();
   for (int rep = 0; rep < 11; ++rep) {
     const double ns = nsPerIteration([] { DG_TRACE_SCOPE("bench span"); }, config.spans);
     const auto t0 = std::chrono::steady_clock::now();
@@ -154,7 +160,9 @@ void measureSpans(const Config& config, const std::string& dir) {
   const Stats offStats = statsOf(off);
   emit("trace", "span_off", "ns", offStats, {{"spans_per_rep", std::to_string(config.spans * 10)}});
   emit("trace", "span_on", "ns", statsOf(on),
-       {{"spans_per_rep", std::to_string(config.spans)}, {"event_bytes", std::to_string(sizeof(trace::Event))}});
+       {{"spans_per_rep", std::to_string(config.spans)},
+        {"event_bytes", std::to_string(sizeof(trace::Event))},
+        {"clock", quoted(spanClock)}});
   emit("trace", "flush_per_event", "ns", statsOf(flushed), {{"events_per_flush", std::to_string(config.spans)}});
 }
 
@@ -295,6 +303,7 @@ void compareModes(AgentPair& pair, const Config& config, int64_t mode) {
           {"cpu_cost_percent", number(100.0 * (cpuRatio - 1.0))},
           {"events_per_call_worker0", number(static_cast<double>(events) / static_cast<double>(calls))},
           {"records_per_call_worker0", number(static_cast<double>(records) / static_cast<double>(calls))},
+          {"clock", quoted(trace::clockName())},
           {"loadavg", load}});
   }
 }

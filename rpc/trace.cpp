@@ -852,11 +852,11 @@ class TscCalibrator {
   static void publish(uint64_t tsc, int64_t ns, double nsPerTick) {
     auto& a = detail::gTscAnchor;
     const uint32_t seq = a.seq.load(std::memory_order_relaxed);
+    // Release stores of the fields (free on x86): a reader that sees one sees the odd `seq` before it.
     a.seq.store(seq + 1, std::memory_order_relaxed);
-    std::atomic_thread_fence(std::memory_order_release);
-    a.tsc.store(tsc, std::memory_order_relaxed);
-    a.ns.store(ns, std::memory_order_relaxed);
-    a.mult.store(static_cast<uint64_t>(std::llround(nsPerTick * 4294967296.0)), std::memory_order_relaxed);
+    a.tsc.store(tsc, std::memory_order_release);
+    a.ns.store(ns, std::memory_order_release);
+    a.mult.store(static_cast<uint64_t>(std::llround(nsPerTick * 4294967296.0)), std::memory_order_release);
     a.seq.store(seq + 2, std::memory_order_release);
   }
 #endif

@@ -190,12 +190,13 @@ inline int64_t tscNowAt(uint64_t at) {
   uint32_t seq;
   uint64_t tsc, mult;
   int64_t ns;
+  // Acquire loads (free on x86) keep the second load of `seq` after the fields', without a fence (which
+  // ThreadSanitizer does not support).
   do {
     seq = gTscAnchor.seq.load(std::memory_order_acquire);
-    tsc = gTscAnchor.tsc.load(std::memory_order_relaxed);
-    ns = gTscAnchor.ns.load(std::memory_order_relaxed);
-    mult = gTscAnchor.mult.load(std::memory_order_relaxed);
-    std::atomic_thread_fence(std::memory_order_acquire);
+    tsc = gTscAnchor.tsc.load(std::memory_order_acquire);
+    ns = gTscAnchor.ns.load(std::memory_order_acquire);
+    mult = gTscAnchor.mult.load(std::memory_order_acquire);
   } while ((seq & 1) != 0 || seq != gTscAnchor.seq.load(std::memory_order_relaxed));
   const auto ticks = static_cast<int64_t>(at - tsc);
   // A counter read on another core may be a few ticks behind the anchor's: never before it.
