@@ -400,6 +400,8 @@ struct Stats {
   uint64_t bufferedChunks = 0;  // chunks allocated and not yet freed
   uint64_t readyChunks = 0;     // chunks waiting in the pool for a recording thread (written ones kept
                                 // for reuse, fresh ones the writer mapped in ahead); 0 when nothing traces
+  uint64_t catchUpFlushes = 0;  // flushes the writer made itself because the idle-priority flusher fell
+                                // behind (Note [Idle flusher] in trace.cpp)
 };
 Stats stats();
 // Chunks allocated and not yet freed (one atomic load).

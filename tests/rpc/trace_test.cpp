@@ -6,6 +6,7 @@
 #include "rpc/trace.h"
 
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -270,6 +271,61 @@ TEST(Trace, TheBackgroundWriterWritesOnceTheThresholdIsPassed) {
   EXPECT_GE(lines, 1u + 1u + 100u) << "header, thread line and the events are in the file before shutdown";
   unregisterWorker(slot);
   EXPECT_EQ(readTrace(path).events.size(), 100u);
+}
+
+namespace {
+// The id of this process's thread named `name`, or -1.
+pid_t threadNamed(const std::string& name) {
+  for (const auto& task : fs::directory_iterator("/proc/self/task")) {
+    std::ifstream comm(task.path() / "comm");
+    std::string line;
+    if (std::getline(comm, line) && line == name) return static_cast<pid_t>(std::stol(task.path().filename()));
+  }
+  return -1;
+}
+}  // namespace
+
+// Note [Idle flusher] (rpc/trace.cpp): the writer's flushes are formatted by a thread at SCHED_IDLE; when
+// the job keeps its core busy and that thread falls behind, the writer writes the backlog itself.
+TEST(Trace, TheFlusherRunsAtIdlePriorityAndTheWriterCatchesUpWhenItStarves) {
+  TempDir dir;
+  const WorkerSlot slot = registerWorker("idle", 0, dir.path());
+  pid_t flusher = -1;
+  ASSERT_TRUE(rpc::testing::eventually([&] { return (flusher = threadNamed("dg-trace-flush")) > 0; }, 10s));
+  EXPECT_EQ(sched_getscheduler(flusher), SCHED_IDLE);
+  // Starve it: the flusher and a thread that spins at the job's priority share one CPU.
+  cpu_set_t allowed;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(allowed), &allowed), 0);
+  int cpu = 0;
+  while (!CPU_ISSET(cpu, &allowed)) ++cpu;
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(cpu, &one);
+  ASSERT_EQ(sched_setaffinity(flusher, sizeof(one), &one), 0);
+  std::atomic<bool> spin{true};
+  std::thread spinner([&] {
+    EXPECT_EQ(sched_setaffinity(0, sizeof(one), &one), 0);
+    while (spin.load(std::memory_order_relaxed)) {
+    }
+  });
+  const Stats before = stats();
+  setFlushThreshold(0);  // every check writes what is buffered
+  // Over kCatchUpChunks (64) chunks, recorded faster than the writer's 50 ms period.
+  constexpr uint64_t kEvents = 160 * kChunkEvents;
+  std::thread([&] {
+    WorkerScope bound(slot);
+    for (uint64_t i = 0; i < kEvents; ++i) instant("starved", Category::kUser);
+  }).join();
+  EXPECT_TRUE(rpc::testing::eventually([&] { return stats().written >= before.written + kEvents; }, 20s))
+      << "written " << stats().written - before.written << " of " << kEvents;
+  EXPECT_GT(stats().catchUpFlushes, before.catchUpFlushes) << "the writer caught up";
+  spin = false;
+  spinner.join();
+  setFlushThreshold(kDefaultFlushThresholdBytes);
+  const std::string path = workerFile(slot);
+  unregisterWorker(slot);
+  EXPECT_EQ(readTrace(path).events.size(), kEvents);
+  EXPECT_EQ(threadNamed("dg-trace-flush"), -1) << "the flusher stops with the writer";
 }
 
 // Note [Ready chunks] (rpc/trace.cpp): while a worker traces, the writer keeps fresh chunks mapped in for
