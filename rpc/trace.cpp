@@ -314,6 +314,7 @@ struct Recorder {
   // Note [Idle flusher]: the writer's flushes, made at idle priority by the flusher thread.
   std::condition_variable flusherWake;  // with `mutex`
   bool flushRequested = false;          // GUARDED_BY(mutex)
+  std::atomic<int> flushWaiters{0};     // threads other than the flusher waiting for flushMutex (FlushLock)
   std::atomic<uint64_t> catchUpFlushes{0};
   // The first traced worker: where events of threads bound to no worker go.
   std::atomic<WorkerSlot> defaultWorker{kNoWorker};
@@ -337,6 +338,23 @@ Recorder& recorder() {
   static Recorder* instance = new Recorder();
   return *instance;
 }
+
+// flushMutex for every thread but the flusher, which stops between chunks while one waits here (Note [Idle
+// flusher]): a waiter woken when the flusher let go would mostly lose the mutex to it again.
+class FlushLock {
+ public:
+  explicit FlushLock(Recorder& r) : r_(r) {
+    r_.flushWaiters.fetch_add(1, std::memory_order_relaxed);
+    r_.flushMutex.lock();
+    r_.flushWaiters.fetch_sub(1, std::memory_order_relaxed);
+  }
+  ~FlushLock() { r_.flushMutex.unlock(); }
+  FlushLock(const FlushLock&) = delete;
+  FlushLock& operator=(const FlushLock&) = delete;
+
+ private:
+  Recorder& r_;
+};
 
 constexpr size_t kPooledChunks = 64;
 
@@ -390,7 +408,7 @@ struct ThreadExit {
     tBuffer = nullptr;
     Recorder& r = recorder();
     // flushMutex: a flush in progress may be reading this buffer (the thread's exit waits for it).
-    std::lock_guard<std::mutex> flushLock(r.flushMutex);
+    FlushLock flushLock(r);
     std::lock_guard<std::mutex> lock(r.mutex);
     buffer->exited.store(true, std::memory_order_release);
     if (!drainedLocked(*buffer)) return;  // the next flush writes the rest, then frees it
@@ -773,19 +791,20 @@ constexpr std::chrono::milliseconds kWriterPeriod{50};
 // beyond recording (bench_trace's flush_per_event, ~55 ns an event, 13 events per RPC). Done by the writer
 // at the job's own priority, it took a core from the job's threads whenever it ran: bench_trace's no-op
 // rpcAsync at 8 in flight lost 5-18% of its throughput (median 6.5%) with the writer writing every 50 ms,
-// against 0-2% with the events kept in memory; with this flusher 0.2-9% (median 0.7%). So the writer hands
+// against 0-2% with the events kept in memory; with this flusher -2.5 to 1.8% (median -1.1%). So the writer hands
 // its flushes to a flusher thread that runs at SCHED_IDLE: it formats on CPU time the job leaves idle, and
 // any thread of the job preempts it at once. On a machine the job keeps busy (every core computing) it
 // would fall behind for ever, so:
-// - it writes in slices of kFlushSliceChunks chunks, taking flushMutex per slice: a thread that needs the
-//   mutex (trace::flush(), an unregistration, the writer below) waits for one slice, not for the backlog;
+// - it writes a chunk at a time, taking flushMutex per chunk, and stops while another thread waits for the
+//   mutex (FlushLock: trace::flush(), a worker's registration, a thread's exit, the writer below), which
+//   thus waits for one chunk, not for the backlog (without it, a waiter woken when the starved flusher let
+//   go mostly lost the mutex to it again: the catch-up test took 8-65 s under ThreadSanitizer);
 // - the writer itself (at the job's priority) flushes everything once more than kCatchUpChunks beyond the
 //   flush threshold is buffered (Stats::catchUpFlushes counts these): memory stays bounded and the file
 //   fills, at the cost the writer had before.
 // A thread may lower its priority but, without CAP_SYS_NICE, not raise it again (sched(7): leaving
 // SCHED_IDLE needs RLIMIT_NICE room): hence two threads. Where SCHED_IDLE is refused the flusher runs at
 // the writer's priority (what the writer did before).
-constexpr uint64_t kFlushSliceChunks = 8;
 constexpr uint64_t kCatchUpChunks = 64;
 
 void flusherLoop(Recorder& r) {
@@ -797,13 +816,14 @@ void flusherLoop(Recorder& r) {
     r.flusherWake.wait(lock, [&] { return r.writerStop || r.flushRequested; });
     if (r.writerStop) return;
     r.flushRequested = false;
-    // Slice by slice until everything is written, or tracing stops (unregistration writes the rest).
+    // Chunk by chunk until everything is written, tracing stops (unregistration writes the rest) or another
+    // thread waits for flushMutex (the writer asks again at its next pass if anything is left).
     bool finished = false;
-    while (!finished && !r.writerStop) {
+    while (!finished && !r.writerStop && r.flushWaiters.load(std::memory_order_relaxed) == 0) {
       lock.unlock();
       {
         std::lock_guard<std::mutex> flushLock(r.flushMutex);
-        flushLocked(r, kFlushSliceChunks, &finished);
+        flushLocked(r, 1, &finished);
       }
       lock.lock();
     }
@@ -957,7 +977,7 @@ void writerLoop(Recorder& r) {
       continue;
     }
     if (flusher.joinable()) r.catchUpFlushes.fetch_add(1, std::memory_order_relaxed);
-    std::lock_guard<std::mutex> flushLock(r.flushMutex);
+    FlushLock flushLock(r);
     flushLocked(r);
   }
 }
@@ -1363,7 +1383,7 @@ WorkerSlot registerWorker(const std::string& name, int rank, const std::string& 
   WorkerSlot slot = kNoWorker;
   bool traced = false;
   {
-    std::lock_guard<std::mutex> flushLock(r.flushMutex);
+    FlushLock flushLock(r);
     std::lock_guard<std::mutex> lock(r.mutex);
     slot = r.nextSlot++;
     traced = worker.file != nullptr;
@@ -1414,7 +1434,7 @@ void unregisterWorker(WorkerSlot slot) {
   Recorder& r = recorder();
   std::lock_guard<std::mutex> writerLock(r.writerMutex);
   {
-    std::lock_guard<std::mutex> flushLock(r.flushMutex);
+    FlushLock flushLock(r);
     if (!unregisterLocked(r, slot)) return;
   }
   {
@@ -1469,7 +1489,7 @@ void setClockOffset(WorkerSlot slot, const std::string& peer, int peerRank, int6
 
 uint64_t flush() {
   Recorder& r = recorder();
-  std::lock_guard<std::mutex> lock(r.flushMutex);
+  FlushLock lock(r);
   return flushLocked(r);
 }
 

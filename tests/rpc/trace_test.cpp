@@ -311,7 +311,7 @@ TEST(Trace, TheFlusherRunsAtIdlePriorityAndTheWriterCatchesUpWhenItStarves) {
   const Stats before = stats();
   setFlushThreshold(0);  // every check writes what is buffered
   // Over kCatchUpChunks (64) chunks, recorded faster than the writer's 50 ms period.
-  constexpr uint64_t kEvents = 160 * kChunkEvents;
+  constexpr uint64_t kEvents = 100 * kChunkEvents;
   std::thread([&] {
     WorkerScope bound(slot);
     for (uint64_t i = 0; i < kEvents; ++i) instant("starved", Category::kUser);
