@@ -89,6 +89,8 @@ class UcxWorker {
   void driveWhile(const std::function<bool()>& done, std::chrono::microseconds window);
   void endDriving();
   void interrupt() { wake(); }
+  // endDriving calls that woke the loop thread (Note [Arming after driving] in context.cpp).
+  uint64_t wakesAfterDriving() const { return wakesAfterDriving_.load(std::memory_order_relaxed); }
   // Note [Driving threads]: the sending thread issues a frame itself. `issue` runs as the loop (true) when
   // the loop thread sleeps and no task waits for it, then the completions it deferred; unless `finished()`
   // then holds (ucp took the whole frame at once) the loop thread is woken to progress the rest. A
@@ -147,7 +149,8 @@ class UcxWorker {
   // What a thread that acted as the loop leaves for the loop thread itself: its stop, a busy poller to
   // serve, tasks, a tenant's close, closing connections to poll, a timer its sleep was not timed for.
   bool loopThreadNeeded() const;
-  // loopThreadNeeded(), or the worker would not arm (a driver took events since the loop thread's arm).
+  // loopThreadNeeded(), or the worker would not arm after a few progress-and-arm tries (Note [Arming after
+  // driving] in context.cpp).
   bool loopNeededAfterDriving();
   // sendHere's halves: take the loop's part for one send (false when the loop thread or a task has it);
   // let go, waking the loop thread when `unfinished` or loopThreadNeeded().
@@ -184,6 +187,7 @@ class UcxWorker {
   // Note [Driving threads]: held by whoever is the loop; busy-poll drivers waiting for it, counted.
   std::mutex driveMutex_;
   std::atomic<int> drivers_{0};
+  std::atomic<uint64_t> wakesAfterDriving_{0};
   std::thread thread_;
   std::thread::id threadId_;
   // Loop-thread state (Note [Driving threads]: whoever holds driveMutex_).
