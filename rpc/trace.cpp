@@ -817,7 +817,8 @@ void flusherLoop(Recorder& r) {
     if (r.writerStop) return;
     r.flushRequested = false;
     // Chunk by chunk until everything is written, tracing stops (unregistration writes the rest) or another
-    // thread waits for flushMutex (the writer asks again at its next pass if anything is left).
+    // thread waits for flushMutex (the writer asks again at its next pass while the threshold is passed;
+    // below it the rest stays buffered, as any run below the threshold does).
     bool finished = false;
     while (!finished && !r.writerStop && r.flushWaiters.load(std::memory_order_relaxed) == 0) {
       lock.unlock();
