@@ -4,6 +4,7 @@
 // the call as disconnected; the two processes' clock-offset estimates of each other (one machine, one
 // steady clock) are within 1 ms of 0, from the handshake and after heartbeats refreshed them. Children get
 // PR_SET_PDEATHSIG so a failing test leaves no process behind.
+#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -17,6 +18,9 @@
 #include <string>
 #include <vector>
 
+#ifdef DG_HAVE_UCX
+#include "rpc/transport/ucx/context.h"
+#endif
 #include "tests/rpc/agent_test_util.h"
 #include "tests/transport_params.h"
 
@@ -143,7 +147,8 @@ TEST_P(AgentProcessTest, ClockOffsetsOfTwoProcessesOnLoopbackAreWithin1MsOfZero)
   auto local = agent_->clockOffset("worker1");
   ASSERT_TRUE(local.has_value()) << "the handshake gave no estimate";
   EXPECT_GE(local->rttNs, 0);
-  EXPECT_LE(std::abs(local->offsetNs), local->rttNs / 2 + 1) << "offset " << local->offsetNs << ", rtt " << local->rttNs;
+  EXPECT_LE(std::abs(local->offsetNs), local->rttNs / 2 + 1)
+      << "offset " << local->offsetNs << ", rtt " << local->rttNs;
   std::vector<int64_t> remote = agent_->rpcSync("worker1", kClockOfCaller);
   ASSERT_EQ(remote.size(), 3u) << "worker1 has no estimate of worker0";
   EXPECT_LE(std::abs(remote[0]), remote[1] / 2 + 1) << "worker1's offset " << remote[0] << ", rtt " << remote[1];
@@ -208,6 +213,64 @@ TEST_P(AgentProcessTest, ALargeTensorCrossesToAnotherProcessAndBackIntact) {
 
 INSTANTIATE_TEST_SUITE_P(Transports, AgentProcessTest, ::testing::ValuesIn(processTransports()),
                          [](const auto& info) { return info.param; });
+
+#ifdef DG_HAVE_UCX
+// Note [Watching apart] (rpc/transport/ucx/context.cpp): with both processes on one core, the peer runs as
+// soon as a call or an answer is sent, and the next frame arrives before the driving thread got back to
+// sleep; the loop thread, whose set no longer watches the worker meanwhile, is not woken by it (it was at
+// most calls: it then blocked on the drive lock until the driver let go).
+TEST(AgentProcessUcx, OnOneCoreARoundTripDoesNotWakeTheLoopThread) {
+  if (!transport::ucxUnavailableReason().empty()) GTEST_SKIP() << transport::ucxUnavailableReason();
+  cpu_set_t all;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(all), &all), 0);
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (CPU_ISSET(cpu, &all)) {
+      CPU_SET(cpu, &one);
+      break;
+    }
+  }
+  // Before the fork and the agent's threads, which inherit it.
+  ASSERT_EQ(sched_setaffinity(0, sizeof(one), &one), 0);
+  struct Restore {
+    cpu_set_t mask;
+    ~Restore() { sched_setaffinity(0, sizeof(mask), &mask); }
+  } restore{all};
+  int fds[2];
+  ASSERT_EQ(pipe(fds), 0);
+  const pid_t child = forkWorker(fds[0], "ucx");
+  ASSERT_GT(child, 0);
+  struct Reap {
+    pid_t pid;
+    ~Reap() {
+      kill(pid, SIGKILL);
+      int status = 0;
+      waitpid(pid, &status, 0);
+    }
+  } reap{child};
+  auto store = StoreServer::start("127.0.0.1:0");
+  int port = store->port();
+  ASSERT_EQ(write(fds[1], &port, sizeof(port)), static_cast<ssize_t>(sizeof(port)));
+  close(fds[0]);
+  close(fds[1]);
+  auto agent = Agent::start(optionsFor(0, port, "ucx"), Registry{});
+  {
+    // This process's worker, counted as a tenant while the test looks at it.
+    auto worker = transport::ucx::UcxWorker::acquire(false).value();
+    struct Release {
+      transport::ucx::UcxWorker& worker;
+      ~Release() { worker.release(false); }
+    } release{*worker};
+    for (int64_t i = 0; i < 100; ++i) ASSERT_EQ(agent->rpcSync("worker1", kAddInt, i, int64_t{1}), i + 1);
+    const uint64_t before = worker->loopWakesWhileDriven();
+    constexpr int64_t kCalls = 500;
+    for (int64_t i = 0; i < kCalls; ++i) ASSERT_EQ(agent->rpcSync("worker1", kAddInt, i, int64_t{1}), i + 1);
+    EXPECT_LT(worker->loopWakesWhileDriven() - before, static_cast<uint64_t>(kCalls / 10));
+  }
+  agent->shutdown(false);
+}
+#endif
 
 }  // namespace
 }  // namespace distgrad::rpc

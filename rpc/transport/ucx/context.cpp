@@ -184,20 +184,23 @@ Result<void> UcxWorker::init() {
   status = ucp_worker_get_efd(worker_, &workerFd_);
   if (status != UCS_OK) return fail("ucp_worker_get_efd (the worker's transports offer no wake-up)", status);
   wakeFd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  driveWakeFd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   windowFd_ = ::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
-  epollFd_ = ::epoll_create1(EPOLL_CLOEXEC);
-  if (wakeFd_ < 0 || windowFd_ < 0 || epollFd_ < 0) {
+  loopEpollFd_ = ::epoll_create1(EPOLL_CLOEXEC);
+  driveEpollFd_ = ::epoll_create1(EPOLL_CLOEXEC);
+  if (wakeFd_ < 0 || driveWakeFd_ < 0 || windowFd_ < 0 || loopEpollFd_ < 0 || driveEpollFd_ < 0) {
     return Error::failed(std::string("ucx transport: eventfd/timerfd/epoll_create1 failed: ") + std::strerror(errno));
   }
-  // Edge-triggered (Note [Driving threads]): an event wakes one of the threads asleep on this set, the
-  // one that went to sleep last. Nothing is lost by it: whoever sleeps here armed the worker first (and
-  // ucp_worker_arm answers BUSY while anything is unprocessed), and each post writes the eventfd anew.
-  epoll_event event{};
-  event.events = EPOLLIN | EPOLLET;
-  event.data.fd = workerFd_;
-  if (::epoll_ctl(epollFd_, EPOLL_CTL_ADD, workerFd_, &event) != 0 ||
-      (event.data.fd = wakeFd_, ::epoll_ctl(epollFd_, EPOLL_CTL_ADD, wakeFd_, &event)) != 0 ||
-      (event.data.fd = windowFd_, ::epoll_ctl(epollFd_, EPOLL_CTL_ADD, windowFd_, &event)) != 0) {
+  // Edge-triggered: an event is reported once. Nothing is lost by it: whoever sleeps armed the worker first
+  // (ucp_worker_arm answers BUSY while anything is unprocessed), and each wake-up writes its eventfd anew.
+  auto add = [](int set, int fd) {
+    epoll_event event{};
+    event.events = EPOLLIN | EPOLLET;
+    event.data.fd = fd;
+    return ::epoll_ctl(set, EPOLL_CTL_ADD, fd, &event) == 0;
+  };
+  if (!add(loopEpollFd_, workerFd_) || !add(loopEpollFd_, wakeFd_) || !add(driveEpollFd_, workerFd_) ||
+      !add(driveEpollFd_, driveWakeFd_) || !add(driveEpollFd_, windowFd_)) {
     return Error::failed(std::string("ucx transport: epoll_ctl failed: ") + std::strerror(errno));
   }
   // One handler per message id; the argument tells the id apart (the callback gets no id).
@@ -224,9 +227,9 @@ UcxWorker::~UcxWorker() {
   if (thread_.joinable()) thread_.detach();  // the thread's own reference was the last, as run() returned
   if (worker_ != nullptr) ucp_worker_destroy(worker_);
   if (context_ != nullptr) ucp_cleanup(context_);
-  if (epollFd_ >= 0) ::close(epollFd_);
-  if (wakeFd_ >= 0) ::close(wakeFd_);
-  if (windowFd_ >= 0) ::close(windowFd_);
+  for (int fd : {loopEpollFd_, driveEpollFd_, wakeFd_, driveWakeFd_, windowFd_}) {
+    if (fd >= 0) ::close(fd);
+  }
 }
 
 bool UcxWorker::post(std::function<void()> fn, bool* gate, bool shut) {
@@ -237,10 +240,17 @@ bool UcxWorker::post(std::function<void()> fn, bool* gate, bool shut) {
     if (shut) *gate = true;
     wakeLoop = tasks_.empty();
     tasks_.push_back(std::move(fn));
-    hasTasks_.store(true, std::memory_order_release);
+    hasTasks_.store(true);  // seq_cst: Note [Watching apart]
   }
-  // A busy-polling loop sees hasTasks_ without a wake-up; the eventfd stays open until the destructor.
-  if (wakeLoop && busyPollers_.load(std::memory_order_relaxed) == 0 && !inLoop()) wake();
+  // A busy-polling loop sees hasTasks_ without a wake-up; the eventfds stay open until the destructor. A
+  // driver runs the tasks (Note [Watching apart]).
+  if (wakeLoop && busyPollers_.load(std::memory_order_relaxed) == 0 && !inLoop()) {
+    if (driving_.load()) {
+      signal(driveWakeFd_);
+    } else {
+      wake();
+    }
+  }
   return true;
 }
 
@@ -262,15 +272,12 @@ bool UcxWorker::inLoop() const { return tDriving == this || onLoopThread(); }
 //    loop thread sleeps: try_lock), runs the tasks posted so far (so that no frame it posted earlier is
 //    overtaken), sends its frame as the loop would, and then drives the worker while it waits
 //    (driveWhile): progress, tasks, received frames, deferred work, for every connection and Context of the
-//    process, exactly the loop's work, sleeping on the loop's own epoll set. That set is edge-triggered,
-//    and an edge wakes only the thread that went to sleep on it last (a level-triggered set wakes every
-//    sleeper): the driver, which went to sleep after the loop thread let go. So the answer wakes the
-//    waiting thread alone, as in a socket ping-pong. (Should the loop thread reach epoll_wait only after
-//    the driver, it gets the edge, finds the lock taken and passes the event on through the eventfd.) The
-//    driver stops when its answer is in or the window passed, and lets go (endDriving) with the worker
-//    armed again, or else wakes the loop thread. Meanwhile it also runs the loop's timers and answers
-//    closing Contexts (a 30 s serving window must not hold a close up); only the worker's stop and busy
-//    polling are left to the loop thread.
+//    process, exactly the loop's work, sleeping on an epoll set of its own that watches the worker's fd
+//    while the loop thread's set does not (Note [Watching apart]): the answer wakes the waiting thread
+//    alone, as in a socket ping-pong. The driver stops when its answer is in or the window passed, and lets
+//    go (endDriving) with the worker armed again, or else wakes the loop thread. Meanwhile it also runs the
+//    loop's timers and answers closing Contexts (a 30 s serving window must not hold a close up); only the
+//    worker's stop and busy polling are left to the loop thread.
 //  - A thread that sends a frame marked fromSender without waiting this way issues it itself when the loop
 //    thread sleeps and no task is queued (sendHere); when ucp finishes it at once (eager data), nothing is
 //    left for the loop, which is not woken; when ucp keeps part of it (rendezvous, a full queue), the loop
@@ -281,6 +288,26 @@ bool UcxWorker::inLoop() const { return tDriving == this || onLoopThread(); }
 // What a driver runs is the loop's (frame handlers, completions): the agent treats it as it treats tcp's
 // waiting reader (Context::inLoop() names the loop thread only: calls read here are posted to the executor,
 // inline handlers run here).
+//
+// Note [Watching apart]: drivers used to sleep on the loop thread's own set, edge-triggered, where an edge
+// wakes only the thread that went to sleep last: the driver, as a rule. But an edge that comes while the
+// driver is awake goes to the loop thread, the set's only sleeper. On one core that is the rule, not the
+// exception: the peer woken by this side's send runs at once, and its answer arrives before this side's
+// driver got back to epoll_wait; the loop thread woke, found the lock taken, passed the event on, blocked
+// on the lock, and took over after the driver, two context switches and ~8 system calls more; having gone
+// back to sleep after the driver, it was then the last sleeper and got the next edge too (the one-core ucx
+// rpcSync: 24.5 us median, p10 17.5; 2 loop-thread context switches per call). Now a driver sleeps on its
+// own set (the worker's fd, driveWakeFd_, windowFd_), and for as long as it drives the loop thread's set
+// (the worker's fd, wakeFd_) does not watch the worker (watchFromLoop: EPOLL_CTL_MOD, two system calls per
+// driving; tcp's waiting reader pauses its socket in the loop's set the same way): 18.6 us, p90 20.6, the
+// loop thread woken by no call (bench/README.md, "rpc"). A post wakes whoever has the loop's part: the
+// driver (driveWakeFd_) while driving_ is set, else the loop thread; driving_ and hasTasks_ are seq_cst on
+// both sides (the poster stores hasTasks_ then reads driving_, a driver stores driving_ then reads
+// hasTasks_, in runTasks when it begins and in loopThreadNeeded when it ends), so a task is either run by
+// a driver or wakes the loop thread. The loop thread, woken while another thread has the lock (a post that
+// raced with a driver's start, a sender's frame), waits for the lock and does its turn after it
+// (loopWakesWhileDriven counts these). What the worker signalled meanwhile is the driver's: it arms before
+// it sleeps, and ucp_worker_arm answers BUSY while anything is unprocessed.
 bool UcxWorker::beginDriving() {
   if (inLoop() || stopping_.load(std::memory_order_acquire)) return false;
   const bool busy = busyPollers_.load(std::memory_order_relaxed) > 0;
@@ -305,6 +332,10 @@ bool UcxWorker::beginDriving() {
   }
   tDriving = this;
   driverSpins_ = busy;
+  // Note [Watching apart]: from here on a post wakes this thread; what was posted before, it runs now.
+  // (Busy polling, the loop thread does not sleep.)
+  driving_.store(true);
+  if (!busy) watchFromLoop(false);
   runTasks();
   return true;
 }
@@ -326,9 +357,9 @@ void UcxWorker::driveWhile(const std::function<bool()>& done, std::chrono::micro
     auto wakeBy = end;
     if (const int ms = timeoutMsFromLoop(); ms >= 0) wakeBy = std::min(wakeBy, now + std::chrono::milliseconds(ms));
     if (!armWindowBy(wakeBy, now)) return;
-    int n = ::epoll_wait(epollFd_, events, 4, -1);
+    int n = ::epoll_wait(driveEpollFd_, events, 4, -1);
     for (int i = 0; i < n; ++i) {
-      if (events[i].data.fd == wakeFd_) readWake();
+      if (events[i].data.fd == driveWakeFd_) drain(driveWakeFd_);
     }
   }
 }
@@ -337,9 +368,9 @@ void UcxWorker::driveWhile(const std::function<bool()>& done, std::chrono::micro
 // timer each time the thread sleeps and cancels it when woken, in a VM a few exits per round trip (the
 // one-core ucx rpcSync, with epoll_pwait2's timeout: 24.2-25.0 us, inline handler 16.3-17.8; with this:
 // 18.5-19.2 and 13.8-15.8 us, bench_rpc, 2026-12-07; tcp's Note [Lazy window timer] found the same).
-// windowFd_, a timerfd in the loop's set, is armed to fire no later than the driver's window ends and set
-// again only once it fired or would fire too late, so back-to-back calls set it about once per window. Its
-// expiry wakes whoever sleeps on the set (the loop thread, once, when no driver does).
+// windowFd_, a timerfd in the drivers' set (Note [Watching apart]), is armed to fire no later than the
+// driver's window ends and set again only once it fired or would fire too late, so back-to-back calls set it
+// about once per window (an expiry with no driver asleep makes the next driver's first sleep return at once).
 bool UcxWorker::armWindowBy(std::chrono::steady_clock::time_point wakeBy, std::chrono::steady_clock::time_point now) {
   if (windowArmedUntil_ > now && windowArmedUntil_ <= wakeBy) return true;  // it will fire in time
   const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(wakeBy.time_since_epoch()).count();
@@ -353,7 +384,10 @@ bool UcxWorker::armWindowBy(std::chrono::steady_clock::time_point wakeBy, std::c
 void UcxWorker::endDriving() {
   DG_ASSERT(tDriving == this, "UcxWorker::endDriving without beginDriving");
   driveFromLoop();
-  const bool wakeLoop = loopNeededAfterDriving();
+  // Note [Watching apart]: posts wake the loop thread again, and its sleep watches the worker again
+  // (should that fail, the loop thread polls).
+  driving_.store(false);
+  const bool wakeLoop = loopNeededAfterDriving() || !watchFromLoop(true);
   const bool busy = driverSpins_;
   tDriving = nullptr;
   driveMutex_.unlock();
@@ -389,8 +423,7 @@ void UcxWorker::leaveAfterSend(bool unfinished) {
 
 bool UcxWorker::loopThreadNeeded() const {
   return stopping_.load(std::memory_order_acquire) || busyPollers_.load(std::memory_order_relaxed) > 0 ||
-         hasTasks_.load(std::memory_order_acquire) || !closingTenants_.empty() || closingConnections_ > 0 ||
-         timersAddedByDriver_;
+         hasTasks_.load() || !closingTenants_.empty() || closingConnections_ > 0 || timersAddedByDriver_;
 }
 
 // Note [Arming after driving]: a driver lets go with the worker armed, or else wakes the loop thread. The first
@@ -415,20 +448,34 @@ bool UcxWorker::loopNeededAfterDriving() {
   return true;
 }
 
-void UcxWorker::readWake() {
+bool UcxWorker::watchFromLoop(bool on) {
+  if (loopWatches_ == on) return true;
+  epoll_event event{};
+  event.events = on ? EPOLLIN | EPOLLET : 0;
+  event.data.fd = workerFd_;
+  if (::epoll_ctl(loopEpollFd_, EPOLL_CTL_MOD, workerFd_, &event) != 0) {
+    std::fprintf(stderr, "distgrad ucx: epoll_ctl(EPOLL_CTL_MOD) of the worker's fd failed: %s%s\n",
+                 std::strerror(errno), on ? "; the loop thread polls instead" : "");
+    return false;
+  }
+  loopWatches_ = on;
+  return true;
+}
+
+void UcxWorker::drain(int eventFd) {
   uint64_t count = 0;
-  while (::read(wakeFd_, &count, sizeof(count)) < 0 && errno == EINTR) {
+  while (::read(eventFd, &count, sizeof(count)) < 0 && errno == EINTR) {
   }
 }
 
-void UcxWorker::wake() {
+void UcxWorker::signal(int eventFd) {
   const uint64_t one = 1;
-  while (::write(wakeFd_, &one, sizeof(one)) < 0 && errno == EINTR) {
+  while (::write(eventFd, &one, sizeof(one)) < 0 && errno == EINTR) {
   }
 }
 
 bool UcxWorker::runTasks() {
-  if (!hasTasks_.load(std::memory_order_acquire)) return false;
+  if (!hasTasks_.load()) return false;
   std::vector<std::function<void()>> batch;
   {
     std::lock_guard lock(mutex_);
@@ -567,18 +614,21 @@ void UcxWorker::run() {
     if (status != UCS_OK) {
       std::fprintf(stderr, "distgrad ucx: ucp_worker_arm failed: %s; polling instead\n", ucsError(status).c_str());
     }
-    const int timeoutMs = status == UCS_OK ? timeoutMsFromLoop() : 0;
+    int timeoutMs = status == UCS_OK ? timeoutMsFromLoop() : 0;
+    if (!watchFromLoop(true)) {
+      timeoutMs = timeoutMs < 0 ? UcxLoop::kClosingPollMs : std::min(timeoutMs, UcxLoop::kClosingPollMs);
+    }
     timersAddedByDriver_ = false;  // this sleep is timed with every timer there is
     drive.unlock();
-    int n = ::epoll_wait(epollFd_, events, 4, timeoutMs);
+    int n = ::epoll_wait(loopEpollFd_, events, 4, timeoutMs);
+    // Note [Watching apart]: should a thread have taken the lock since this one let go, what woke this one is
+    // that thread's to handle too; this one takes over after it.
     if (!drive.try_lock()) {
-      // Note [Driving threads]: a thread took the lock after this one let go and went to sleep on the set
-      // before this one did, so what woke this thread may be what that driver waits for: pass it on.
-      if (n > 0) wake();
+      loopWakesWhileDriven_.fetch_add(1, std::memory_order_relaxed);
       drive.lock();
     }
     for (int i = 0; i < n; ++i) {
-      if (events[i].data.fd == wakeFd_) readWake();
+      if (events[i].data.fd == wakeFd_) drain(wakeFd_);
     }
   }
   // Every endpoint and listener is closed: the worker and context go with the thread that used them (a

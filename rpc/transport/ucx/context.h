@@ -88,9 +88,11 @@ class UcxWorker {
   bool beginDriving();
   void driveWhile(const std::function<bool()>& done, std::chrono::microseconds window);
   void endDriving();
-  void interrupt() { wake(); }
+  void interrupt() { signal(driveWakeFd_); }
   // endDriving calls that woke the loop thread (Note [Arming after driving] in context.cpp).
   uint64_t wakesAfterDriving() const { return wakesAfterDriving_.load(std::memory_order_relaxed); }
+  // Times the loop thread woke while another thread had the loop's part (Note [Watching apart]).
+  uint64_t loopWakesWhileDriven() const { return loopWakesWhileDriven_.load(std::memory_order_relaxed); }
   // Note [Driving threads]: the sending thread issues a frame itself. `issue` runs as the loop (true) when
   // the loop thread sleeps and no task waits for it, then the completions it deferred; unless `finished()`
   // then holds (ucp took the whole frame at once) the loop thread is woken to progress the rest. A
@@ -139,13 +141,16 @@ class UcxWorker {
   void turnFromLoop();
   bool runDeferredFromLoop();
   bool runTasks();
-  void readWake();
+  static void drain(int eventFd);
+  static void signal(int eventFd);
   // Sets windowFd_ to fire no later than wakeBy (false when it cannot be set).
   bool armWindowBy(std::chrono::steady_clock::time_point wakeBy, std::chrono::steady_clock::time_point now);
   void runTimersFromLoop();
   void answerDrainedTenantsFromLoop();
   int timeoutMsFromLoop() const;
-  void wake();
+  void wake() { signal(wakeFd_); }
+  // Note [Watching apart]: the loop thread's set watches the worker's fd only while nobody drives.
+  bool watchFromLoop(bool on);
   // What a thread that acted as the loop leaves for the loop thread itself: its stop, a busy poller to
   // serve, tasks, a tenant's close, closing connections to poll, a timer its sleep was not timed for.
   bool loopThreadNeeded() const;
@@ -172,9 +177,13 @@ class UcxWorker {
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   int workerFd_ = -1;
-  int wakeFd_ = -1;
-  int windowFd_ = -1;  // Note [Driving threads]: bounds a driver's sleep
-  int epollFd_ = -1;
+  // Note [Watching apart]: the loop thread sleeps on loopEpollFd_ (the worker's fd, wakeFd_), a driver on
+  // driveEpollFd_ (the worker's fd, driveWakeFd_, windowFd_).
+  int wakeFd_ = -1;       // wakes the loop thread: posts, stop, busy polling
+  int driveWakeFd_ = -1;  // wakes the driver: interrupt(), a post while driving_
+  int windowFd_ = -1;     // Note [Driving threads]: bounds a driver's sleep
+  int loopEpollFd_ = -1;
+  int driveEpollFd_ = -1;
   size_t maxAmHeader_ = 0;
   uint64_t memoryTypes_ = 0;
   std::vector<AmHandlerArg> amArgs_;
@@ -183,15 +192,18 @@ class UcxWorker {
   std::mutex mutex_;
   std::vector<std::function<void()>> tasks_;  // GUARDED_BY(mutex_)
   std::atomic<bool> hasTasks_{false};
+  std::atomic<bool> driving_{false};   // Note [Watching apart]: a thread other than the loop thread drives
   std::atomic<bool> stopping_{false};  // written under mutex_
   // Note [Driving threads]: held by whoever is the loop; busy-poll drivers waiting for it, counted.
   std::mutex driveMutex_;
   std::atomic<int> drivers_{0};
   std::atomic<uint64_t> wakesAfterDriving_{0};
+  std::atomic<uint64_t> loopWakesWhileDriven_{0};
   std::thread thread_;
   std::thread::id threadId_;
   // Loop-thread state (Note [Driving threads]: whoever holds driveMutex_).
   bool driverSpins_ = false;                                  // the driving thread counted itself in drivers_
+  bool loopWatches_ = true;                                   // the worker's fd is on in loopEpollFd_
   std::chrono::steady_clock::time_point windowArmedUntil_{};  // windowFd_ fires then (if still ahead)
   bool timersAddedByDriver_ = false;                          // since the loop thread last timed its sleep
   size_t closingConnections_ = 0;
