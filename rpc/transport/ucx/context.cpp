@@ -136,6 +136,7 @@ void UcxWorker::release(bool busyPoll) {
     stopping_.store(true, std::memory_order_release);
   }
   wake();
+  signal(driveWakeFd_);  // a driver still asleep (Note [Watching apart]) lets go: the loop thread waits for it
   thread_.join();
 }
 
