@@ -11,6 +11,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <future>
 #include <memory>
 #include <thread>
@@ -528,6 +529,59 @@ TEST(UcxWorker, AWaitingThreadDrivesTheWorkerAndReadsItsAnswerItself) {
 TEST(UcxWorker, AWaitingThreadDrivesABusyPollingWorkerWhileTheLoopThreadYields) {
   if (!ucxUnavailableReason().empty()) GTEST_SKIP() << "ucx is not viable here: " << ucxUnavailableReason();
   expectWaitingThreadsDrive(/*busyPoll=*/true);
+}
+
+// Note [Watching apart]: while a thread drives (asleep on the drivers' own epoll set, the loop thread's set
+// not watching the worker), a task posted to the loop wakes that thread, which runs it at once, and an
+// interrupt makes it check its condition again; neither waits for the driver's window to pass.
+TEST(UcxWorker, ADriverRunsWhatIsPostedAndSeesInterruptsAtOnce) {
+  using namespace std::chrono_literals;  // NOLINT
+  if (!ucxUnavailableReason().empty()) GTEST_SKIP() << "ucx is not viable here: " << ucxUnavailableReason();
+  const std::shared_ptr<UcxWorker> worker = UcxWorker::acquire(false).value();
+  struct Release {
+    UcxWorker& worker;
+    ~Release() { worker.release(false); }
+  } release{*worker};
+  auto drive = [&](const std::function<bool()>& done, const std::function<void()>& other) {
+    // The loop thread may be awake a moment after acquire: try again a little later.
+    bool driving = worker->beginDriving();
+    for (int attempt = 0; attempt < 1000 && !driving; ++attempt) {
+      std::this_thread::sleep_for(1ms);
+      driving = worker->beginDriving();
+    }
+    EXPECT_TRUE(driving) << "the loop thread never let go";
+    if (!driving) return std::chrono::steady_clock::duration::max();
+    std::thread poster([&] {
+      std::this_thread::sleep_for(20ms);  // the driver is asleep by then
+      other();
+    });
+    const auto begin = std::chrono::steady_clock::now();
+    worker->driveWhile(done, 30s);
+    const auto waited = std::chrono::steady_clock::now() - begin;
+    worker->endDriving();
+    poster.join();
+    return waited;
+  };
+  std::atomic<bool> ran{false};
+  std::atomic<pid_t> ranOn{0};
+  auto waited = drive([&] { return ran.load(); },
+                      [&] {
+                        ASSERT_TRUE(worker->post([&] {
+                          ranOn = ::gettid();
+                          ran = true;
+                        }));
+                      });
+  EXPECT_TRUE(ran.load());
+  EXPECT_EQ(ranOn.load(), ::gettid()) << "the posted task did not run on the driving thread";
+  EXPECT_LT(waited, 10s) << "the posted task waited for the driver's window";
+  std::atomic<bool> flag{false};
+  waited = drive([&] { return flag.load(); },
+                 [&] {
+                   flag = true;
+                   worker->interrupt();
+                 });
+  EXPECT_TRUE(flag.load());
+  EXPECT_LT(waited, 10s) << "the interrupt was not seen before the driver's window passed";
 }
 
 // Note [Cross-memory attach] (rpc/transport/ucx/context.cpp): on one host the rendezvous lane is CMA, not
