@@ -114,6 +114,10 @@ void foldGradients(rpc::Agent& agent, uint64_t from, uint64_t into) {
   DistAutogradState::of(agent)->foldGradients(from, into);
 }
 
+rpc::Future<void> whenLocalPartDone(rpc::Agent& agent, uint64_t contextId, const rpc::CancellationToken& cancel) {
+  return DistAutogradState::of(agent)->whenLocalPartDone(contextId, cancel);
+}
+
 size_t liveContexts(rpc::Agent& agent) { return DistAutogradState::of(agent)->liveContexts(); }
 
 }  // namespace distgrad::autograd::distributed

@@ -167,6 +167,21 @@ Gradients gradientsOf(rpc::Agent& agent, uint64_t contextId);
 // another one itself (fold into that one: no cycles).
 void foldGradients(rpc::Agent& agent, uint64_t from, uint64_t into);
 
+// Completes once this worker's own part of a backward pass of context `contextId` has run here (Note [Local
+// part done] in state.cpp): every node of the pass on this worker has run and its gradients for other
+// workers were handed to the agent, so the context's gradients here are final for that pass, while the pass
+// may still run elsewhere. At once when a pass's part already ran here (the first pass counts: with
+// retainGraph, later passes add to the gradients after it). For code that acts on this worker's gradients
+// as soon as they are complete, e.g. a pipeline stage stepping its optimizer part after its last backward
+// (optim::DistributedOptimizer::stepAfterBackwardAsync). Fails when the context is released here (its
+// release reason, or kCancelled), when a pass of it fails before a part ran here, when the agent shuts
+// down, or when `cancel` is cancelled (its reason: a handler passes its call's token, so the caller's
+// deadline ends the wait); it waits otherwise, so ask only on a worker that takes part in the backward.
+// Like foldGradients, a context created elsewhere and not yet seen here is joined; one that nothing but
+// the wait used here is released here when the wait is cancelled. Throws ValueError when the context is
+// unknown here (created here and ended, or released).
+rpc::Future<void> whenLocalPartDone(rpc::Agent& agent, uint64_t contextId, const rpc::CancellationToken& cancel = {});
+
 // Contexts this worker currently holds (created or joined, not yet released): a gauge for leak checks.
 size_t liveContexts(rpc::Agent& agent);
 

@@ -102,6 +102,13 @@ std::string hex(uint64_t id) {
 // released), so it may start another pass, of this context or another, on this thread. A pipeline's last
 // stage uses it to start micro-batch m + 1's backward as soon as m's gradients have left the stage
 // (models/pipeline/rpc_pipeline.cpp, Note [Loss on the last stage]).
+// Every worker, root or not, also marks the context when a pass's part here has run that way (the end of a
+// drain that left the task done; a non-root worker's pass completes later, once its own kPropagate calls
+// are answered): whenLocalPartDone's futures complete then, or at once when it already happened. Then this
+// worker's gradients of the context are final, so a pipeline stage steps its optimizer part as soon as its
+// last micro-batch's backward has left it (LocalOptimizer::stepContextsAfterBackward), as the local
+// pipeline does, instead of after the whole pass and a round trip through the driver. The futures fail
+// when the context is released here, or a pass of it fails, before a part ran here.
 //
 // Note [Exact plans]
 // The forward records, for every message with grad tensors, its closure: the ids of every message whose
@@ -172,6 +179,9 @@ struct DistAutogradState::Context {
   std::unordered_map<uint64_t, std::shared_ptr<RecvBackward>> recvs;  // GUARDED_BY(mutex)
   std::set<std::string> peers;  // GUARDED_BY(mutex): workers it exchanged messages with
   std::shared_ptr<Pass> pass;   // GUARDED_BY(mutex): the latest pass on this worker
+  // Note [Local part done]: a pass's part here has run (whenLocalPartDone), and who waits for one.
+  bool localPartRan = false;                     // GUARDED_BY(mutex)
+  std::vector<std::pair<uint64_t, rpc::Promise<void>>> localWaiters;  // GUARDED_BY(mutex): (waiter id, promise)
   uint64_t abortedPass = 0;     // GUARDED_BY(mutex): last pass an abort was forwarded for
   bool released = false;        // GUARDED_BY(mutex)
 
@@ -299,7 +309,7 @@ std::shared_ptr<DistAutogradState::Context> DistAutogradState::find(uint64_t con
 }
 
 void DistAutogradState::releaseContext(uint64_t contextId, const std::string& from, std::optional<rpc::Error> reason,
-                                       bool forward, bool freeOnExecutor) {
+                                       bool forward, bool freeOnExecutor, std::vector<std::string> covered) {
   std::shared_ptr<Context> ctx;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -336,6 +346,13 @@ void DistAutogradState::releaseContext(uint64_t contextId, const std::string& fr
                  : localError(rpc::ErrorKind::kCancelled, "distributed autograd context " + std::to_string(contextId) +
                                                               " was released during its backward pass"));
     }
+    for (auto& waiter : ctx->localWaiters) {  // Note [Local part done]
+      waiter.second.setError(reason ? *reason
+                             : localError(rpc::ErrorKind::kCancelled,
+                                          "distributed autograd context " + std::to_string(contextId) +
+                                              " was released before a backward pass of it ran on " + name_));
+    }
+    ctx->localWaiters.clear();
   }
   if (forward) {
     ControlRequest request;
@@ -346,12 +363,58 @@ void DistAutogradState::releaseContext(uint64_t contextId, const std::string& fr
       request.message = reason->message;
       request.worker = reason->worker;
     }
-    broadcast(peers, from, request);
+    request.covered = std::move(covered);
+    broadcast(peers, from, std::move(request));
   }
   if (freeOnExecutor) {  // a refused task frees them here, as it is destroyed
     (void)executor_->post(
         [ctx = std::move(ctx), sends = std::move(sends), recvs = std::move(recvs), pass = std::move(pass)] {});
   }
+}
+
+rpc::Future<void> DistAutogradState::whenLocalPartDone(uint64_t contextId, const rpc::CancellationToken& cancel) {
+  std::shared_ptr<Context> ctx = find(contextId, /*join=*/true);
+  const uint64_t waiter = nextWaiter_.fetch_add(1);
+  rpc::Future<void> future;
+  {
+    std::lock_guard<std::mutex> lock(ctx->mutex);
+    if (ctx->released) {
+      // future stays invalid: thrown below, outside the lock
+    } else if (ctx->localPartRan) {
+      return rpc::makeReadyFuture(*executor_);
+    } else {
+      rpc::Promise<void> promise(*executor_);
+      future = promise.getFuture();
+      ctx->localWaiters.emplace_back(waiter, std::move(promise));
+    }
+  }
+  if (!future.valid()) throwReleased(contextId);  // released between the lookup and the lock
+  // A wait that is cancelled (its call's deadline) gives up, and a context only it joined goes with it.
+  auto registration = std::make_shared<rpc::CancellationRegistration>(
+      cancel.onCancel([weak = weak_from_this(), ctx, waiter](const rpc::Error& reason) {
+        if (auto self = weak.lock()) self->cancelLocalWait(ctx, waiter, reason);
+      }));
+  // Posted, not inline: a completion under the context's mutex must not wait here for a cancellation
+  // callback that waits for that mutex.
+  return std::move(future).then([registration] {});
+}
+
+void DistAutogradState::cancelLocalWait(const std::shared_ptr<Context>& ctx, uint64_t waiter,
+                                        const rpc::Error& reason) {
+  std::optional<rpc::Promise<void>> promise;
+  bool unused = false;
+  {
+    std::lock_guard<std::mutex> lock(ctx->mutex);
+    auto it = std::find_if(ctx->localWaiters.begin(), ctx->localWaiters.end(),
+                           [&](const auto& w) { return w.first == waiter; });
+    if (it == ctx->localWaiters.end()) return;  // completed meanwhile
+    promise.emplace(std::move(it->second));
+    ctx->localWaiters.erase(it);
+    unused = !ctx->released && ctx->localWaiters.empty() && ctx->peers.empty() && ctx->sends.empty() &&
+             ctx->recvs.empty() && !ctx->pass;
+  }
+  if (unused) releaseContext(ctx->id, name_, std::nullopt, /*forward=*/false);
+  promise->setError(reason);
 }
 
 // Note [Gradient folding]
@@ -970,11 +1033,19 @@ void DistAutogradState::drain(const std::shared_ptr<Context>& ctx, const std::sh
   }
   pass->running = false;
   // Note [Local part done]: before the completion, which may follow at once (nothing outstanding).
-  if (pass->localDone && !pass->finished && pass->task && pass->task->done()) {
+  if (!pass->finished && pass->task && pass->task->done()) {
+    std::vector<std::pair<uint64_t, rpc::Promise<void>>> waiters;
+    if (!ctx->localPartRan) {
+      ctx->localPartRan = true;
+      waiters.swap(ctx->localWaiters);
+    }
     std::function<void()> localDone = std::exchange(pass->localDone, nullptr);
-    lock.unlock();
-    localDone();
-    lock.lock();
+    if (localDone || !waiters.empty()) {
+      lock.unlock();
+      for (auto& waiter : waiters) waiter.second.setValue();
+      if (localDone) localDone();
+      lock.lock();
+    }
   }
   finishIfDone(*ctx, *pass);
 }
@@ -1032,6 +1103,10 @@ void DistAutogradState::failPass(Context& ctx, Pass& pass, rpc::Error error) {
   cancelTimer(pass);
   for (auto& waiter : pass.waiters) waiter.setError(error);
   pass.waiters.clear();
+  if (!ctx.localPartRan) {  // Note [Local part done]
+    for (auto& waiter : ctx.localWaiters) waiter.second.setError(error);
+    ctx.localWaiters.clear();
+  }
   if (pass.isRoot && ctx.abortedPass != pass.id) {
     ctx.abortedPass = pass.id;
     ControlRequest request;
@@ -1058,6 +1133,8 @@ void DistAutogradState::onControl(const ControlRequest& request, const std::stri
   DG_CHECK(request.kind <= static_cast<uint8_t>(ControlKind::kAbort), "unknown control kind ", int(request.kind));
   DG_CHECK(request.errorKind <= static_cast<uint8_t>(rpc::ErrorKind::kRemote), "unknown error kind ",
            int(request.errorKind));
+  DG_CHECK(request.covered.size() <= kMaxCovered, "control message lists ", request.covered.size(),
+           " workers reached (at most ", kMaxCovered, ")");
   if (static_cast<ControlKind>(request.kind) == ControlKind::kRelease) {
     std::optional<rpc::Error> reason;
     if (!request.message.empty()) {
@@ -1065,7 +1142,8 @@ void DistAutogradState::onControl(const ControlRequest& request, const std::stri
     }
     // Where the message was read (the loop, a thread reading its connection): a big graph's saved tensors
     // take a while to free, which the executor does instead.
-    releaseContext(request.contextId, from, std::move(reason), true, rpc::Executor::current() != executor_);
+    releaseContext(request.contextId, from, std::move(reason), true, rpc::Executor::current() != executor_,
+                   request.covered);
     return;
   }
   std::shared_ptr<Context> ctx;
@@ -1089,10 +1167,27 @@ void DistAutogradState::onControl(const ControlRequest& request, const std::stri
   broadcast(peers, from, request);
 }
 
-void DistAutogradState::broadcast(const std::set<std::string>& peers, const std::string& except,
-                                  const ControlRequest& request) {
+// Note [Control forwarding]
+// A release or abort floods the context's workers along their peer sets (every worker that holds the
+// context exchanged a message in it with one that does). Each message lists the workers already reached or
+// being sent it (`covered`: the senders up the flood, the workers they send it to), and a receiver forwards
+// only to its peers outside that list: they get it from someone else. Without the list, workers that all
+// talked to each other sent it to each other again: a pipeline's driver ending a micro-batch's context
+// made four control messages where two do (each stage forwarded to the other), and the next step's first
+// calls queued behind them on the stages.
+void DistAutogradState::broadcast(const std::set<std::string>& peers, const std::string& from,
+                                  ControlRequest request) {
+  std::set<std::string> covered(request.covered.begin(), request.covered.end());
+  std::vector<std::string> targets;
   for (const auto& peer : peers) {
-    if (peer == except || peer == name_) continue;
+    if (peer != from && peer != name_ && !covered.count(peer)) targets.push_back(peer);
+  }
+  if (targets.empty()) return;
+  covered.insert(from);
+  covered.insert(name_);
+  covered.insert(targets.begin(), targets.end());
+  request.covered.assign(covered.begin(), covered.end());
+  for (const auto& peer : targets) {
     // Fire and forget: a peer that is gone releases its side when it notices (onPeerDown).
     (void)call(peer, kControl, request, defaultTimeout_);
   }
@@ -1149,6 +1244,10 @@ void DistAutogradState::onAgentClosed() {
     if (ctx->pass && !ctx->pass->finished) {
       failPass(*ctx, *ctx->pass, localError(rpc::ErrorKind::kFailed, "worker " + name_ + " shut down"));
     }
+    for (auto& waiter : ctx->localWaiters) {
+      waiter.second.setError(localError(rpc::ErrorKind::kFailed, "worker " + name_ + " shut down"));
+    }
+    ctx->localWaiters.clear();
   }
 }
 

@@ -100,6 +100,8 @@ struct ControlRequest {  // release a context / abort a pass, forwarded along th
   uint8_t errorKind = 0;  // rpc::ErrorKind of the reason
   std::string message;
   std::string worker;
+  // The workers this message reaches without the receiver's help (Note [Control forwarding] in state.cpp).
+  std::vector<std::string> covered;
   template <class V>
   void visitFields(V& v) {
     v("kind", kind);
@@ -108,8 +110,11 @@ struct ControlRequest {  // release a context / abort a pass, forwarded along th
     v("errorKind", errorKind);
     v("message", message);
     v("worker", worker);
+    v("covered", covered);
   }
 };
+// Longest `covered` list a worker accepts (ranks are 16-bit).
+inline constexpr size_t kMaxCovered = size_t{1} << 16;
 
 inline const rpc::Function<void(PropagateRequest)> kPropagate{"dg.autograd.propagate"};
 inline const rpc::Function<void(DiscoverRequest)> kDiscover{"dg.autograd.discover"};
@@ -131,14 +136,16 @@ class DistAutogradState final : public rpc::AgentExtension,
   void setClosureLimitForTesting(size_t limit) { closureLimit_ = limit; }
   rpc::Executor& executor() const { return *executor_; }
   uint64_t createContext();
-  // Drops the context here and (forward) tells every worker it exchanged messages with, except `from`.
-  // `freeOnExecutor`: the graphs and gradients are freed by a task on the executor, not here (Note [Control
-  // in order] in state.cpp).
+  // Drops the context here and (forward) tells every worker it exchanged messages with, except `from` and
+  // those `covered` lists (Note [Control forwarding] in state.cpp). `freeOnExecutor`: the graphs and
+  // gradients are freed by a task on the executor, not here (Note [Control in order] in state.cpp).
   void releaseContext(uint64_t contextId, const std::string& from, std::optional<rpc::Error> reason, bool forward,
-                      bool freeOnExecutor = false);
+                      bool freeOnExecutor = false, std::vector<std::string> covered = {});
   Gradients gradients(uint64_t contextId);
   // Note [Gradient folding] in the .cpp.
   void foldGradients(uint64_t from, uint64_t into);
+  // Note [Local part done] in the .cpp (joins a context created elsewhere, as foldGradients does).
+  rpc::Future<void> whenLocalPartDone(uint64_t contextId, const rpc::CancellationToken& cancel);
   size_t liveContexts() const;
 
   // The root's side of DistContext::backward. With `drainHere`, the discovery is awaited and the local
@@ -203,7 +210,11 @@ class DistAutogradState final : public rpc::AgentExtension,
   void cancelTimer(Pass& pass);
   // Fails the pass (its waiters get `error`); the root also tells every worker of the context to abort.
   void failPass(Context& ctx, Pass& pass, rpc::Error error);
-  void broadcast(const std::set<std::string>& peers, const std::string& except, const ControlRequest& request);
+  // whenLocalPartDone's cancellation: fails waiter `waiter` with `reason`; a context nothing else used here
+  // (joined by the wait alone) is released here.
+  void cancelLocalWait(const std::shared_ptr<Context>& ctx, uint64_t waiter, const rpc::Error& reason);
+  // Sends `request` on to `peers` but `from` and those its `covered` lists (Note [Control forwarding]).
+  void broadcast(const std::set<std::string>& peers, const std::string& from, ControlRequest request);
   // Sends `fn(request)` to `peer` outside any context; a failed future when the agent is gone.
   template <typename Req>
   rpc::Future<void> call(const std::string& peer, const rpc::Function<void(Req)>& fn, const Req& request,
@@ -235,6 +246,7 @@ class DistAutogradState final : public rpc::AgentExtension,
   std::atomic<uint64_t> nextContext_{1};
   std::atomic<uint64_t> nextMessage_{1};
   std::atomic<uint64_t> nextPass_{1};
+  std::atomic<uint64_t> nextWaiter_{1};  // whenLocalPartDone's waiters
 };
 
 }  // namespace distgrad::autograd::distributed

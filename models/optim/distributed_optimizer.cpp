@@ -371,6 +371,26 @@ void checkContextIds(const std::vector<uint64_t>& contextIds, const std::string&
   }
 }
 
+// LocalOptimizer::stepContextsHere: the step once the optimizer is built.
+rpc::Future<int64_t> stepWhenBuilt(const std::shared_ptr<LocalOptimizer::State>& state, rpc::Agent& agent,
+                                   std::vector<uint64_t> contextIds) {
+  auto promise = std::make_shared<rpc::Promise<int64_t>>(agent.executor());
+  rpc::Future<int64_t> future = promise->getFuture();
+  try {
+    // The ids may come from the wire: checked here too.
+    checkContextIds(contextIds, "optimizer step on " + state->worker);
+  } catch (...) {
+    promise->setError(partError(std::current_exception(), state->worker, "optimizer step on " + state->worker));
+    return future;
+  }
+  // `agent` outlives a deferred run: the build finishes on its executor.
+  state->whenFinished([state, promise, &agent, contextIds = std::move(contextIds)] {
+    if (auto error = state->buildError()) return promise->setError(*error);
+    runStep(state, agent, contextIds, promise);
+  });
+  return future;
+}
+
 }  // namespace
 
 LocalOptimizer::LocalOptimizer(rpc::Agent& agent, OptimizerSpec spec, std::vector<rref::RRef<Tensor>> params,
@@ -444,21 +464,42 @@ rpc::Future<int64_t> LocalOptimizer::stepHere(rpc::Agent& agent, uint64_t contex
 }
 
 rpc::Future<int64_t> LocalOptimizer::stepContextsHere(rpc::Agent& agent, std::vector<uint64_t> contextIds) {
-  auto promise = std::make_shared<rpc::Promise<int64_t>>(agent.executor());
-  rpc::Future<int64_t> future = promise->getFuture();
+  return stepWhenBuilt(state_, agent, std::move(contextIds));
+}
+
+rpc::Future<int64_t> LocalOptimizer::stepContextsAfterBackwardHere(rpc::Agent& agent, std::vector<uint64_t> contextIds,
+                                                                   const rpc::CancellationToken& cancel) {
+  std::string what = "optimizer step on " + state_->worker;
+  std::vector<rpc::Future<void>> parts;
   try {
-    // The ids may come from the wire: checked here too.
-    checkContextIds(contextIds, "optimizer step on " + state_->worker);
+    checkContextIds(contextIds, what);  // the ids may come from the wire
+    what += " for " + contextsText(contextIds);
+    parts.reserve(contextIds.size());
+    for (uint64_t id : contextIds) parts.push_back(autograd::distributed::whenLocalPartDone(agent, id, cancel));
   } catch (...) {
-    promise->setError(partError(std::current_exception(), state_->worker, "optimizer step on " + state_->worker));
-    return future;
+    return rpc::makeErrorFuture<int64_t>(partError(std::current_exception(), state_->worker, what),
+                                         agent.executor());
   }
-  // `agent` outlives a deferred run: the build finishes on its executor.
-  state_->whenFinished([state = state_, promise, &agent, contextIds = std::move(contextIds)] {
-    if (auto error = state->buildError()) return promise->setError(*error);
-    runStep(state, agent, contextIds, promise);
-  });
-  return future;
+  // Not inline: the step runs on the executor, never on the thread that finished the last backward part
+  // under the autograd engine's completion.
+  return rpc::whenAll(std::move(parts), &agent.executor())
+      .then([state = state_, &agent, contextIds = std::move(contextIds),
+             what = std::move(what)](std::vector<rpc::Result<void>> done) mutable {
+        for (auto& r : done) {
+          if (!r.ok()) {
+            rpc::Error error = r.error();
+            error.message = what + ": waiting for the backward here failed: " + error.message;
+            if (error.worker.empty()) error.worker = state->worker;
+            throw rpc::RpcError(std::move(error));
+          }
+        }
+        return stepWhenBuilt(state, agent, std::move(contextIds));
+      });
+}
+
+rpc::Future<int64_t> LocalOptimizer::stepContextsAfterBackward(const rpc::CallContext& ctx,
+                                                               std::vector<uint64_t> contextIds) {
+  return stepContextsAfterBackwardHere(*ctx.agent, std::move(contextIds), ctx.token);
 }
 
 rpc::Future<int64_t> LocalOptimizer::step(const rpc::CallContext& ctx, uint64_t contextId) {
@@ -475,7 +516,9 @@ const rpc::Class<LocalOptimizer>& localOptimizerClass() {
   static const rpc::Class<LocalOptimizer> cls = rpc::Class<LocalOptimizer>("dg.optim.LocalOptimizer")
                                                     .method("ready", &LocalOptimizer::ready)
                                                     .method("step", &LocalOptimizer::step)
-                                                    .method("stepContexts", &LocalOptimizer::stepContexts);
+                                                    .method("stepContexts", &LocalOptimizer::stepContexts)
+                                                    .method("stepContextsAfterBackward",
+                                                            &LocalOptimizer::stepContextsAfterBackward);
   return cls;
 }
 
@@ -567,8 +610,16 @@ rpc::Future<void> DistributedOptimizer::stepAsync(uint64_t contextId) {
 }
 
 rpc::Future<void> DistributedOptimizer::stepAsync(const std::vector<uint64_t>& contextIds) {
-  checkContextIds(contextIds, "DistributedOptimizer::step");
-  const bool single = contextIds.size() == 1;
+  return stepParts(contextIds, /*afterBackward=*/false);
+}
+
+rpc::Future<void> DistributedOptimizer::stepAfterBackwardAsync(const std::vector<uint64_t>& contextIds) {
+  return stepParts(contextIds, /*afterBackward=*/true);
+}
+
+rpc::Future<void> DistributedOptimizer::stepParts(const std::vector<uint64_t>& contextIds, bool afterBackward) {
+  checkContextIds(contextIds, afterBackward ? "DistributedOptimizer::stepAfterBackward" : "DistributedOptimizer::step");
+  const bool single = contextIds.size() == 1 && !afterBackward;
   std::vector<rpc::Future<int64_t>> parts;
   std::vector<std::string> owners;
   parts.reserve(remote_.size() + 1);
@@ -578,8 +629,9 @@ rpc::Future<void> DistributedOptimizer::stepAsync(const std::vector<uint64_t>& c
     rpc::AutogradContextScope noContext(0);
     for (const auto& part : remote_) {
       // One context keeps the original call (owners of an older build serve it).
-      parts.push_back(single ? part.optimizer.rpcAsync(&LocalOptimizer::step, contextIds.front())
-                             : part.optimizer.rpcAsync(&LocalOptimizer::stepContexts, contextIds));
+      parts.push_back(single          ? part.optimizer.rpcAsync(&LocalOptimizer::step, contextIds.front())
+                      : afterBackward ? part.optimizer.rpcAsync(&LocalOptimizer::stepContextsAfterBackward, contextIds)
+                                      : part.optimizer.rpcAsync(&LocalOptimizer::stepContexts, contextIds));
       owners.push_back(part.owner);
     }
   }
@@ -591,8 +643,9 @@ rpc::Future<void> DistributedOptimizer::stepAsync(const std::vector<uint64_t>& c
     // bench_dist_autograd, the two halves' steps took the sum of their times instead of the larger one.
     // Yielding once lets the loop thread send first. (A pragmatic measure: any thread that posts a call and
     // then computes has the same problem; see the report on the agent.)
-    if (!remote_.empty()) std::this_thread::yield();
-    parts.push_back(local_->stepContextsHere(*agent_, contextIds));
+    if (!remote_.empty() && !afterBackward) std::this_thread::yield();
+    parts.push_back(afterBackward ? local_->stepContextsAfterBackwardHere(*agent_, contextIds)
+                                  : local_->stepContextsHere(*agent_, contextIds));
     owners.push_back(agent_->name());
   }
   return rpc::whenAll(std::move(parts), &agent_->executor())

@@ -161,6 +161,14 @@ class LocalOptimizer {
   // worker does not know (nothing is updated then).
   rpc::Future<int64_t> stepContexts(const rpc::CallContext& ctx, std::vector<uint64_t> contextIds);
   rpc::Future<int64_t> stepContextsHere(rpc::Agent& agent, std::vector<uint64_t> contextIds);
+  // stepContexts once this worker's part of a backward pass of EVERY context in `contextIds` has run here
+  // (autograd::distributed::whenLocalPartDone): sent before or while the backwards run, it waits here
+  // without holding a thread and steps as soon as this worker's gradients are final, while the backwards
+  // may still run elsewhere. Fails (nothing updated) when a context is released here or its backward fails
+  // before that, or when the call is cancelled (its deadline), naming this worker.
+  rpc::Future<int64_t> stepContextsAfterBackward(const rpc::CallContext& ctx, std::vector<uint64_t> contextIds);
+  rpc::Future<int64_t> stepContextsAfterBackwardHere(rpc::Agent& agent, std::vector<uint64_t> contextIds,
+                                                     const rpc::CancellationToken& cancel = {});
   rpc::Future<int64_t> readyHere(rpc::Agent& agent) const;
 
   // LocalOptimizers alive on `agent`'s worker (a gauge for tests and leak checks).
@@ -211,6 +219,14 @@ class DistributedOptimizer {
   // the future completes when all finished.
   rpc::Future<void> stepAsync(uint64_t contextId);
   rpc::Future<void> stepAsync(const std::vector<uint64_t>& contextIds);
+  // stepAsync(contextIds) issued BEFORE the backwards finish (e.g. with a pipeline's forwards): each owner
+  // steps as soon as its own part of one backward pass of every context has run there
+  // (LocalOptimizer::stepContextsAfterBackward), as a local pipeline's stage steps right after its last
+  // backward, instead of after the slowest worker's part and a round trip through this worker. Every owner
+  // must take part in a backward of every context (an owner that never does waits until the contexts are
+  // released: releasing them, e.g. ending them after a failed backward, fails the step with the release's
+  // reason, and each owner updates nothing). The future completes when every owner has stepped.
+  rpc::Future<void> stepAfterBackwardAsync(const std::vector<uint64_t>& contextIds);
 
   const OptimizerSpec& spec() const { return spec_; }
   // The workers holding a part of this optimizer: the remote owners in first-appearance order, then this
@@ -219,6 +235,7 @@ class DistributedOptimizer {
   size_t numParameters() const { return numParameters_; }
 
  private:
+  rpc::Future<void> stepParts(const std::vector<uint64_t>& contextIds, bool afterBackward);
   struct RemotePart {
     std::string owner;
     rref::RRef<LocalOptimizer> optimizer;

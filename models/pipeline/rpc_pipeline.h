@@ -26,9 +26,10 @@
 // forward of the step, it starts them one at a time in micro-batch order, each when the previous one's
 // gradients have left it, as the local pipeline drains; 1F1B: right after each forward, and stage s holds
 // at most S - s micro-batches in flight, a bound the stage enforces itself so its next forward starts right
-// after a backward, without a round trip to the driver: Note [Stage in-flight limit] in the .cpp), then ONE
+// after a backward, without a round trip to the driver: Note [Stage in-flight limit] in the .cpp), and ONE
 // DistributedOptimizer step over all the micro-batch contexts (each owner sums its parameters' gradients
-// over them: the step of the whole batch), then the contexts end. A stage never holds more than one copy
+// over them: the step of the whole batch), which each stage takes as soon as its own part of every
+// backward has run (Note [Stage steps after its backward]), then the contexts end. A stage never holds more than one copy
 // of its parameters' gradients: each micro-batch's context folds its gradients there into the first one's
 // (Note [Stage gradient folding]), which leaves the sum the optimizer takes unchanged.
 //

@@ -686,6 +686,81 @@ TEST_P(DistributedOptimizerTest, StepOverContextsWithAnUnknownOneUpdatesNothingA
   for (size_t i = 0; i < stepped.size(); ++i) EXPECT_GT(maxAbsDiff(stepped[i], before[i]), 0.0) << i;
 }
 
+// stepAfterBackwardAsync issued before the forwards: no owner steps before its part of the last backward has
+// run, and the result is the step on the summed gradients (Adam with weight decay, 1e-9 against one process).
+TEST_P(DistributedOptimizerTest, StepAfterBackwardWaitsForEveryContextsBackwardThenStepsOnTheSum) {
+  start();
+  SplitModel m{std::make_shared<Stage>(4, 8, 11, true), stage(1, 8, 6, 12, true), stage(2, 6, 3, 13, false), {}, {}};
+  m.bParams = m.b.remoteParameters();
+  m.cParams = m.c.remoteParameters();
+  const OptimizerSpec spec = OptimizerSpec::adam({.learningRate = 0.01, .weightDecay = 1e-3});
+  DistributedOptimizer opt(agent(0), spec, m.remoteParams(), m.a->parameters());
+  std::unique_ptr<Optimizer> reference = spec.make(m.refParams());
+  constexpr int kMicroBatches = 3;
+  auto current = [&] { return copies(concat(m.a->parameters(), fetch(m.remoteParams()))); };
+  for (int step = 0; step < 3; ++step) {
+    auto contexts = makeContexts(agent(0), kMicroBatches);
+    const std::vector<uint64_t> ids = idsOf(contexts);
+    // Issued before the owners have seen the contexts: they join them and wait.
+    rpc::Future<void> stepping = opt.stepAfterBackwardAsync(ids);
+    for (int k = 0; k < kMicroBatches; ++k) {
+      if (k + 1 == kMicroBatches) {
+        // Every backward but the last has run everywhere: nothing has moved.
+        const std::vector<Tensor> before = current();
+        EXPECT_FALSE(stepping.wait(std::chrono::milliseconds(50)));
+        const std::vector<Tensor> still = current();
+        for (size_t i = 0; i < still.size(); ++i) EXPECT_EQ(maxAbsDiff(still[i], before[i]), 0.0) << i;
+      }
+      auto active = contexts[k]->activate();
+      contexts[k]->backward(m.distributedLoss(10 * step + k));
+    }
+    ASSERT_TRUE(stepping.wait(rpc::testing::kTestTimeout));
+    stepping.get();
+    contexts.clear();
+
+    reference->zeroGrad();
+    Tensor total = m.referenceLoss(10 * step);
+    for (int k = 1; k < kMicroBatches; ++k) total = total + m.referenceLoss(10 * step + k);
+    distgrad::backward(total);
+    reference->step();
+  }
+  m.expectMatchesReference(1e-9, "step after the backwards of " + std::to_string(kMicroBatches) + " contexts");
+  EXPECT_THROW((void)opt.stepAfterBackwardAsync({}), ValueError);
+}
+
+// A context released before its backward ran fails the waiting step on every owner, naming them, and no
+// owner updates anything (each waits for all its contexts before stepping).
+TEST_P(DistributedOptimizerTest, StepAfterBackwardFailsAndUpdatesNothingWhenAContextIsReleasedFirst) {
+  start();
+  auto b = stage(1, 3, 2, 91, false);
+  auto c = stage(2, 2, 1, 92, false);
+  std::vector<RRef<Tensor>> params = b.remoteParameters();
+  for (auto& p : c.remoteParameters()) params.push_back(p);
+  DistributedOptimizer opt(agent(0), OptimizerSpec::sgd({.learningRate = 0.1}), params);
+  const std::vector<Tensor> before = fetch(params);
+  auto contexts = makeContexts(agent(0), 2);
+  rpc::Future<void> stepping = opt.stepAfterBackwardAsync(idsOf(contexts));
+  {
+    auto active = contexts[0]->activate();
+    contexts[0]->backward(sum(c.forward(b.forward(data({2, 3}, 93)))));
+  }
+  {
+    auto active = contexts[1]->activate();
+    (void)c.forward(b.forward(data({2, 3}, 94)));  // both owners take part; no backward
+  }
+  contexts[1]->end();
+  ASSERT_TRUE(stepping.wait(rpc::testing::kTestTimeout));
+  rpc::Result<void> r = stepping.result();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().kind, rpc::ErrorKind::kCancelled) << r.error().describe();
+  for (const std::string& owner : {name(1), name(2)}) {
+    EXPECT_NE(r.error().message.find(owner), std::string::npos) << r.error().describe();
+  }
+  EXPECT_NE(r.error().message.find("released before a backward pass"), std::string::npos) << r.error().describe();
+  const std::vector<Tensor> after = fetch(params);
+  for (size_t i = 0; i < after.size(); ++i) EXPECT_EQ(maxAbsDiff(after[i], before[i]), 0.0) << i;
+}
+
 TEST_P(DistributedOptimizerTest, OwnerRefusingParametersFailsConstructionNamingIt) {
   start();
   auto expectRefused = [&](const std::vector<RRef<Tensor>>& params, const std::string& owner,

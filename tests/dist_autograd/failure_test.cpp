@@ -4,7 +4,8 @@
 // hops away, the root itself) fails the root's backward with that worker's name and the original message;
 // cancellation and the deadline abort a pass that is stuck in a remote backward function; bad roots are
 // ValueErrors and leave the context usable; BackwardOptions::localDone fires once when the root's own part
-// has run, before the pass completes, and never for a pass whose root part failed; after each failure the
+// has run, before the pass completes, and never for a pass whose root part failed; whenLocalPartDone
+// completes on each worker once its part ran, and fails on release, failure and cancellation; after each failure the
 // workers still serve new contexts and hold nothing. Then, across processes (tcp on 127.0.0.1): a worker
 // killed (SIGKILL) or stopped (SIGSTOP, only the heartbeat notices) in the middle of a backward fails the
 // root's pass as `disconnected` naming it, within the heartbeat bound, whether the root called it or only
@@ -61,6 +62,7 @@ TEST_P(FailureTest, ContextsAreReleasedOnEveryWorkerTheyTouched) {
   EXPECT_TRUE(allReleased()) << liveCounts();
 
   uint64_t id = 0;
+  uint64_t forwarded = 0;  // worker1's calls to worker2 before the release
   {
     DistContext ctx(agent(0));
     id = ctx.id();
@@ -72,6 +74,7 @@ TEST_P(FailureTest, ContextsAreReleasedOnEveryWorkerTheyTouched) {
     ctx.backward(loss);
     for (int rank = 0; rank < 3; ++rank) EXPECT_EQ(liveContexts(agent(rank)), 1u) << name(rank);
     EXPECT_TRUE(gradientsOf(agent(2), id).contains(layer("worker2", "l2").weight));
+    forwarded = agent(1).metrics(name(2)).callsSent;
     // Moving keeps one context; ending twice is fine.
     DistContext moved(std::move(ctx));
     EXPECT_EQ(moved.id(), id);
@@ -79,6 +82,8 @@ TEST_P(FailureTest, ContextsAreReleasedOnEveryWorkerTheyTouched) {
     moved.end();
   }
   EXPECT_TRUE(allReleased()) << liveCounts();
+  // worker1 forwarded the release to worker2, which worker0 never talked to in the context.
+  EXPECT_EQ(agent(1).metrics(name(2)).callsSent, forwarded + 1);
   for (int rank = 0; rank < 3; ++rank) {
     EXPECT_THROW((void)gradientsOf(agent(rank), id), ValueError) << name(rank) << " still knows the ended context";
   }
@@ -90,6 +95,31 @@ TEST_P(FailureTest, ContextsAreReleasedOnEveryWorkerTheyTouched) {
     EXPECT_EQ(liveContexts(agent(1)), 1u);
   }
   EXPECT_TRUE(allReleased()) << liveCounts();
+
+  // Note [Control forwarding]: three workers that all talked to each other in a context (worker0 -> worker1
+  // -> worker2, and worker0 -> worker2): the release takes two messages, worker0's; nobody forwards it.
+  {
+    DistContext ctx(agent(0));
+    Tensor h = agent(0).rpcSync(name(1), kChain, std::string("l1"), name(2), std::string("l2"),
+                                static_cast<int64_t>(Behavior::kPlain), std::string(), m.x);
+    (void)agent(0).rpcSync(name(2), kIdentity, h);
+    for (int rank = 0; rank < 3; ++rank) EXPECT_EQ(liveContexts(agent(rank)), 1u) << name(rank);
+    std::vector<uint64_t> sent;
+    for (int from = 0; from < 3; ++from) {
+      for (int to = 0; to < 3; ++to) sent.push_back(from == to ? 0 : agent(from).metrics(name(to)).callsSent);
+    }
+    ctx.end();
+    ASSERT_TRUE(allReleased()) << liveCounts();
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // a forward would have been sent by now
+    for (int from = 0; from < 3; ++from) {
+      for (int to = 0; to < 3; ++to) {
+        if (from == to) continue;
+        const uint64_t expected = from == 0 ? 1 : 0;
+        EXPECT_EQ(agent(from).metrics(name(to)).callsSent - sent[static_cast<size_t>(3 * from + to)], expected)
+            << name(from) << " -> " << name(to);
+      }
+    }
+  }
 }
 
 TEST_P(FailureTest, ACallInFlightWhenItsContextEndsStillGetsItsPlainReply) {
@@ -343,6 +373,95 @@ TEST_P(FailureTest, LocalDoneFiresWhenTheRootsPartHasRunBeforeThePassCompletes) 
   }
   EXPECT_TRUE(allReleased()) << liveCounts();
   expectStillWorking(twoWorkerMlp(3353));
+  EXPECT_TRUE(allReleased()) << liveCounts();
+}
+
+// Note [Local part done], on every worker: whenLocalPartDone completes on the root once its own nodes ran
+// and on worker1 only once its (gated) part ran, each before the pass completes; asked again afterwards it is
+// ready at once. It fails when the context is released first, when the pass fails before the part ran, and
+// when its token is cancelled, which also releases a context that only the wait joined; a context created
+// here and ended is a ValueError.
+TEST_P(FailureTest, WhenLocalPartDoneCompletesOnEachWorkerOnceItsPartRan) {
+  ASSERT_NO_FATAL_FAILURE(start(2));
+  const Tensor x = input({8, 5}, 3361, /*requiresGrad=*/false);
+  const Tensor y = labels(8, 3, 3362);
+  const Layer& head = layer("worker0", "head7");
+  for (BackwardMode mode : bothModes()) {
+    SCOPED_TRACE(backwardModeName(mode));
+    Gate gate = installGate();
+    DistContext ctx(agent(0));
+    // Asked before worker1 has seen the context: it joins it.
+    rpc::Future<void> done1 = whenLocalPartDone(agent(1), ctx.id());
+    rpc::Future<void> done0 = whenLocalPartDone(agent(0), ctx.id());
+    Tensor h = agent(0).rpcSync(name(1), kLayerWith, std::string("l1"), static_cast<int64_t>(Behavior::kGate), x);
+    BackwardOptions options;
+    options.mode = mode;
+    options.timeout = 20s;
+    rpc::Future<void> pass = ctx.backwardAsync({headLoss(h, head, y)}, options);
+    ASSERT_TRUE(done0.wait(10s)) << "worker0's part never reported";
+    ASSERT_TRUE(gate.entered->waitFor()) << "worker1's backward never started";
+    EXPECT_TRUE(done0.result().ok());
+    EXPECT_FALSE(done1.isReady()) << "worker1's part reported while its backward was held";
+    EXPECT_FALSE(pass.isReady());
+    gate.release->set();
+    ASSERT_TRUE(done1.wait(10s)) << "worker1's part never reported";
+    rpc::Result<void> r1 = done1.result();
+    EXPECT_TRUE(r1.ok()) << r1.error().describe();
+    ASSERT_TRUE(pass.wait(10s));
+    EXPECT_TRUE(pass.result().ok());
+    EXPECT_TRUE(whenLocalPartDone(agent(1), ctx.id()).isReady());
+    EXPECT_TRUE(whenLocalPartDone(agent(0), ctx.id()).isReady());
+    std::lock_guard<std::mutex> lock(world_.mutex);
+    world_.onGatedBackward = nullptr;
+  }
+  {
+    SCOPED_TRACE("released before the part ran");
+    DistContext ctx(agent(0));
+    (void)agent(0).rpcSync(name(1), kLayer, std::string("l1"), x);
+    rpc::Future<void> done1 = whenLocalPartDone(agent(1), ctx.id());
+    ctx.end();
+    ASSERT_TRUE(done1.wait(10s));
+    rpc::Result<void> r = done1.result();
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.error().kind, rpc::ErrorKind::kCancelled);
+    EXPECT_NE(r.error().message.find("released before a backward pass"), std::string::npos) << r.error().describe();
+  }
+  {
+    SCOPED_TRACE("the pass fails before the part ran");
+    DistContext ctx(agent(0));
+    Tensor h = agent(0).rpcSync(name(1), kLayer, std::string("l1"), x);
+    rpc::Future<void> done0 = whenLocalPartDone(agent(0), ctx.id());
+    Tensor loss = withBehavior(world_, headLoss(h, head, y), Behavior::kExplode);
+    rpc::Future<void> pass = ctx.backwardAsync({loss});
+    ASSERT_TRUE(pass.wait(10s));
+    EXPECT_FALSE(pass.result().ok());
+    ASSERT_TRUE(done0.wait(10s));
+    rpc::Result<void> r = done0.result();
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.error().worker, "worker0") << r.error().describe();
+  }
+  {
+    SCOPED_TRACE("cancelled: a context only the wait joined goes with it");
+    ASSERT_TRUE(allReleased()) << liveCounts();
+    DistContext ctx(agent(0));
+    rpc::CancellationSource source;
+    rpc::Future<void> done1 = whenLocalPartDone(agent(1), ctx.id(), source.token());
+    EXPECT_EQ(liveContexts(agent(1)), 1u);
+    source.cancel(rpc::Error::timeout("the caller's deadline passed"));
+    ASSERT_TRUE(done1.wait(10s));
+    rpc::Result<void> r = done1.result();
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.error().kind, rpc::ErrorKind::kTimeout) << r.error().describe();
+    EXPECT_EQ(liveContexts(agent(1)), 0u);
+  }
+  {
+    DistContext ended(agent(0));
+    const uint64_t id = ended.id();
+    ended.end();
+    EXPECT_THROW((void)whenLocalPartDone(agent(0), id), ValueError);
+  }
+  EXPECT_TRUE(allReleased()) << liveCounts();
+  expectStillWorking(twoWorkerMlp(3363));
   EXPECT_TRUE(allReleased()) << liveCounts();
 }
 
