@@ -832,6 +832,23 @@ StageStats PipelineStage::takeStats() {
   return out;
 }
 
+rpc::Future<StageStats> PipelineStage::takeStatsAfterBackward(const rpc::CallContext& ctx,
+                                                              std::vector<uint64_t> contextIds) {
+  DG_CHECK(!contextIds.empty() && static_cast<int64_t>(contextIds.size()) <= kMaxMicroBatches, what_, ": takeStatsAfterBackward needs 1 to ",
+           kMaxMicroBatches, " context ids, got ", contextIds.size());
+  std::vector<rpc::Future<void>> parts;
+  parts.reserve(contextIds.size());
+  for (uint64_t id : contextIds) parts.push_back(autograd::distributed::whenLocalPartDone(*ctx.agent, id, ctx.token));
+  // Inline: a snapshot under the meter's lock, on the thread that finished the stage's last backward part.
+  return rpc::whenAll(std::move(parts), &ctx.agent->executor())
+      .then(rpc::kInlineSafe, [self = shared_from_this()](std::vector<rpc::Result<void>> done) {
+        for (auto& r : done) {
+          if (!r.ok()) throw rpc::RpcError(r.error());
+        }
+        return self->takeStats();
+      });
+}
+
 std::vector<Tensor> PipelineStage::parameters() const { return module_->parameters(); }
 
 std::vector<Tensor> PipelineStage::parametersOnHost() const {
@@ -860,6 +877,7 @@ const rpc::Class<PipelineStage>& pipelineStageClass() {
                                                    .method("stats", &PipelineStage::stats)
                                                    .method("resetStats", &PipelineStage::resetStats)
                                                    .method("takeStats", &PipelineStage::takeStats)
+                                                   .method("takeStatsAfterBackward", &PipelineStage::takeStatsAfterBackward)
                                                    .method("parametersOnHost", &PipelineStage::parametersOnHost);
   return cls;
 }
@@ -1027,8 +1045,8 @@ struct RpcPipeline::MicroBatch {
 // runs its backwards, stage 0 right after its last one. A failed micro-batch releases its context (abandon
 // below), which fails the parts still waiting: those stages update nothing, while a stage that had already
 // stepped keeps its update (as in the local pipeline); step() throws either way. The stages' measurements
-// are taken once every backward has finished, while the last part steps, so a stage's cpuSeconds may count
-// some of its update in the next step's.
+// come the same way (takeStatsAfterBackward, issued with the forwards, answered once the stage's part of
+// every backward has run), so a stage's cpuSeconds may count some of its update in the next step's.
 StepResult RpcPipeline::step(const Tensor& inputs, const Tensor& labels) {
   DG_CHECK(inputs.defined() && inputs.dim() >= 1, "RpcPipeline::step: inputs must have a batch dimension");
   DG_CHECK(labels.defined() && labels.dim() == 1 && labels.shape()[0] == inputs.shape()[0],
@@ -1122,6 +1140,7 @@ StepResult RpcPipeline::step(const Tensor& inputs, const Tensor& labels) {
   // stages upstream still run theirs (Note [Stage steps after its backward]).
   std::vector<uint64_t> contextIds;
   for (const auto& mb : batches) contextIds.push_back(mb.context->id());
+  std::vector<rpc::Future<StageStats>> statsCalls;
   ++outstanding;
   {
     rpc::AutogradContextScope noContext(0);
@@ -1131,6 +1150,12 @@ StepResult RpcPipeline::step(const Tensor& inputs, const Tensor& labels) {
       event.result = r.ok() ? rpc::Result<LossResult>(LossResult{}) : rpc::Result<LossResult>(r.error());
       events->push(std::move(event));
     });
+    // The stages hand over their measurements the same way, as soon as their part of the step is done.
+    if (collectStats_) {
+      for (const auto& stage : stages_) {
+        statsCalls.push_back(stage.moduleRRef().rpcAsync(&PipelineStage::takeStatsAfterBackward, contextIds));
+      }
+    }
   }
   // Once a step has failed, the last stage is told to start nothing more of it, and every micro-batch whose
   // own calls have all settled releases its context at once: that frees its graphs on the stages, and with
@@ -1140,8 +1165,6 @@ StepResult RpcPipeline::step(const Tensor& inputs, const Tensor& labels) {
   // Releasing a context also fails the optimizer step waiting for it (its owners update nothing).
   auto abandon = [](MicroBatch& mb) { mb.context.reset(); };
   bool abandoning = false;
-  int64_t lossesLeft = count;
-  std::vector<rpc::Future<StageStats>> statsCalls;
   while (outstanding > 0) {
     StepEvent event = events->pop();
     --outstanding;
@@ -1149,11 +1172,6 @@ StepResult RpcPipeline::step(const Tensor& inputs, const Tensor& labels) {
     if (event.stepped) {
       if (!event.result.ok()) noteError(failure, event.result.error());
       continue;
-    }
-    if (--lossesLeft == 0 && !failure && collectStats_) {
-      // Every backward has finished: the stages hand over their measurements while the last of them steps.
-      rpc::AutogradContextScope noContext(0);
-      for (const auto& stage : stages_) statsCalls.push_back(stage.moduleRRef().rpcAsync(&PipelineStage::takeStats));
     }
     MicroBatch& mb = batches[static_cast<size_t>(event.microBatch)];
     if (!event.result.ok()) {
@@ -1180,9 +1198,11 @@ StepResult RpcPipeline::step(const Tensor& inputs, const Tensor& labels) {
     if (failure) abandon(mb);
   }
   stepSpan.end();
+  // Ends every context (on every worker); after a failure first, which fails the stats calls still waiting.
+  if (failure) batches.clear();
   std::vector<rpc::Result<StageStats>> stageResults;
   if (!statsCalls.empty()) stageResults = rpc::whenAll(std::move(statsCalls), &agent_->executor()).get();
-  batches.clear();  // ends every context (on every worker)
+  batches.clear();
   if (failure) throw rpc::RpcError(*failure);
 
   result.stats.wallSeconds = secondsBetween(start, Clock::now());

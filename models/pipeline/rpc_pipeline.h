@@ -207,8 +207,12 @@ class PipelineStage : public std::enable_shared_from_this<PipelineStage> {
   void train(bool enabled);
   StageStats stats() const;
   void resetStats();
-  // stats() then resetStats(), atomically: what the driver calls once per step.
+  // stats() then resetStats(), atomically.
   StageStats takeStats();
+  // takeStats() once this stage's part of a backward pass of every context in `contextIds` has run here
+  // (autograd::distributed::whenLocalPartDone): what the driver sends with each step's forwards. Fails
+  // when a context is released first (a failed step) or the call is cancelled.
+  rpc::Future<StageStats> takeStatsAfterBackward(const rpc::CallContext& ctx, std::vector<uint64_t> contextIds);
   // The module's parameters (RemoteModule::remoteParameters hands out RRefs to them).
   std::vector<Tensor> parameters() const;
   // Copies of the parameters on the host (what RpcPipeline::fetchParameters collects, whatever the device).
@@ -328,8 +332,9 @@ class RpcPipeline : public Pipeline {
   // Copies of every stage's parameters, in model order (stage 0's first, each in Module::parameters()
   // order), on the host: for checkpoints at the driver and for tests. Blocks (one call per stage, concurrently).
   std::vector<Tensor> fetchParameters() const;
-  // Whether step() fetches the stages' measurements (one small call per stage per step, concurrent with the
-  // optimizer step). Off: StepResult::stats has only wallSeconds (and steps).
+  // Whether step() fetches the stages' measurements (one small call per stage per step, sent with the
+  // forwards and answered when the stage's part of the step is done). Off: StepResult::stats has only
+  // wallSeconds (and steps).
   void setCollectStats(bool enabled) { collectStats_ = enabled; }
   const PipelineOptions& options() const { return options_; }
 
