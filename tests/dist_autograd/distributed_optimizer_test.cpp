@@ -99,6 +99,8 @@ std::vector<Tensor> concat(std::vector<Tensor> a, const std::vector<Tensor>& b) 
   return a;
 }
 
+struct SplitModel;
+
 class DistributedOptimizerTest : public rref::testing::RRefFixture {
  protected:
   // Three workers with `executorThreads` each (RRefFixture::start, with the thread count).
@@ -156,6 +158,7 @@ class DistributedOptimizerTest : public rref::testing::RRefFixture {
   RemoteModule<Stage> stage(int owner, int64_t in, int64_t out, uint64_t seed, bool relu) {
     return RemoteModule<Stage>::create(rrefs(0), name(owner), in, out, seed, relu);
   }
+  SplitModel splitModel();
 
   std::mutex adoptedMutex_;
   RemoteModule<Stage> adopted_;  // GUARDED_BY(adoptedMutex_)
@@ -166,7 +169,7 @@ class DistributedOptimizerTest : public rref::testing::RRefFixture {
 struct SplitModel {
   std::shared_ptr<Stage> a;
   RemoteModule<Stage> b, c;
-  std::vector<RRef<Tensor>> bParams, cParams;
+  std::vector<RRef<Tensor>> bParams = b.remoteParameters(), cParams = c.remoteParameters();
   Stage refA{4, 8, 11, true}, refB{8, 6, 12, true}, refC{6, 3, 13, false};
 
   std::vector<RRef<Tensor>> remoteParams() const {
@@ -184,6 +187,14 @@ struct SplitModel {
   Tensor referenceLoss(int step) {
     return mseLoss(refC.forward(refB.forward(refA.forward(input(step)))), target(step));
   }
+  // One step of `reference` on the summed losses of steps first .. first + count - 1 (micro-batches).
+  void referenceStepOnSum(Optimizer& reference, int first, int count) {
+    reference.zeroGrad();
+    Tensor total = referenceLoss(first);
+    for (int k = 1; k < count; ++k) total = total + referenceLoss(first + k);
+    distgrad::backward(total);
+    reference.step();
+  }
 
   void expectMatchesReference(double tolerance, const std::string& what) {
     std::vector<Tensor> ref = refParams();
@@ -196,13 +207,15 @@ struct SplitModel {
   }
 };
 
+SplitModel DistributedOptimizerTest::splitModel() {
+  return SplitModel{std::make_shared<Stage>(4, 8, 11, true), stage(1, 8, 6, 12, true), stage(2, 6, 3, 13, false)};
+}
+
 class TrainingTest : public DistributedOptimizerTest {
  protected:
   // Trains `steps` steps distributed and in one process with `spec`; the parameters must agree to 1e-9.
   void trainAndCompare(const OptimizerSpec& spec, BackwardMode mode, int steps) {
-    SplitModel m{std::make_shared<Stage>(4, 8, 11, true), stage(1, 8, 6, 12, true), stage(2, 6, 3, 13, false), {}, {}};
-    m.bParams = m.b.remoteParameters();
-    m.cParams = m.c.remoteParameters();
+    SplitModel m = splitModel();
     const std::vector<Tensor> initial = copies(m.refParams());
 
     DistributedOptimizer opt(agent(0), spec, m.remoteParams(), m.a->parameters());
@@ -531,9 +544,7 @@ std::vector<uint64_t> idsOf(const std::vector<std::unique_ptr<DistContext>>& con
 
 TEST_P(DistributedOptimizerTest, StepOverSeveralContextsEqualsTheStepOnTheSummedGradients) {
   start();
-  SplitModel m{std::make_shared<Stage>(4, 8, 11, true), stage(1, 8, 6, 12, true), stage(2, 6, 3, 13, false), {}, {}};
-  m.bParams = m.b.remoteParameters();
-  m.cParams = m.c.remoteParameters();
+  SplitModel m = splitModel();
   const std::vector<Tensor> initial = copies(m.refParams());
   // Adam with weight decay: a step on the sum is not the sum of steps, so a per-context step would show.
   const OptimizerSpec spec = OptimizerSpec::adam({.learningRate = 0.01, .weightDecay = 1e-3});
@@ -557,11 +568,7 @@ TEST_P(DistributedOptimizerTest, StepOverSeveralContextsEqualsTheStepOnTheSummed
     EXPECT_EQ(agent(0).metrics(name(2)).callsSent - to2.callsSent, 1u);
     contexts.clear();
 
-    reference->zeroGrad();
-    Tensor total = m.referenceLoss(10 * step);
-    for (int k = 1; k < kMicroBatches; ++k) total = total + m.referenceLoss(10 * step + k);
-    distgrad::backward(total);
-    reference->step();
+    m.referenceStepOnSum(*reference, 10 * step, kMicroBatches);
   }
   m.expectMatchesReference(1e-9, "step over " + std::to_string(kMicroBatches) + " contexts");
   const std::vector<Tensor> trained = m.refParams();
@@ -573,9 +580,7 @@ TEST_P(DistributedOptimizerTest, StepOverSeveralContextsEqualsTheStepOnTheSummed
 // a step on the sum), while every worker holds one gradient per parameter: the folded contexts hold none.
 TEST_P(DistributedOptimizerTest, FoldedContextsStepLikeTheSumAndHoldOneGradientPerParameter) {
   start();
-  SplitModel m{std::make_shared<Stage>(4, 8, 11, true), stage(1, 8, 6, 12, true), stage(2, 6, 3, 13, false), {}, {}};
-  m.bParams = m.b.remoteParameters();
-  m.cParams = m.c.remoteParameters();
+  SplitModel m = splitModel();
   const OptimizerSpec spec = OptimizerSpec::adam({.learningRate = 0.01, .weightDecay = 1e-3});
   DistributedOptimizer opt(agent(0), spec, m.remoteParams(), m.a->parameters());
   std::unique_ptr<Optimizer> reference = spec.make(m.refParams());
@@ -609,11 +614,7 @@ TEST_P(DistributedOptimizerTest, FoldedContextsStepLikeTheSumAndHoldOneGradientP
     opt.step(ids);
     contexts.clear();
 
-    reference->zeroGrad();
-    Tensor total = m.referenceLoss(10 * step);
-    for (int k = 1; k < kMicroBatches; ++k) total = total + m.referenceLoss(10 * step + k);
-    distgrad::backward(total);
-    reference->step();
+    m.referenceStepOnSum(*reference, 10 * step, kMicroBatches);
   }
   m.expectMatchesReference(1e-9, "step over " + std::to_string(kMicroBatches) + " folded contexts");
 }
@@ -690,9 +691,7 @@ TEST_P(DistributedOptimizerTest, StepOverContextsWithAnUnknownOneUpdatesNothingA
 // run, and the result is the step on the summed gradients (Adam with weight decay, 1e-9 against one process).
 TEST_P(DistributedOptimizerTest, StepAfterBackwardWaitsForEveryContextsBackwardThenStepsOnTheSum) {
   start();
-  SplitModel m{std::make_shared<Stage>(4, 8, 11, true), stage(1, 8, 6, 12, true), stage(2, 6, 3, 13, false), {}, {}};
-  m.bParams = m.b.remoteParameters();
-  m.cParams = m.c.remoteParameters();
+  SplitModel m = splitModel();
   const OptimizerSpec spec = OptimizerSpec::adam({.learningRate = 0.01, .weightDecay = 1e-3});
   DistributedOptimizer opt(agent(0), spec, m.remoteParams(), m.a->parameters());
   std::unique_ptr<Optimizer> reference = spec.make(m.refParams());
@@ -718,11 +717,7 @@ TEST_P(DistributedOptimizerTest, StepAfterBackwardWaitsForEveryContextsBackwardT
     stepping.get();
     contexts.clear();
 
-    reference->zeroGrad();
-    Tensor total = m.referenceLoss(10 * step);
-    for (int k = 1; k < kMicroBatches; ++k) total = total + m.referenceLoss(10 * step + k);
-    distgrad::backward(total);
-    reference->step();
+    m.referenceStepOnSum(*reference, 10 * step, kMicroBatches);
   }
   m.expectMatchesReference(1e-9, "step after the backwards of " + std::to_string(kMicroBatches) + " contexts");
   EXPECT_THROW((void)opt.stepAfterBackwardAsync({}), ValueError);
