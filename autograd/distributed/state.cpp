@@ -180,7 +180,7 @@ struct DistAutogradState::Context {
   std::set<std::string> peers;  // GUARDED_BY(mutex): workers it exchanged messages with
   std::shared_ptr<Pass> pass;   // GUARDED_BY(mutex): the latest pass on this worker
   // Note [Local part done]: a pass's part here has run (whenLocalPartDone), and who waits for one.
-  bool localPartRan = false;                     // GUARDED_BY(mutex)
+  bool localPartRan = false;                                          // GUARDED_BY(mutex)
   std::vector<std::pair<uint64_t, rpc::Promise<void>>> localWaiters;  // GUARDED_BY(mutex): (waiter id, promise)
   uint64_t abortedPass = 0;     // GUARDED_BY(mutex): last pass an abort was forwarded for
   bool released = false;        // GUARDED_BY(mutex)
@@ -348,9 +348,9 @@ void DistAutogradState::releaseContext(uint64_t contextId, const std::string& fr
     }
     for (auto& waiter : ctx->localWaiters) {  // Note [Local part done]
       waiter.second.setError(reason ? *reason
-                             : localError(rpc::ErrorKind::kCancelled,
-                                          "distributed autograd context " + std::to_string(contextId) +
-                                              " was released before a backward pass of it ran on " + name_));
+                                    : localError(rpc::ErrorKind::kCancelled,
+                                                 "distributed autograd context " + std::to_string(contextId) +
+                                                     " was released before a backward pass of it ran on " + name_));
     }
     ctx->localWaiters.clear();
   }
@@ -1175,8 +1175,7 @@ void DistAutogradState::onControl(const ControlRequest& request, const std::stri
 // talked to each other sent it to each other again: a pipeline's driver ending a micro-batch's context
 // made four control messages where two do (each stage forwarded to the other), and the next step's first
 // calls queued behind them on the stages.
-void DistAutogradState::broadcast(const std::set<std::string>& peers, const std::string& from,
-                                  ControlRequest request) {
+void DistAutogradState::broadcast(const std::set<std::string>& peers, const std::string& from, ControlRequest request) {
   std::set<std::string> covered(request.covered.begin(), request.covered.end());
   std::vector<std::string> targets;
   for (const auto& peer : peers) {

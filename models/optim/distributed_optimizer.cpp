@@ -477,8 +477,7 @@ rpc::Future<int64_t> LocalOptimizer::stepContextsAfterBackwardHere(rpc::Agent& a
     parts.reserve(contextIds.size());
     for (uint64_t id : contextIds) parts.push_back(autograd::distributed::whenLocalPartDone(agent, id, cancel));
   } catch (...) {
-    return rpc::makeErrorFuture<int64_t>(partError(std::current_exception(), state_->worker, what),
-                                         agent.executor());
+    return rpc::makeErrorFuture<int64_t>(partError(std::current_exception(), state_->worker, what), agent.executor());
   }
   // Not inline: the step runs on the executor, never on the thread that finished the last backward part
   // under the autograd engine's completion.
@@ -513,12 +512,12 @@ rpc::Future<int64_t> LocalOptimizer::stepContexts(const rpc::CallContext& ctx, s
 size_t LocalOptimizer::liveCount(rpc::Agent& agent) { return detail::StepLocks::of(agent)->liveOptimizers.load(); }
 
 const rpc::Class<LocalOptimizer>& localOptimizerClass() {
-  static const rpc::Class<LocalOptimizer> cls = rpc::Class<LocalOptimizer>("dg.optim.LocalOptimizer")
-                                                    .method("ready", &LocalOptimizer::ready)
-                                                    .method("step", &LocalOptimizer::step)
-                                                    .method("stepContexts", &LocalOptimizer::stepContexts)
-                                                    .method("stepContextsAfterBackward",
-                                                            &LocalOptimizer::stepContextsAfterBackward);
+  static const rpc::Class<LocalOptimizer> cls =
+      rpc::Class<LocalOptimizer>("dg.optim.LocalOptimizer")
+          .method("ready", &LocalOptimizer::ready)
+          .method("step", &LocalOptimizer::step)
+          .method("stepContexts", &LocalOptimizer::stepContexts)
+          .method("stepContextsAfterBackward", &LocalOptimizer::stepContextsAfterBackward);
   return cls;
 }
 

@@ -834,8 +834,8 @@ StageStats PipelineStage::takeStats() {
 
 rpc::Future<StageStats> PipelineStage::takeStatsAfterBackward(const rpc::CallContext& ctx,
                                                               std::vector<uint64_t> contextIds) {
-  DG_CHECK(!contextIds.empty() && static_cast<int64_t>(contextIds.size()) <= kMaxMicroBatches, what_, ": takeStatsAfterBackward needs 1 to ",
-           kMaxMicroBatches, " context ids, got ", contextIds.size());
+  DG_CHECK(!contextIds.empty() && static_cast<int64_t>(contextIds.size()) <= kMaxMicroBatches, what_,
+           ": takeStatsAfterBackward needs 1 to ", kMaxMicroBatches, " context ids, got ", contextIds.size());
   std::vector<rpc::Future<void>> parts;
   parts.reserve(contextIds.size());
   for (uint64_t id : contextIds) parts.push_back(autograd::distributed::whenLocalPartDone(*ctx.agent, id, ctx.token));
@@ -866,19 +866,20 @@ void PipelineStage::to(Device device) {
 }
 
 const rpc::Class<PipelineStage>& pipelineStageClass() {
-  static const rpc::Class<PipelineStage> cls = rref::moduleClass<PipelineStage>("dg.pipeline.PipelineStage")
-                                                   .method("forwardFirst", &PipelineStage::forwardFirst)
-                                                   .method("forwardLoss", &PipelineStage::forwardLoss)
-                                                   .method("forwardFirstLoss", &PipelineStage::forwardFirstLoss)
-                                                   .method("abandonStep", &PipelineStage::abandonStep)
-                                                   .method("train", &PipelineStage::train)
-                                                   .method("setMaxInFlight", &PipelineStage::setMaxInFlight)
-                                                   .method("setIndex", &PipelineStage::setIndex)
-                                                   .method("stats", &PipelineStage::stats)
-                                                   .method("resetStats", &PipelineStage::resetStats)
-                                                   .method("takeStats", &PipelineStage::takeStats)
-                                                   .method("takeStatsAfterBackward", &PipelineStage::takeStatsAfterBackward)
-                                                   .method("parametersOnHost", &PipelineStage::parametersOnHost);
+  static const rpc::Class<PipelineStage> cls =
+      rref::moduleClass<PipelineStage>("dg.pipeline.PipelineStage")
+          .method("forwardFirst", &PipelineStage::forwardFirst)
+          .method("forwardLoss", &PipelineStage::forwardLoss)
+          .method("forwardFirstLoss", &PipelineStage::forwardFirstLoss)
+          .method("abandonStep", &PipelineStage::abandonStep)
+          .method("train", &PipelineStage::train)
+          .method("setMaxInFlight", &PipelineStage::setMaxInFlight)
+          .method("setIndex", &PipelineStage::setIndex)
+          .method("stats", &PipelineStage::stats)
+          .method("resetStats", &PipelineStage::resetStats)
+          .method("takeStats", &PipelineStage::takeStats)
+          .method("takeStatsAfterBackward", &PipelineStage::takeStatsAfterBackward)
+          .method("parametersOnHost", &PipelineStage::parametersOnHost);
   return cls;
 }
 

@@ -29,9 +29,9 @@
 // after a backward, without a round trip to the driver: Note [Stage in-flight limit] in the .cpp), and ONE
 // DistributedOptimizer step over all the micro-batch contexts (each owner sums its parameters' gradients
 // over them: the step of the whole batch), which each stage takes as soon as its own part of every
-// backward has run (Note [Stage steps after its backward]), then the contexts end. A stage never holds more than one copy
-// of its parameters' gradients: each micro-batch's context folds its gradients there into the first one's
-// (Note [Stage gradient folding]), which leaves the sum the optimizer takes unchanged.
+// backward has run (Note [Stage steps after its backward]), then the contexts end. A stage never holds
+// more than one copy of its parameters' gradients: each micro-batch's context folds its gradients there
+// into the first one's (Note [Stage gradient folding]), which leaves the sum the optimizer takes unchanged.
 //
 // PipelineStage is the object each stage worker holds (a RemoteModule<PipelineStage>): the stage's module
 // (buildStage), its forwards serialised (BatchNorm statistics; a forward waiting for its turn holds no
