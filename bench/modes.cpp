@@ -62,11 +62,14 @@ struct Mode {
   std::string description;  // what runs
   int processes;
   std::string command;  // relative to the build directory
+  // The row is every process's own run at once (single_x2_bound): images/s summed over their result lines.
+  bool sumProcesses = false;
 };
 
-// distgrad-run flags giving ranks 1 and 2 (the stage workers) equal, disjoint halves of the CPUs this
-// process may use, as scripts/demo.sh does; none with fewer than two CPUs.
-std::string stageCpuBinding() {
+// distgrad-run flags giving ranks `firstRank` and `firstRank` + 1 equal, disjoint halves of the CPUs this
+// process may use, as scripts/demo.sh does for the stage workers (ranks 1 and 2); none with fewer than two
+// CPUs.
+std::string cpuHalves(int firstRank) {
   cpu_set_t allowed;
   std::vector<int> cpus;
   if (sched_getaffinity(0, sizeof(allowed), &allowed) == 0) {
@@ -77,11 +80,11 @@ std::string stageCpuBinding() {
   const size_t share = cpus.size() / 2;
   if (share == 0) return "";
   std::string flags;
-  for (size_t rank = 1; rank <= 2; ++rank) {
-    flags += " --cpu-bind " + std::to_string(rank) + ":";
+  for (size_t half = 0; half < 2; ++half) {
+    flags += " --cpu-bind " + std::to_string(firstRank + static_cast<int>(half)) + ":";
     for (size_t i = 0; i < share; ++i) {
       if (i > 0) flags += ',';
-      flags += std::to_string(cpus[(rank - 1) * share + i]);
+      flags += std::to_string(cpus[half * share + i]);
     }
   }
   return flags;
@@ -94,13 +97,18 @@ std::vector<Mode> modes(const Settings& s) {
   const std::string c = common.str();
   const std::string m = " --micro-batches " + std::to_string(s.microBatches);
   const std::string run = "tools/distgrad-run --nproc ";
-  const std::string bindStages = stageCpuBinding();
+  const std::string bindStages = cpuHalves(1);
   // Trainers of a parameter server each take half the batch: the same samples per optimizer step.
   std::ostringstream psCommon;
   psCommon << " --epochs " << s.epochs << " --limit " << s.limit << " --batch-size " << s.batchSize / 2 << " --model "
            << s.model << " --width " << s.width << " --seed " << s.seed << " --threads 1";
   return {
       {"single", "the whole model in one process (the baseline)", 1, "examples/single_worker" + c},
+      // What two processes can compute at once here (Note [Two-process ceiling]).
+      {"single_x2_bound",
+       "2 single-worker runs at once, each bound to its own half of the CPUs: images/s summed, the machine's "
+       "2-process ceiling",
+       2, run + "2" + cpuHalves(0) + " -- examples/single_worker" + c, /*sumProcesses=*/true},
       {"local_mp", "2 stages in one process, run one after the other (model parallel)", 1,
        "examples/local_model_parallel --stages 2" + c},
       {"local_pipeline_gpipe", "2 stages in one process, one thread each, GPipe", 1,
@@ -164,6 +172,36 @@ Row medianRun(std::vector<Row> runs) {
   return median;
 }
 
+// Note [Two-process ceiling]: how fast a 2-process mode could be here at best. Two vCPUs of a VM may share
+// a physical core, caches or memory bandwidth, so two processes computing at once may each run slower than
+// one alone. single_x2_bound measures what two bound processes get, in the same run as the modes it bounds:
+// its row's "x single" is the most a 2-worker mode can reach here. A 2-stage pipeline does less: with M
+// micro-batches and balanced stages, GPipe and 1F1B keep each stage busy M of the step's M + 1 slots (one
+// slot of fill, one of drain), so it stays below that ceiling x M / (M + 1) (1.6x single on two free cores
+// with 4 micro-batches); the table's footnote gives both, which tells the machine's limit and the
+// schedule's from the pipeline's own losses.
+// `results`: the processes' result lines (one each, else an error); the row keeps the last, with images/s
+// summed and peak RSS the largest.
+void sumResults(const Mode& mode, const std::vector<FlatObject>& results, Row& row) {
+  if (static_cast<int>(results.size()) != mode.processes) {
+    row.error = std::to_string(results.size()) + " result lines from " + std::to_string(mode.processes) + " processes";
+    return;
+  }
+  double rate = 0, rss = 0;
+  for (const FlatObject& r : results) {
+    const auto processRate = number(r, "images_per_s");
+    if (!processRate) {
+      row.error = "a result line without images_per_s";
+      return;
+    }
+    rate += *processRate;
+    rss = std::max(rss, number(r, "peak_rss_mib").value_or(0.0));
+  }
+  row.result = results.back();
+  row.result.values["images_per_s"] = rate;
+  row.result.values["peak_rss_mib"] = rss;
+}
+
 // Runs `command` in `dir` with stdout and stderr copied to our stderr; returns the last JSON object line
 // that names an example (distgrad-run prefixes lines with "[rank] ").
 Row runMode(const Mode& mode, const fs::path& dir) {
@@ -177,7 +215,7 @@ Row runMode(const Mode& mode, const fs::path& dir) {
     return row;
   }
   std::string line;
-  std::optional<FlatObject> last;
+  std::vector<FlatObject> results;
   char buf[4096];
   while (std::fgets(buf, sizeof(buf), pipe) != nullptr) {
     line += buf;
@@ -185,17 +223,19 @@ Row runMode(const Mode& mode, const fs::path& dir) {
     std::cerr << "  " << line;
     const size_t brace = line.find("{\"example\"");
     if (brace != std::string::npos) {
-      if (auto parsed = distgrad::tools::parseFlatJson(line.substr(brace))) last = std::move(parsed);
+      if (auto parsed = distgrad::tools::parseFlatJson(line.substr(brace))) results.push_back(std::move(*parsed));
     }
     line.clear();
   }
   const int status = pclose(pipe);
   if (status != 0) {
     row.error = "exit status " + std::to_string(WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
-  } else if (!last) {
+  } else if (results.empty()) {
     row.error = "no JSON result line";
+  } else if (!mode.sumProcesses) {
+    row.result = std::move(results.back());
   } else {
-    row.result = std::move(*last);
+    sumResults(mode, results, row);
   }
   return row;
 }
@@ -268,6 +308,20 @@ void writeTable(const Settings& s, const std::vector<Row>& rows, const std::stri
       << "hand-overs and core sharing for the local ones. Parameter server: the trainers' step time not spent\n"
       << "computing. DDP and ZeRO: the step time not spent in forward + backward (the gradient all-reduce that\n"
       << "did not overlap with backward, the optimizer step, ZeRO's parameter broadcasts), over both ranks.\n";
+  for (const Row& r : rows) {
+    const auto rate = number(r.result, "images_per_s");
+    if (!r.mode.sumProcesses || !r.error.empty() || !rate || !single) continue;
+    // Note [Two-process ceiling].
+    const double ceiling = *rate / *single;
+    const double bubbleFree = static_cast<double>(s.microBatches) / static_cast<double>(s.microBatches + 1);
+    out << "\n"
+        << r.mode.name << " is what this machine gives two workers: " << fixed(ceiling, 2)
+        << "× `single` (2.00 would be two free cores).\n"
+        << "A 2-stage pipeline of " << s.microBatches << " micro-batches keeps each stage busy at most "
+        << s.microBatches << "/" << s.microBatches + 1 << " of a step (the fill and drain bubbles of GPipe and\n"
+        << "1F1B), so its × `single` is bounded by about " << fixed(ceiling, 2) << " × " << fixed(bubbleFree, 2)
+        << " = " << fixed(ceiling * bubbleFree, 2) << " here, with perfectly balanced stages.\n";
+  }
   // Measured before the first mode started, so it is other jobs' load, not ours.
   if (loadBefore > 0.5) {
     out << "\nOther jobs kept the machine busy (load average " << fixed(loadBefore, 2) << " before the run): the\n"
