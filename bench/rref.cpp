@@ -11,12 +11,15 @@
 //                                 c.toHere(): each call depends on the previous value, the calls wait at
 //                                 the owner (promise pipelining), so 1 round trip
 //   rref chain3_sequential        the same chain with toHere() after each remote: 3 round trips
+//   rpc  rpcasync3_rtt_noop       three rpcAsync of a no-op function issued together, then their results:
+//                                 the messages of the pipelined chain with no RRef, in one round trip of latency
 // Each rref line carries round_trips (the round trips on the operation's critical path), rpc_rtt_median
 // (the pings alternating with that figure's operations, in chunks of 50) and ratio_vs_rpc = ours / (round_trips x rpc
 // rtt) (above 1: time beyond the network round trips), and calls_per_op (calls worker0 sent per operation, including
 // the asynchronous fork/accept/delete control calls); mean, rpc_rtt_mean and mean_ratio_vs_rpc: the same from the
 // means, which a loop of operations costs (the tails and the batched deletions running beside them included).
-// chain3_pipelined adds round_trips_saved and speedup_vs_sequential (sequential / pipelined). Every figure is taken
+// chain3_pipelined adds round_trips_saved, speedup_vs_sequential (sequential / pipelined) and ratio_vs_rpc_async3 (ours
+// / rpcasync3_rtt_noop: what the RRef layer adds to the three calls it sends). Every figure is taken
 // twice: the three processes free to run anywhere ("placement":"free"), then all pinned to CPU 0 ("one_core"), where
 // the ratios do not move with where the scheduler puts the threads. JSON lines (bench/bench_util.h). Usage: bench_rref
 // [rounds=5000] [trace_dir] (trace_dir: every worker writes a trace there, for distgrad-trace; the figures then include
@@ -278,11 +281,21 @@ void measureAll(int rounds, bool pinned) {
       RRef<int64_t> c = rrefs->remote("worker1", kIncRef, b);
       check(c.toHere() == i + 3, "pipelined chain result");
     });
+    // The plain RPC floor of the pipelined chain: its three calls and their answers, in flight together.
+    Figure async3 = measure(trio, *rrefs, rounds, [&](int i) {
+      auto x = agent.rpcAsync("worker1", kInc, int64_t{i});
+      auto y = agent.rpcAsync("worker1", kInc, int64_t{i + 1});
+      auto z = agent.rpcAsync("worker1", kInc, int64_t{i + 2});
+      check(x.get() + y.get() + z.get() == 3 * i + 6, "three calls' results");
+    });
+    emitMeasurement("rpc", "rpcasync3_rtt_noop", "us", async3.op, pinned);
     emitRRef("chain3_sequential", seq, 3, pinned);
     emitRRef("chain3_pipelined", pipe, 1, pinned,
              {{"round_trips_saved", "2"},
               {"sequential_median", number(seq.op.stats.median)},
-              {"speedup_vs_sequential", number(seq.op.stats.median / pipe.op.stats.median)}});
+              {"speedup_vs_sequential", number(seq.op.stats.median / pipe.op.stats.median)},
+              {"rpc_async3_median", number(async3.op.stats.median)},
+              {"ratio_vs_rpc_async3", number(pipe.op.stats.median / async3.op.stats.median)}});
   }
   settle(*rrefs);
 }
