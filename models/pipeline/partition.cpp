@@ -129,37 +129,55 @@ std::vector<double> unitCosts(const std::vector<std::shared_ptr<Module>>& units,
                               int repeats) {
   DG_CHECK(!units.empty(), "unitCosts: no units");
   for (size_t i = 0; i < units.size(); ++i) DG_CHECK(units[i] != nullptr, "unitCosts: unit ", i, " is null");
-  std::vector<double> costs;
   if (by == BalanceBy::kParameters) {
+    std::vector<double> costs;
     for (const auto& u : units) costs.push_back(static_cast<double>(u->numParameters()));
     return costs;
   }
   DG_CHECK(sample.defined(), "balance by time needs a sample batch of inputs");
   DG_CHECK(repeats >= 1, "unitCosts: repeats must be >= 1, got ", repeats);
   autograd::EnableGradGuard enableGrad;
+  // Forward passes in training mode update BatchNorm running statistics, and backward passes accumulate
+  // gradients: keep copies to put back, so that measuring leaves the model exactly as built (workers
+  // building the same stage must agree).
+  std::vector<std::vector<Tensor>> buffers, savedBuffers, params, savedGrads;
+  for (const auto& unit : units) {
+    buffers.push_back(unit->buffers());
+    savedBuffers.emplace_back();
+    for (const Tensor& b : buffers.back()) savedBuffers.back().push_back(b.cloneData());
+    params.push_back(unit->parameters());
+    savedGrads.emplace_back();
+    for (const Tensor& p : params.back()) savedGrads.back().push_back(p.grad());
+  }
+  // One warm-up run of every unit in order (first-touch allocations, oneDNN primitive caches), which also
+  // gives each unit its input: the previous unit's output. Later stages receive an input that requires
+  // grad (they must send its gradient back); the first does not.
+  std::vector<Tensor> inputs;
   Tensor x = sample.detach();
   for (size_t i = 0; i < units.size(); ++i) {
-    Module& unit = *units[i];
-    // Forward passes in training mode update BatchNorm running statistics: keep a copy to put back, so
-    // that measuring leaves the model exactly as built (workers building the same stage must agree).
-    std::vector<Tensor> buffers = unit.buffers();
-    std::vector<Tensor> saved;
-    for (const Tensor& b : buffers) saved.push_back(b.cloneData());
-    std::vector<Tensor> params = unit.parameters();
-    std::vector<Tensor> grads;
-    for (const Tensor& p : params) grads.push_back(p.grad());
-    // Later stages receive an input that requires grad (they must send its gradient back); the first
-    // does not.
     Tensor input = x.detach();
     if (i > 0) input.setRequiresGrad();
-    Tensor output;
-    timeForwardBackward(unit, input, output);  // warm-up: first-touch allocations, oneDNN primitive caches
-    std::vector<double> runs;
-    for (int r = 0; r < repeats; ++r) runs.push_back(timeForwardBackward(unit, input, output));
-    costs.push_back(*std::min_element(runs.begin(), runs.end()));  // see the header
-    for (size_t b = 0; b < buffers.size(); ++b) buffers[b].copyFrom(saved[b]);
-    for (size_t p = 0; p < params.size(); ++p) params[p].setGrad(grads[p]);
-    x = output;
+    timeForwardBackward(*units[i], input, x);
+    inputs.push_back(input);
+  }
+  // Note [Interleaved repeats]: the repeats go round the units (unit 0, 1, ..., then again), not unit by
+  // unit, so a burst of other load (another process, the hypervisor taking the vCPU) slows one repeat of
+  // several units instead of every repeat of one, which the minimum then discards. Unit by unit, the
+  // split of two runs of the same model a minute apart differed by up to 12% in the two stages' cost
+  // ratio, and near ties flipped. Measured on a busy 2-vCPU host, 14 runs each of local_pipeline's
+  // balancing, alternated: unit by unit with 5 repeats, 4 of 14 runs chose another split than the other
+  // 10 (units 0-3 or 0-5 instead of 0-4) and the cost ratio's spread was 11.5% (standard deviation of its
+  // log); interleaved with 9 repeats, 14 of 14 chose the same split, spread 5.4%.
+  std::vector<double> costs(units.size(), std::numeric_limits<double>::infinity());
+  Tensor output;
+  for (int r = 0; r < repeats; ++r) {
+    for (size_t i = 0; i < units.size(); ++i) {
+      costs[i] = std::min(costs[i], timeForwardBackward(*units[i], inputs[i], output));  // see the header
+    }
+  }
+  for (size_t u = 0; u < units.size(); ++u) {
+    for (size_t b = 0; b < buffers[u].size(); ++b) buffers[u][b].copyFrom(savedBuffers[u][b]);
+    for (size_t p = 0; p < params[u].size(); ++p) params[u][p].setGrad(savedGrads[u][p]);
   }
   return costs;
 }

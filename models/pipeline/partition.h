@@ -44,12 +44,14 @@ struct Partition {
 Partition balanceCosts(const std::vector<double>& unitCosts, int64_t stages, BalanceBy by = BalanceBy::kParameters);
 
 // Per-unit costs: parameter counts, or seconds of forward + backward of each unit, in the units' current
-// mode (training, for a pipeline), on the activations `sample` produces (one warm-up run, then the fastest of `repeats`
-// runs: other processes' load only ever adds time, so the minimum is the estimate it disturbs least, and
-// programs measuring at different moments of a busy machine still agree on the split). Measuring leaves the units as they were: gradients are cleared and buffers (BatchNorm running statistics)
-// restored.
+// mode (training, for a pipeline), on the activations `sample` produces (one warm-up run of every unit, then
+// `repeats` rounds over all the units, each unit's fastest run kept: other processes' load only ever adds
+// time, so the minimum is the estimate it disturbs least, and going round the units spreads each unit's
+// runs over the whole measurement, Note [Interleaved repeats] in partition.cpp, so that programs measuring
+// at different moments of a busy machine still agree on the split). Measuring leaves the units as they
+// were: gradients and buffers (BatchNorm running statistics) are restored.
 std::vector<double> unitCosts(const std::vector<std::shared_ptr<Module>>& units, BalanceBy by,
-                              const Tensor& sample = {}, int repeats = 5);
+                              const Tensor& sample = {}, int repeats = 9);
 
 // balanceCosts(unitCosts(units, by, sample), stages, by). kTime needs a sample batch (ValueError without).
 Partition balance(const std::vector<std::shared_ptr<Module>>& units, int64_t stages, BalanceBy by,
