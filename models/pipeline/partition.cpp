@@ -162,12 +162,11 @@ std::vector<double> unitCosts(const std::vector<std::shared_ptr<Module>>& units,
   }
   // Note [Interleaved repeats]: the repeats go round the units (unit 0, 1, ..., then again), not unit by
   // unit, so a burst of other load (another process, the hypervisor taking the vCPU) slows one repeat of
-  // several units instead of every repeat of one, which the minimum then discards. Unit by unit, the
-  // split of two runs of the same model a minute apart differed by up to 12% in the two stages' cost
-  // ratio, and near ties flipped. Measured on a busy 2-vCPU host, 14 runs each of local_pipeline's
-  // balancing, alternated: unit by unit with 5 repeats, 4 of 14 runs chose another split than the other
-  // 10 (units 0-3 or 0-5 instead of 0-4) and the cost ratio's spread was 11.5% (standard deviation of its
-  // log); interleaved with 9 repeats, 14 of 14 chose the same split, spread 5.4%.
+  // several units instead of every repeat of one, which the minimum then discards. Measured on a busy
+  // 2-vCPU host, 14 runs each of local_pipeline's balancing, alternated: unit by unit with 5 repeats, 4 of
+  // 14 runs chose another split than the other 10 (units 0-3 or 0-5 instead of 0-4) and the two stages'
+  // cost ratio spread by 11.5% (standard deviation of its log); interleaved with 9 repeats, 14 of 14 chose
+  // the same split, spread 5.4%.
   std::vector<double> costs(units.size(), std::numeric_limits<double>::infinity());
   Tensor output;
   for (int r = 0; r < repeats; ++r) {
