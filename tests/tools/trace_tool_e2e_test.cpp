@@ -16,6 +16,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -67,20 +68,28 @@ TEST(TraceToolEndToEnd, TwoAgentsTraceAnRpcPipelineAndTheToolMergesAndExplainsIt
     }
   } cleanup{dir};
 
+  // Stage 1 computes one micro-batch at a time, as a real stage does (its compute token): with four executor
+  // threads, forwards arriving together would otherwise overlap, and on a loaded machine their spans,
+  // stretched by preemption, replayed one after another gave an ideal step longer than the measured one.
+  // Taken before the span opens, so a span never counts the wait for another.
+  static std::mutex stageCompute;
   rpc::Registry registry;
   registry.bind(kStageForward, [](int64_t step, int64_t microBatch) {
+    std::lock_guard<std::mutex> computing(stageCompute);
     distgrad::trace::Scope span("pipeline.forward", Category::kPipeline, int64_t{1}, microBatch, step);
     span.setDetail("rpc");
     compute(400us);
     return microBatch;
   });
   registry.bind(kStageBackward, [](int64_t step, int64_t microBatch) {
+    std::lock_guard<std::mutex> computing(stageCompute);
     distgrad::trace::Scope span("pipeline.backward", Category::kPipeline, int64_t{1}, microBatch, step);
     span.setDetail("rpc");
     compute(600us);
     return microBatch;
   });
   registry.bind(kStageOptimizer, [](int64_t step) {
+    std::lock_guard<std::mutex> computing(stageCompute);
     distgrad::trace::Scope span("pipeline.optimizer", Category::kPipeline, int64_t{1}, int64_t{0}, step);
     compute(200us);
     return step;
