@@ -1502,7 +1502,8 @@ void Agent::failPending(uint64_t id, Error error, bool sendCancel) {
   if (pending->traceName != nullptr && trace::enabled()) {
     trace::WorkerScope traceWorker(traceSlot_);  // any thread: the loop's, a timer's, a canceller's
     // a2: 1 + the ErrorKind that ended the wait (0 = a reply came).
-    trace::recordAsync("rpc.client.wait", trace::Category::kRpcClient, pending->waitBeginNs, trace::nowNs(),
+    const int64_t endNs = trace::nowNs();  // the wait's start is clamped as for a reply (onReply)
+    trace::recordAsync("rpc.client.wait", trace::Category::kRpcClient, std::min(pending->waitBeginNs, endNs), endNs,
                        {pending->peerRank, static_cast<int64_t>(id), 1 + static_cast<int64_t>(error.kind)}, 0,
                        pending->traceName);
   }
@@ -1537,7 +1538,9 @@ void Agent::onReply(const std::string& peer, DecodedMessage message, Arrival arr
   trace::RpcRecord record;
   if (traced) {
     record.site = trace::RpcSite::kClientReply;
-    record.t[0] = pending->waitBeginNs;
+    // The sender stamps the wait's start after its send returned; a sender preempted there can stamp it
+    // after the reply's arrival was stamped on another thread. The wait then began no later than that.
+    record.t[0] = std::min(pending->waitBeginNs, arrival.ns);
     record.t[1] = arrival.ns;
     record.bytes = static_cast<int64_t>(arrival.bytes);
     record.call = id;
